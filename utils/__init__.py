@@ -1,0 +1,1 @@
+"""Shared helpers for the flaxtune scripts. Nothing here imports a script."""
