@@ -1,0 +1,245 @@
+"""Arguments shared by every script: dataclasses, parsing (JSON file + CLI overrides), checks, saving.
+
+Names and defaults follow the classic Hugging Face Flax example scripts so their flags and JSON
+configs keep working. Each script adds its own data dataclass (subclassing `BaseDataArguments`).
+"""
+
+import dataclasses
+import difflib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+from transformers import HfArgumentParser
+
+from utils.errors import UsageError
+
+SECRET_FIELDS = ("hub_token", "token")
+DTYPES = ("float32", "float16", "bfloat16")
+SCHEDULES = ("linear", "cosine", "constant")
+
+
+def _help(text, **kwargs):
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: Optional[str] = _help("Pretrained model name or path; omit to train from scratch.", default=None)
+    model_type: Optional[str] = _help("Model type when training from scratch (e.g. t5, bart, gpt2).", default=None)
+    config_name: Optional[str] = _help("Config name or path if not the same as model_name_or_path.", default=None)
+    config_overrides: Optional[str] = _help(
+        "Override config values when training from scratch, e.g. 'n_embd=64,n_layer=2'.", default=None
+    )
+    tokenizer_name: Optional[str] = _help("Tokenizer name or path if not the same as the model.", default=None)
+    cache_dir: Optional[str] = _help("Where to store downloaded models and datasets.", default=None)
+    use_fast_tokenizer: bool = _help("Use a fast (Rust) tokenizer.", default=True)
+    dtype: str = _help(
+        "Compute dtype: float32, float16 or bfloat16. Parameters stay float32 (master weights).",
+        default="float32",
+    )
+    token: Optional[str] = _help("Hugging Face token for private models (never logged or saved).", default=None)
+    trust_remote_code: bool = _help("Allow custom code from the hub (read it first).", default=False)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype {self.dtype!r} is not supported: use one of {', '.join(DTYPES)}")
+
+
+@dataclass
+class BaseDataArguments:
+    dataset_name: Optional[str] = _help("Dataset name on the hub (see datasets).", default=None)
+    dataset_config_name: Optional[str] = _help("Dataset configuration name.", default=None)
+    train_file: Optional[str] = _help("Local training file (json, jsonl, csv or txt).", default=None)
+    validation_file: Optional[str] = _help("Local validation file.", default=None)
+    max_train_samples: Optional[int] = _help("Truncate the training set (smoke tests).", default=None)
+    max_eval_samples: Optional[int] = _help("Truncate the validation set.", default=None)
+    preprocessing_num_workers: Optional[int] = _help("Processes for tokenization.", default=None)
+    overwrite_cache: bool = _help("Recompute cached preprocessing.", default=False)
+
+    def __post_init__(self):
+        for name in ("max_train_samples", "max_eval_samples", "max_predict_samples"):
+            value = getattr(self, name, None)
+            if value is not None and value <= 0:
+                raise UsageError(f"--{name} must be a positive number of examples, got {value}; omit it to use all")
+        if self.preprocessing_num_workers is not None and self.preprocessing_num_workers < 1:
+            raise UsageError(f"--preprocessing_num_workers must be >= 1, got {self.preprocessing_num_workers}")
+
+
+@dataclass
+class TrainingArguments:
+    output_dir: str = _help("Where model, checkpoints, logs and results are written.")
+    overwrite_output_dir: bool = _help("Allow writing into a non-empty output directory.", default=False)
+    do_train: bool = _help("Run training.", default=False)
+    do_eval: bool = _help("Evaluate on the validation set.", default=False)
+    do_predict: bool = _help("Predict on the test set.", default=False)
+    per_device_train_batch_size: int = _help("Batch size per device (core) for training.", default=8)
+    per_device_eval_batch_size: int = _help("Batch size per device (core) for evaluation.", default=8)
+    gradient_accumulation_steps: int = _help("Micro-batches per optimizer step.", default=1)
+    learning_rate: float = _help("Peak learning rate.", default=5e-5)
+    weight_decay: float = _help("AdamW weight decay (not applied to biases and norm scales).", default=0.0)
+    adam_beta1: float = _help("AdamW beta1.", default=0.9)
+    adam_beta2: float = _help("AdamW beta2.", default=0.999)
+    adam_epsilon: float = _help("AdamW epsilon.", default=1e-8)
+    adafactor: bool = _help("Use Adafactor instead of AdamW.", default=False)
+    label_smoothing_factor: float = _help("Label smoothing epsilon (0 = none).", default=0.0)
+    num_train_epochs: float = _help("Number of training epochs.", default=3.0)
+    max_steps: int = _help("If > 0: total optimizer steps, overriding num_train_epochs.", default=-1)
+    warmup_steps: int = _help("Linear warmup steps.", default=0)
+    lr_scheduler_type: str = _help("Schedule after warmup: linear, cosine or constant.", default="linear")
+    logging_steps: int = _help("Log training metrics every X steps.", default=500)
+    save_steps: int = _help("Save a checkpoint every X steps.", default=500)
+    eval_steps: Optional[int] = _help("Evaluate every X steps; default: at the end of each epoch.", default=None)
+    save_total_limit: Optional[int] = _help("Keep at most this many checkpoints (oldest deleted).", default=2)
+    resume_from_checkpoint: Optional[str] = _help(
+        "Resume from a checkpoint directory, or 'latest' for the newest one in output_dir.", default=None
+    )
+    seed: int = _help("Random seed for initialization, shuffling and dropout.", default=42)
+    push_to_hub: bool = _help("Upload the model to the Hugging Face hub at each save.", default=False)
+    hub_model_id: Optional[str] = _help("Repository name on the hub (default: output_dir's name).", default=None)
+    hub_token: Optional[str] = _help("Token for pushing to the hub (never logged or saved).", default=None)
+    gradient_checkpointing: bool = _help("Recompute activations in the backward pass to save memory.", default=False)
+    compilation_cache_dir: Optional[str] = _help(
+        "JAX persistent compilation cache directory; 'none' turns it off.", default="~/.cache/flaxtune/jax"
+    )
+    debug: bool = _help("Show full tracebacks on errors.", default=False)
+
+    def __post_init__(self):
+        positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                    "logging_steps", "save_steps", "eval_steps", "save_total_limit")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise UsageError(f"--{name} must be positive, got {value}")
+        if self.learning_rate <= 0:
+            raise UsageError(f"--learning_rate must be positive, got {self.learning_rate}")
+        if self.num_train_epochs <= 0 and self.max_steps <= 0:
+            raise UsageError(f"--num_train_epochs must be positive, got {self.num_train_epochs} (or set --max_steps)")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.label_smoothing_factor < 1:
+            raise UsageError("--warmup_steps and --weight_decay must be >= 0 and --label_smoothing_factor in [0, 1)")
+        if self.lr_scheduler_type not in SCHEDULES:
+            raise UsageError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown: use one of {', '.join(SCHEDULES)}")
+        self.output_dir = os.path.expanduser(self.output_dir)
+
+
+class ArgumentParser(HfArgumentParser):
+    """HfArgumentParser that raises `UsageError` instead of printing usage and exiting."""
+
+    def __init__(self, dataclass_types):
+        super().__init__(dataclass_types, allow_abbrev=False)
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")
+
+
+def _closest(name, candidates):
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def _load_json_config(path):
+    if not os.path.isfile(path):
+        raise UsageError(f"config file {path} not found: check the path")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"config file {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")
+    except UnicodeDecodeError:
+        raise UsageError(f"config file {path} is not UTF-8 text")
+    if not isinstance(config, dict):
+        raise UsageError(f"config file {path} must hold a JSON object of argument names to values")
+    return config
+
+
+def _accepts(annotation, value):
+    """Whether a JSON value fits a dataclass field's type (argparse does not convert non-string defaults)."""
+    if typing.get_origin(annotation) is typing.Union:
+        return any(_accepts(arg, value) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def _check_config_values(config, dataclass_types, path):
+    fields = {}
+    for dtype in dataclass_types:
+        hints = typing.get_type_hints(dtype)
+        fields.update({f.name: hints[f.name] for f in dataclasses.fields(dtype)})
+    for key, value in config.items():
+        if key not in fields:
+            raise UsageError(f"unknown key {key!r} in config file {path}{_closest(key, fields)}")
+        if not _accepts(fields[key], value):
+            expected = getattr(fields[key], "__name__", str(fields[key]).replace("typing.", ""))
+            raise UsageError(f"{key!r} in config file {path} must be {expected}, got {json.dumps(value)}")
+
+
+def parse_args(dataclass_types, argv):
+    """Parse `argv` into one instance per dataclass.
+
+    `config.json` alone, `config.json --flag value ...` (flags override the file) or plain flags.
+    """
+    parser = ArgumentParser(dataclass_types)
+    config, config_path = {}, None
+    if argv and argv[0].endswith(".json"):
+        config_path, argv = argv[0], argv[1:]
+        config = _load_json_config(config_path)
+        _check_config_values(config, dataclass_types, config_path)
+        for action in parser._actions:
+            if action.dest in config:
+                action.required = False
+        parser.set_defaults(**config)
+    *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        flag = unknown[0]
+        options = [opt for action in parser._actions for opt in action.option_strings]
+        raise UsageError(f"unknown argument {flag}{_closest(flag, options)} (see --help)")
+    return parsed
+
+
+def public_args(*instances) -> dict:
+    """All arguments as one dict, with secrets removed, for logs and saved files."""
+    merged = {}
+    for instance in instances:
+        merged.update(dataclasses.asdict(instance))
+    for name in SECRET_FIELDS:
+        merged.pop(name, None)
+    return merged
+
+
+def save_args(output_dir, *instances, filename="run_args.json"):
+    with open(os.path.join(output_dir, filename), "w", encoding="utf-8") as f:
+        json.dump(public_args(*instances), f, indent=2, sort_keys=True)
+
+
+def check_output_dir(training_args, has_checkpoint: bool):
+    """Refuse to clobber a finished run; called before anything heavy happens."""
+    out = training_args.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--output_dir {out} is a file, not a directory: choose another path")
+    parent = out if os.path.isdir(out) else os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"--output_dir {out} is not writable: choose a directory you can write to")
+    if not training_args.do_train or training_args.overwrite_output_dir:
+        return
+    if training_args.resume_from_checkpoint:
+        return
+    if os.path.isdir(out) and os.listdir(out):
+        hint = "--resume_from_checkpoint latest to continue it, or " if has_checkpoint else ""
+        raise UsageError(
+            f"output directory {out} already exists and is not empty: use {hint}--overwrite_output_dir to "
+            "overwrite it, or choose another --output_dir"
+        )
+
+
+def check_phases(training_args):
+    if not (training_args.do_train or training_args.do_eval or training_args.do_predict):
+        raise UsageError("nothing to do: pass at least one of --do_train, --do_eval, --do_predict")

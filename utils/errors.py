@@ -1,0 +1,51 @@
+"""Error types and the handler every script's entry point runs under.
+
+A mistake by the user (bad flag, missing file, non-empty output dir) is a `UsageError`: exit 2.
+A failure while running (non-finite loss, disk full) is a `RunError`: exit 1. Either way the user
+sees one line on stderr naming the problem and the fix, not a traceback; `--debug` or
+`FLAXTUNE_DEBUG=1` shows the traceback too.
+"""
+
+import os
+import sys
+import traceback
+
+
+class UsageError(Exception):
+    """Bad arguments, configuration or input data: the user can fix it. Exit code 2."""
+
+    exit_code = 2
+
+
+class RunError(Exception):
+    """A failure during the run itself. Exit code 1."""
+
+    exit_code = 1
+
+
+def debug_enabled(argv=None) -> bool:
+    argv = sys.argv[1:] if argv is None else argv
+    return os.environ.get("FLAXTUNE_DEBUG", "") not in ("", "0") or "--debug" in argv
+
+
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+def run_main(main, argv=None) -> int:
+    """Run `main()` and turn any exception into one stderr line and an exit code."""
+    try:
+        main()
+        return 0
+    except (UsageError, RunError) as error:
+        code, message = error.exit_code, _one_line(error)
+    except KeyboardInterrupt:
+        code, message = 130, "interrupted"
+    except Exception as error:  # noqa: BLE001 - last line of defence: never show a bare traceback
+        code = 1
+        message = f"{type(error).__name__}: {_one_line(error)} (rerun with --debug for the traceback)"
+    if debug_enabled(argv):
+        traceback.print_exc()
+    sys.stdout.flush()
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code

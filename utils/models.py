@@ -1,0 +1,103 @@
+"""Config, tokenizer and model loading shared by the scripts (pretrained or from a config)."""
+
+import os
+
+from transformers import AutoConfig, AutoTokenizer
+from transformers.models.auto import modeling_flax_auto
+
+from utils.errors import UsageError
+
+# The model types each Auto class can build, straight from transformers' own registry.
+TASK_MODEL_TYPES = {
+    "seq2seq": modeling_flax_auto.FLAX_MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    "causal-lm": modeling_flax_auto.FLAX_MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    "masked-lm": modeling_flax_auto.FLAX_MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+}
+
+
+def _hub_error(what, name, error):
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    where = "a local directory" if os.path.isdir(name) else "a local directory or a hub id reachable from here"
+    return UsageError(f"could not load {what} {name!r}: {first} (check it is {where}; offline, use a local path)")
+
+
+def _parse_overrides(text):
+    overrides = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--config_overrides item {item!r} is not key=value (e.g. 'n_embd=64,n_layer=2')")
+        overrides[key.strip()] = value.strip()
+    return overrides
+
+
+def _apply_overrides(config, text):
+    for key, value in _parse_overrides(text).items():
+        if not hasattr(config, key):
+            raise UsageError(f"--config_overrides: {config.model_type} config has no attribute {key!r}")
+        current = getattr(config, key)
+        try:
+            if isinstance(current, bool):
+                value = value.lower() in ("1", "true", "yes")
+            elif isinstance(current, (int, float)):
+                value = type(current)(value)
+        except ValueError:
+            raise UsageError(f"--config_overrides: {key}={value!r} is not a {type(current).__name__}")
+        setattr(config, key, value)
+    return config
+
+
+def load_config(model_args, task):
+    """The model config from `config_name`, `model_name_or_path` or `model_type` (+ overrides)."""
+    kwargs = dict(cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code)
+    name = model_args.config_name or model_args.model_name_or_path
+    if name:
+        try:
+            config = AutoConfig.from_pretrained(name, **kwargs)
+        except (OSError, ValueError) as e:
+            raise _hub_error("model config", name, e)
+    elif model_args.model_type:
+        try:
+            config = AutoConfig.for_model(model_args.model_type)
+        except ValueError:
+            raise UsageError(
+                f"unknown --model_type {model_args.model_type!r}: use one of {', '.join(TASK_MODEL_TYPES[task])}"
+            )
+    else:
+        raise UsageError("no model: pass --model_name_or_path, or --model_type/--config_name to train from scratch")
+    if model_args.config_overrides:
+        if model_args.model_name_or_path:
+            raise UsageError("--config_overrides only applies when training from scratch (without --model_name_or_path)")
+        config = _apply_overrides(config, model_args.config_overrides)
+    if config.model_type not in TASK_MODEL_TYPES[task]:
+        raise UsageError(
+            f"model type {config.model_type!r} cannot be trained by this script ({task}): "
+            f"use one of {', '.join(TASK_MODEL_TYPES[task])}"
+        )
+    return config
+
+
+def load_tokenizer(model_args):
+    name = model_args.tokenizer_name or model_args.model_name_or_path
+    if not name:
+        raise UsageError("no tokenizer: pass --tokenizer_name (a new model needs an existing tokenizer)")
+    try:
+        return AutoTokenizer.from_pretrained(
+            name, cache_dir=model_args.cache_dir, use_fast=model_args.use_fast_tokenizer,
+            token=model_args.token, trust_remote_code=model_args.trust_remote_code,
+        )
+    except (OSError, ValueError) as e:
+        raise _hub_error("tokenizer", name, e)
+
+
+def load_model(auto_class, model_args, config, dtype, seed):
+    """Pretrained weights, or fresh ones from `config`; `dtype` is the compute dtype (params stay float32)."""
+    if model_args.model_name_or_path:
+        try:
+            return auto_class.from_pretrained(
+                model_args.model_name_or_path, config=config, seed=seed, dtype=dtype,
+                cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
+            )
+        except (OSError, ValueError) as e:
+            raise _hub_error("model", model_args.model_name_or_path, e)
+    return auto_class.from_config(config, seed=seed, dtype=dtype, trust_remote_code=model_args.trust_remote_code)

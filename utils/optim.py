@@ -1,0 +1,62 @@
+"""Learning-rate schedules, weight-decay masks and the optimizer factory."""
+
+import re
+
+import optax
+from flax import traverse_util
+
+from utils.errors import UsageError
+
+# Module names of normalisation layers across the supported families: T5 `layer_norm`,
+# BART `self_attn_layer_norm` / `layernorm_embedding`, GPT-2 `ln_1` / `ln_f`, BERT `LayerNorm`,
+# Llama / Mistral / Gemma `input_layernorm` / `post_attention_layernorm` / `norm`, BLOOM
+# `word_embeddings_layernorm`, OPT `final_layer_norm`.
+_NORM_MODULE = re.compile(r"(layer_?norm|(^|_)ln(_|\d|$)|(^|_)norm($|_)|rms_?norm|layernorm_embedding)", re.I)
+
+
+def learning_rate_schedule(kind, peak, warmup_steps, total_steps):
+    """Linear warmup from 0 to `peak`, then linear decay to 0, cosine decay to 0, or constant.
+
+    `total_steps` counts optimizer steps (after gradient accumulation), so the decay ends exactly
+    at the last step of the run.
+    """
+    warmup_steps = min(warmup_steps, total_steps)
+    decay_steps = max(total_steps - warmup_steps, 1)
+    warmup = optax.linear_schedule(0.0, peak, transition_steps=max(warmup_steps, 1))
+    if kind == "linear":
+        after = optax.linear_schedule(peak, 0.0, transition_steps=decay_steps)
+    elif kind == "cosine":
+        after = optax.cosine_decay_schedule(peak, decay_steps=decay_steps)
+    elif kind == "constant":
+        after = optax.constant_schedule(peak)
+    else:
+        raise UsageError(f"unknown learning-rate schedule {kind!r}: use linear, cosine or constant")
+    if warmup_steps == 0:
+        return after
+    return optax.join_schedules([warmup, after], boundaries=[warmup_steps])
+
+
+def decay_mask(params):
+    """True for parameters that get weight decay: everything but biases and normalisation scales."""
+    flat = traverse_util.flatten_dict(params)
+
+    def decays(path):
+        if path[-1] == "bias":
+            return False
+        return not any(_NORM_MODULE.search(str(name)) for name in path[:-1])
+
+    return traverse_util.unflatten_dict({path: decays(path) for path in flat})
+
+
+def create_optimizer(training_args, schedule):
+    """AdamW with the decay mask, or Adafactor when `--adafactor` is set."""
+    if training_args.adafactor:
+        return optax.adafactor(learning_rate=schedule)
+    return optax.adamw(
+        learning_rate=schedule,
+        b1=training_args.adam_beta1,
+        b2=training_args.adam_beta2,
+        eps=training_args.adam_epsilon,
+        weight_decay=training_args.weight_decay,
+        mask=decay_mask,
+    )

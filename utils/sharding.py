@@ -1,0 +1,150 @@
+"""Devices and data placement for `jax.pmap` loops, single host or pod.
+
+Conventions: the pmap axis is `AXIS`; a *global* batch is what all devices of all processes
+consume in one step; each process loads only its own contiguous slice of it.
+"""
+
+import collections
+import os
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import jax_utils
+from jax.experimental import multihost_utils
+
+AXIS = "batch"
+
+
+def _mesh_sharding():
+    # pmap outputs carry a NamedSharding over AXIS; putting inputs on the same sharding avoids a
+    # second compilation at step 2.
+    mesh = jax.sharding.Mesh(np.array(jax.local_devices()), (AXIS,))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
+
+
+def replicate(tree):
+    """Copy a host pytree to every local device (leading device axis)."""
+    return jax_utils.replicate(tree, devices=jax.local_devices(), axis_name=AXIS)
+
+
+def unreplicate(tree):
+    """Device 0's copy of a replicated pytree, fetched to the host."""
+    return jax.device_get(jax.tree_util.tree_map(lambda x: x[0], tree))
+
+
+def per_device_keys(seed_or_key, num_devices=None):
+    """Distinct RNG keys for this process's devices, stacked on the device axis.
+
+    Keys are split for all devices of all processes and each process takes its own, so a run's
+    randomness does not depend on how devices are spread over hosts.
+    """
+    key = jax.random.PRNGKey(seed_or_key) if isinstance(seed_or_key, int) else seed_or_key
+    keys = jax.random.split(key, jax.device_count())
+    start = jax.process_index() * jax.local_device_count()
+    return keys[start: start + (num_devices or jax.local_device_count())]
+
+
+def replicate_state(state):
+    """Replicate a host TrainState, giving each device its own dropout key."""
+    keys = per_device_keys(state.dropout_rng)
+    return replicate(state).replace(dropout_rng=jax.device_put(keys, _mesh_sharding()))
+
+
+def process_slice(global_batch_size):
+    """The slice of a global batch this process loads."""
+    local = global_batch_size // jax.process_count()
+    start = jax.process_index() * local
+    return slice(start, start + local)
+
+
+def shard(batch):
+    """Host arrays `[local_batch, ...]` -> device arrays `[local_devices, local_batch / devices, ...]`."""
+    n = jax.local_device_count()
+    sharding = _mesh_sharding()
+
+    def put(x):
+        x = np.asarray(x)
+        if x.shape[0] % n:
+            raise ValueError(f"batch of {x.shape[0]} does not split over {n} devices")
+        return jax.device_put(x.reshape((n, -1) + x.shape[1:]), sharding)
+
+    return jax.tree_util.tree_map(put, batch)
+
+
+def prefetch(batches, size=2):
+    """Shard batches onto the devices `size` steps ahead, so transfers overlap the running step."""
+    queue = collections.deque()
+    batches = iter(batches)
+    for batch in itertools.islice(batches, size):
+        queue.append(shard(batch))
+    while queue:
+        yield queue.popleft()
+        for batch in itertools.islice(batches, 1):
+            queue.append(shard(batch))
+
+
+def unshard(x):
+    """Device output `[local_devices, per_device, ...]` -> host `[local_batch, ...]`."""
+    x = np.asarray(jax.device_get(x))
+    return x.reshape((-1,) + x.shape[2:])
+
+
+def gather_from_processes(x):
+    """Concatenate each process's host rows in process order (identity on a single host)."""
+    if jax.process_count() == 1:
+        return x
+    gathered = multihost_utils.process_allgather(x, tiled=False)
+    return np.asarray(gathered).reshape((-1,) + np.shape(x)[1:])
+
+
+def sum_over_processes(tree):
+    """Sum host scalars/arrays over processes (identity on a single host)."""
+    if jax.process_count() == 1:
+        return tree
+    return jax.tree_util.tree_map(lambda x: np.asarray(multihost_utils.process_allgather(x)).sum(0), tree)
+
+
+def pad_to(batch, size):
+    """Pad host arrays along axis 0 to `size` rows by repeating row 0; returns (batch, valid rows).
+
+    Fixed shapes mean no recompilation for the last eval/predict batch; padded rows are dropped
+    (their loss weight is zeroed by the caller via the returned count).
+    """
+    n = len(next(iter(batch.values())))
+    if n == size:
+        return batch, n
+    pad = lambda x: np.concatenate([x, np.repeat(x[:1], size - n, axis=0)])  # noqa: E731
+    return {k: pad(np.asarray(v)) for k, v in batch.items()}, n
+
+
+def example_mask(valid, size):
+    return (np.arange(size) < valid).astype(np.float32)
+
+
+def device_get_scalars(tree):
+    """Fetch (possibly per-device) metrics to host floats, taking device 0 of replicated values."""
+    host = jax.device_get(tree)
+    return {k: float(np.asarray(v).reshape(-1)[0]) for k, v in host.items()}
+
+
+def global_batch_size(per_device, accumulation=1):
+    return per_device * jax.device_count() * accumulation
+
+
+def to_dtype(name):
+    return {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}[name]
+
+
+def enable_compilation_cache(path):
+    """JAX's persistent compilation cache: a rerun skips recompiling unchanged steps."""
+    if not path or path.lower() == "none":
+        return None
+    path = os.path.expanduser(path)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Cache even quick compiles: a script's steps are few and all of them are on the start-up path.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path

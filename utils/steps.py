@@ -1,0 +1,60 @@
+"""Building blocks of pmap'd train/eval steps: token-weighted losses and gradients.
+
+Every loss here is a *sum* over tokens plus a token count. Sums and counts are psum'd over all
+devices before dividing, so each token weighs the same whatever device or micro-batch it lands
+on (the classic scripts averaged per device, which over-weights short sequences).
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from utils.sharding import AXIS
+
+
+def cross_entropy_sums(logits, labels, weights, label_smoothing=0.0):
+    """(sum of weighted token losses, sum of weights); loss computed in float32."""
+    logits = logits.astype(jnp.float32)
+    if label_smoothing:
+        vocab = logits.shape[-1]
+        confidence, off = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
+        # Subtract the entropy of the smoothed target so a perfect prediction scores 0.
+        floor = -(confidence * jnp.log(confidence) + (vocab - 1) * off * jnp.log(off + 1e-20))
+        targets = jax.nn.one_hot(labels, vocab) * (confidence - off) + off
+        losses = optax.softmax_cross_entropy(logits, targets) - floor
+    else:
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    weights = weights.astype(jnp.float32)
+    return (losses * weights).sum(), weights.sum()
+
+
+def _split_micro_batches(batch, steps):
+    return jax.tree_util.tree_map(lambda x: x.reshape((steps, -1) + x.shape[1:]), batch)
+
+
+def token_weighted_grads(loss_fn, params, batch, rng, accumulation_steps=1):
+    """Gradients of the mean token loss over the global batch, and psum'd metric sums.
+
+    `loss_fn(params, batch, rng) -> (loss_sum, sums)` where `sums` is a dict of per-batch sums
+    holding at least "loss" and "tokens". With accumulation the device's rows are split into
+    `accumulation_steps` micro-batches scanned in sequence: one compiled body, activation
+    memory of a single micro-batch, and exactly the gradient of the whole batch.
+    """
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+    if accumulation_steps == 1:
+        grads, sums = grad_fn(params, batch, rng)
+    else:
+        micro = _split_micro_batches(batch, accumulation_steps)
+
+        def accumulate(carry, inputs):
+            index, micro_batch = inputs
+            step = grad_fn(params, micro_batch, jax.random.fold_in(rng, index))
+            return jax.tree_util.tree_map(jnp.add, carry, step), None
+
+        first = jax.tree_util.tree_map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(grad_fn, params, first, rng)
+        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(accumulation_steps), micro))
+    sums = jax.lax.psum(sums, AXIS)
+    grads = jax.tree_util.tree_map(lambda g: jax.lax.psum(g, AXIS) / jnp.maximum(sums["tokens"], 1.0), grads)
+    return grads, sums
