@@ -1,0 +1,331 @@
+"""Run logging: Python logging set-up, TensorBoard + JSON-lines metrics, progress bar, throughput and MFU.
+
+Only process 0 writes anything; every other process gets quiet logging and no-op metric writers, so
+scripts call the same methods everywhere without `if is_main_process` around each one.
+"""
+
+import json
+import logging as pylogging
+import os
+import re
+import sys
+import textwrap
+import time
+
+import numpy as np
+from tensorboardX import SummaryWriter
+from tqdm.auto import tqdm
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+# Libraries that log routine chatter at INFO (absl also carries orbax's messages).
+_QUIET_LIBRARIES = ("transformers", "datasets", "absl", "orbax", "jax", "huggingface_hub", "httpx")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Python logging
+# ---------------------------------------------------------------------------------------------------
+
+
+class _TqdmHandler(pylogging.Handler):
+    """Prints through tqdm, so log lines appear above the progress bar instead of breaking it."""
+
+    def emit(self, record):
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)  # sys.stderr looked up now: capture-friendly
+        except Exception:
+            self.handleError(record)
+
+
+def _route_hf_logging(level):
+    """transformers and datasets install their own stderr handler and reset their level when imported.
+
+    Configuring them after importing them makes the result independent of import order; their
+    records then go through our handler only, in our format.
+    """
+    from datasets.utils import logging as datasets_logging
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity(level)
+    transformers_logging.disable_default_handler()
+    transformers_logging.enable_propagation()
+    datasets_logger = pylogging.getLogger(datasets_logging.__name__.split(".")[0])
+    datasets_logger.setLevel(level)
+    datasets_logger.handlers.clear()
+    datasets_logger.propagate = True
+
+
+def setup_logging(is_main_process: bool, debug: bool = False) -> pylogging.Logger:
+    """Configure logging for a script and return the "flaxtune" logger.
+
+    Process 0 logs at INFO, the others only errors (N hosts would otherwise print N copies of every
+    line); `debug` turns DEBUG on for every process, to chase per-host problems. Chatty libraries are
+    held at WARNING (ERROR off process 0). Calling it again replaces the previous configuration.
+    """
+    if debug:
+        level = pylogging.DEBUG
+    else:
+        level = pylogging.INFO if is_main_process else pylogging.ERROR
+    library_level = pylogging.WARNING if is_main_process else pylogging.ERROR
+
+    root = pylogging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, _TqdmHandler)]:
+        root.removeHandler(handler)
+    handler = _TqdmHandler()
+    handler.setFormatter(pylogging.Formatter(_LOG_FORMAT, _DATE_FORMAT))
+    root.addHandler(handler)
+    root.setLevel(level)
+
+    for name in _QUIET_LIBRARIES:  # before the imports below, whose import-time messages they hold back
+        pylogging.getLogger(name).setLevel(library_level)
+    _route_hf_logging(library_level)
+    return pylogging.getLogger("flaxtune")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Metrics: TensorBoard, metrics.jsonl, progress bar
+# ---------------------------------------------------------------------------------------------------
+
+_RESERVED_KEYS = ("step", "split", "time")
+# (metric key, progress-bar label, format) for the train metrics shown after the bar.
+_POSTFIX_FIELDS = (
+    ("loss", "loss", "{:.4f}"),
+    ("learning_rate", "lr", "{:.2e}"),
+    ("tokens_per_second", "tok/s", "{:,.0f}"),
+)
+
+
+def _to_python(name, value):
+    """A numpy/JAX scalar or one-element array (bfloat16 included) as a plain int or float."""
+    array = np.asarray(value)
+    if array.size != 1:
+        raise ValueError(f"metric {name!r} has shape {array.shape}; log a scalar (reduce or unreplicate first)")
+    scalar = array.reshape(())
+    return int(scalar) if array.dtype.kind in "biu" else float(scalar)
+
+
+class MetricsLogger:
+    """Writes each metrics dict to TensorBoard (tags `"{split}/{key}"`) and to `metrics.jsonl`.
+
+    `metrics.jsonl` gets one JSON object per `log` call, `{"step", "split", "time", **metrics}`, flushed
+    at once so a killed run keeps every line. A resumed run appends to the file, so steps between the
+    restored checkpoint and the kill appear twice: readers should keep the last line per (split, step).
+    On a process other than the main one every method is a no-op and nothing is created.
+    """
+
+    def __init__(self, output_dir, is_main_process=True, total_steps=None, tensorboard=True, progress=True):
+        self._closed = not is_main_process
+        self._total_steps = total_steps
+        self._progress = progress
+        self._writer = None
+        self._file = None
+        self._bar = None
+        self._postfix = {}
+        if self._closed:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self._file = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        if tensorboard:
+            self._writer = SummaryWriter(logdir=str(output_dir))
+
+    def log(self, step: int, metrics: dict, split: str = "train"):
+        """Record `metrics` (scalars: Python, numpy or JAX) at `step` for `split` ("train"/"eval"/"test")."""
+        if self._closed:
+            return
+        clashes = [key for key in _RESERVED_KEYS if key in metrics]
+        if clashes:
+            raise ValueError(f"metric names {clashes} are reserved in metrics.jsonl")
+        values = {key: _to_python(key, value) for key, value in metrics.items()}
+        step = int(step)
+        self._file.write(json.dumps({"step": step, "split": split, "time": time.time(), **values}) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in values.items():
+                self._writer.add_scalar(f"{split}/{key}", value, step)
+            self._writer.flush()
+        if split == "train":
+            self._update_postfix(values)
+
+    def _update_postfix(self, values):
+        for key, label, fmt in _POSTFIX_FIELDS:
+            if key in values:
+                self._postfix[label] = fmt.format(values[key])
+        if self._bar is not None:
+            self._bar.set_postfix(self._postfix)
+
+    def advance(self, step: int):
+        """Move the progress bar to `step` (the number of optimizer steps done)."""
+        if self._closed or not self._progress:
+            return
+        if self._bar is None:
+            # Created at the first step, starting there: a resumed run's bar starts at its step, and
+            # the rate leaves out both the jump and the first (compiling) step.
+            self._bar = tqdm(total=self._total_steps, initial=step, unit="step", dynamic_ncols=True)
+            self._bar.set_postfix(self._postfix)
+        elif step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+
+    def hparams(self, params: dict):
+        """Record the run's arguments as a TensorBoard text summary. Strip secrets before calling."""
+        if self._closed or self._writer is None:
+            return
+        text = json.dumps(params, indent=2, sort_keys=True, default=str)
+        # Indented lines render as a code block in TensorBoard's markdown text view.
+        self._writer.add_text("hparams", textwrap.indent(text, "    "), 0)
+        self._writer.flush()
+
+    def close(self):
+        """Flush and close the bar, the event file and metrics.jsonl. Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+        if self._writer is not None:
+            self._writer.close()
+        self._file.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Throughput and MFU
+# ---------------------------------------------------------------------------------------------------
+
+
+class Throughput:
+    """Steady-state speed over windows between log points.
+
+    Call `start()` after the first (compiling) step has finished, `update()` after every step, and
+    `rates()` at each log point; `rates()` also opens the next window.
+
+    JAX dispatches asynchronously: block on the device (e.g. `jax.block_until_ready` on the step's
+    outputs, or fetch the loss to the host) before calling `rates()`, or the window measures only how
+    fast steps were queued. `tokens` and `peak_flops` must cover the same devices: this process's
+    tokens with `peak_flops_per_device(d) * jax.local_device_count()`, or global tokens with
+    `* jax.device_count()`. "mfu" is returned only when both `flops_per_token` and `peak_flops` are known.
+    """
+
+    def __init__(self, flops_per_token: float | None = None, peak_flops: float | None = None):
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self._window_start = None
+        self._tokens = 0
+        self._examples = 0
+
+    def start(self):
+        self._open_window(time.perf_counter())
+
+    def _open_window(self, now):
+        self._window_start = now
+        self._tokens = 0
+        self._examples = 0
+
+    def update(self, tokens: int, examples: int):
+        self._tokens += tokens
+        self._examples += examples
+
+    def rates(self) -> dict:
+        if self._window_start is None:
+            raise RuntimeError("Throughput.rates() called before start()")
+        now = time.perf_counter()
+        elapsed = now - self._window_start
+        rates = {
+            "tokens_per_second": self._tokens / elapsed,
+            "examples_per_second": self._examples / elapsed,
+        }
+        if self.flops_per_token and self.peak_flops:
+            rates["mfu"] = rates["tokens_per_second"] * self.flops_per_token / self.peak_flops
+        self._open_window(now)
+        return rates
+
+
+def _first_int(config, *names):
+    """The first of `names` that `config` sets to an int: HF configs spell one idea many ways."""
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+_GATED_FFN_MODEL_TYPES = {"llama", "mistral", "gemma"}
+
+
+def _layer_params(d, ffn_dim, attention_dim, kv_dim, gated, attention_blocks):
+    """Weight-matrix parameters of one layer (biases and norms are negligible and left out)."""
+    attention = 2 * d * attention_dim + 2 * d * kv_dim  # query and output; key and value
+    ffn = (3 if gated else 2) * d * ffn_dim  # a gated FFN has two input projections
+    return attention_blocks * attention + ffn
+
+
+def flops_per_token(config, seq_len: int, decoder_seq_len: int | None = None) -> float | None:
+    """Training FLOPs (forward + backward) per input token, PaLM appendix B convention.
+
+    Decoder-only and encoder-only models: `6 N + 12 L a T`, where N counts the weight matrices of the
+    L transformer layers (no embeddings, no output head, no biases or norms), a = heads * head_dim is
+    the attention width (usually d_model) and T = `seq_len` is the context each token attends to.
+
+    Encoder-decoder models (N = encoder + decoder layers, decoder layers with a cross-attention block):
+    the FLOPs of one example, with S = `seq_len` source and S_d = `decoder_seq_len` (default S)
+    target positions, divided by S, so the count is per *source* token (count `input_ids` tokens):
+        [6 N_enc S + 6 N_dec S_d + 12 a (L_enc S S + L_dec S_d (S_d + S))] / S
+    which is `6 N + 12 a S (L_enc + 2 L_dec)` when S_d = S.
+
+    Pass padded lengths: padding costs compute too. Causal masking is not discounted (the convention).
+    FFN width defaults to 4 d; llama/mistral/gemma and gated T5 (v1.1, mT5) have 3 FFN matrices,
+    grouped-query attention has narrower key/value projections. Returns None when the config lacks
+    the sizes it needs.
+    """
+    d = _first_int(config, "d_model", "hidden_size", "n_embd")
+    heads = _first_int(config, "encoder_attention_heads", "num_heads", "num_attention_heads", "n_head")
+    if d is None or not heads:
+        return None
+    head_dim = _first_int(config, "d_kv", "head_dim") or d // heads
+    kv_heads = _first_int(config, "num_key_value_heads") or heads
+    attention_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    gated = getattr(config, "model_type", None) in _GATED_FFN_MODEL_TYPES or getattr(config, "is_gated_act", False)
+
+    # (layers, ffn width, attention blocks per layer, positions, keys each position attends to)
+    if getattr(config, "is_encoder_decoder", False):
+        decoder_seq_len = decoder_seq_len or seq_len
+        stacks = [
+            (_first_int(config, "encoder_layers", "num_layers"), _first_int(config, "encoder_ffn_dim", "d_ff"),
+             1, seq_len, seq_len),
+            (_first_int(config, "decoder_layers", "num_decoder_layers"), _first_int(config, "decoder_ffn_dim", "d_ff"),
+             2, decoder_seq_len, decoder_seq_len + seq_len),
+        ]
+    else:
+        layers = _first_int(config, "num_hidden_layers", "n_layer", "num_layers")
+        ffn_dim = _first_int(config, "intermediate_size", "ffn_dim", "n_inner", "d_ff") or 4 * d
+        stacks = [(layers, ffn_dim, 1, seq_len, seq_len)]
+
+    flops_per_example = 0
+    for layers, ffn_dim, attention_blocks, positions, context in stacks:
+        if layers is None or ffn_dim is None:
+            return None
+        params = layers * _layer_params(d, ffn_dim, attention_dim, kv_dim, gated, attention_blocks)
+        flops_per_example += 6 * params * positions + 12 * layers * attention_dim * positions * context
+    return flops_per_example / seq_len
+
+
+# Dense bf16 peak FLOP/s per JAX device, matched in order against the normalized `device_kind`.
+# A TPU v2/v3 JAX device is one core, half a chip (chip: 45 / 123 TFLOP/s); later TPUs show one
+# device per chip. JAX reports v5p as "TPU v5", v5e as "TPU v5 lite", v6e as "TPU v6 lite".
+_PEAK_FLOPS = (
+    (r"tpuv6(lite|e)", 918e12),
+    (r"tpuv5(lite|e)", 197e12),
+    (r"tpuv5p?$", 459e12),
+    (r"tpuv4$", 275e12),
+    (r"tpuv3", 61.5e12),
+    (r"tpuv2", 22.5e12),
+    (r"a100", 312e12),
+    (r"h[12]00", 989e12),
+)
+
+
+def peak_flops_per_device(device) -> float | None:
+    """Peak bf16 FLOP/s of one JAX device, or None for CPUs and kinds not in the table."""
+    kind = re.sub(r"[\s_-]", "", str(getattr(device, "device_kind", "")).lower())
+    for pattern, flops in _PEAK_FLOPS:
+        if re.search(pattern, kind):
+            return flops
+    return None
