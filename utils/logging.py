@@ -43,13 +43,13 @@ def _route_hf_logging(level):
     Configuring them after importing them makes the result independent of import order; their
     records then go through our handler only, in our format.
     """
-    from datasets.utils import logging as datasets_logging
+    import datasets.utils.logging  # noqa: F401  (importing it resets the "datasets" logger)
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_verbosity(level)
     transformers_logging.disable_default_handler()
     transformers_logging.enable_propagation()
-    datasets_logger = pylogging.getLogger(datasets_logging.__name__.split(".")[0])
+    datasets_logger = pylogging.getLogger("datasets")
     datasets_logger.setLevel(level)
     datasets_logger.handlers.clear()
     datasets_logger.propagate = True
