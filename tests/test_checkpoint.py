@@ -1,0 +1,309 @@
+"""Checkpoint save/restore of a pmap-replicated TrainState, HF export, and hub push (no network)."""
+
+import concurrent.futures
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax.jax_utils import replicate
+
+from utils.checkpoint import Checkpointer, HubPusher, export_pretrained, find_checkpoint_dir
+from utils.state import TrainState, create_train_state
+
+N_DEVICES = 8
+META = {"epoch": 1, "step_in_epoch": 3, "fingerprint": "abc123"}
+
+
+class MLP(nn.Module):
+    hidden: int = 8
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        x = nn.Dropout(0.5, deterministic=not train)(x)
+        return nn.Dense(2)(x)
+
+
+def fresh_state(hidden: int = 8) -> TrainState:
+    """The host state a script builds before resuming (same seed every time)."""
+    model = MLP(hidden)
+    params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 4)), train=False)["params"]
+    return create_train_state(model.apply, params, optax.adamw(1e-2), seed=0)
+
+
+def train_step(state, x, y):
+    step_rng, state = state.next_dropout_rng()
+
+    def loss_fn(params):
+        pred = state.apply_fn({"params": params}, x, rngs={"dropout": step_rng})
+        return jnp.mean((pred - y) ** 2)
+
+    grads = jax.lax.pmean(jax.grad(loss_fn)(state.params), "batch")
+    return state.apply_gradients(grads=grads)
+
+
+def replicated_state(host_state):
+    """Replicate over the local devices and give every device its own dropout key."""
+    state = replicate(host_state.replace(dropout_rng=None), axis_name="batch")
+    sharding = jax.tree.leaves(state.params)[0].sharding
+    keys = jax.device_put(jax.random.split(jax.random.PRNGKey(42), N_DEVICES), sharding)
+    return state.replace(dropout_rng=keys)
+
+
+@pytest.fixture(scope="module")
+def trained_state():
+    """A replicated state after 3 pmap'd adamw steps: non-trivial mu/nu/count and advanced keys."""
+    p_step = jax.pmap(train_step, axis_name="batch")
+    state = replicated_state(fresh_state())
+    x = jax.random.normal(jax.random.PRNGKey(1), (N_DEVICES, 2, 4))
+    y = jax.random.normal(jax.random.PRNGKey(2), (N_DEVICES, 2, 2))
+    for _ in range(3):
+        state = p_step(state, x, y)
+    return state
+
+
+def assert_bitwise_equal(a, b):
+    """Same leaf paths, dtypes, shapes and bytes (static fields such as apply_fn are not compared)."""
+    a, b = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
+    assert [path for path, _ in a] == [path for path, _ in b]
+    for (_, x), (_, y) in zip(a, b):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert x.tobytes() == y.tobytes()
+
+
+def test_save_restore_is_bitwise_exact(tmp_path, trained_state):
+    assert jax.local_device_count() == N_DEVICES
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    assert ckpt.save(3, trained_state, META)
+    state, meta = ckpt.restore(None, fresh_state())
+
+    expected = jax.device_get(trained_state)
+    assert meta == META
+    assert int(state.step) == 3
+    assert_bitwise_equal(state.params, jax.tree.map(lambda x: x[0], expected.params))
+    assert_bitwise_equal(state.opt_state, jax.tree.map(lambda x: x[0], expected.opt_state))
+    assert int(state.opt_state[0].count) == 3
+    assert state.dropout_rng.shape == (N_DEVICES, 2)
+    np.testing.assert_array_equal(state.dropout_rng, expected.dropout_rng)
+    assert len({tuple(k) for k in state.dropout_rng}) == N_DEVICES  # keys really differ per device
+    ckpt.close()
+
+
+def test_restored_state_resumes_like_the_original(tmp_path, trained_state):
+    """One more step from the restored state equals one more step from the original."""
+    p_step = jax.pmap(train_step, axis_name="batch")
+    x = jnp.ones((N_DEVICES, 2, 4))
+    y = jnp.zeros((N_DEVICES, 2, 2))
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(3, trained_state, META)
+    host, _ = ckpt.restore(3, fresh_state())
+
+    resumed = replicate(host.replace(dropout_rng=None), axis_name="batch")
+    sharding = jax.tree.leaves(resumed.params)[0].sharding
+    resumed = resumed.replace(dropout_rng=jax.device_put(host.dropout_rng, sharding))
+    assert_bitwise_equal(jax.device_get(p_step(resumed, x, y)), jax.device_get(p_step(trained_state, x, y)))
+    ckpt.close()
+
+
+def test_async_save_then_wait(tmp_path, trained_state):
+    ckpt = Checkpointer(str(tmp_path), async_save=True)
+    assert ckpt.save(1, trained_state, META)
+    ckpt.wait()
+    assert ckpt.all_steps() == [1]
+    assert os.path.isdir(tmp_path / "1")
+    assert not ckpt.save(1, trained_state, META)  # the step is already saved
+    ckpt.close()
+
+
+def test_max_to_keep_prunes_old_steps(tmp_path, trained_state):
+    ckpt = Checkpointer(str(tmp_path), max_to_keep=2)
+    for step in (1, 2, 3):
+        assert ckpt.save(step, trained_state, {"step": step})
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 3]
+    assert ckpt.latest_step() == 3
+    assert sorted(os.listdir(tmp_path)) == ["2", "3"]
+    ckpt.close()
+
+
+def test_partial_save_is_ignored(tmp_path, trained_state):
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(2, trained_state, {"step": 2})
+    ckpt.close()
+    # What a kill -9 during the save of step 5 leaves behind.
+    partial = tmp_path / "5.orbax-checkpoint-tmp-1234567" / "state"
+    partial.mkdir(parents=True)
+    (partial / "garbage").write_bytes(b"\0" * 16)
+
+    ckpt = Checkpointer(str(tmp_path))
+    assert ckpt.latest_step() == 2
+    assert ckpt.all_steps() == [2]
+    _, meta = ckpt.restore(None, fresh_state())
+    assert meta == {"step": 2}
+    ckpt.close()
+
+
+def test_changed_model_shape_names_the_parameter(tmp_path, trained_state):
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(3, trained_state, META)
+    with pytest.raises(ValueError, match=r"step 3 has shape \(8,\) for params/Dense_0/bias, model has \(16,\)"):
+        ckpt.restore(None, fresh_state(hidden=16))
+    ckpt.close()
+
+
+def test_changed_tree_structure_names_the_entry(tmp_path, trained_state):
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(3, trained_state, META)
+    template = fresh_state()
+    grown = template.replace(params={**template.params, "Extra": {"kernel": jnp.zeros((2, 2))}})
+    with pytest.raises(ValueError, match="has no params/Extra/kernel"):
+        ckpt.restore(None, grown)
+    ckpt.close()
+
+
+def test_other_device_count_is_refused(tmp_path, trained_state, monkeypatch):
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(3, trained_state, META)
+    monkeypatch.setattr(jax, "device_count", lambda: 4)
+    with pytest.raises(ValueError, match="saved by a run on 8 devices, this run has 4"):
+        ckpt.restore(None, fresh_state())
+    ckpt.close()
+
+
+def test_missing_checkpoint_raises_file_not_found(tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "empty"))
+    assert ckpt.latest_step() is None
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        ckpt.restore(None, fresh_state())
+    ckpt.close()
+
+
+def test_unknown_step_raises_file_not_found(tmp_path, trained_state):
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(3, trained_state, META)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at step 7"):
+        ckpt.restore(7, fresh_state())
+    ckpt.close()
+
+
+def test_non_main_process_writes_nothing_but_can_read(tmp_path, trained_state):
+    directory = tmp_path / "ckpt"
+    reader = Checkpointer(str(directory), is_main_process=False)
+    assert not reader.save(1, trained_state, META)
+    reader.wait()
+    assert not directory.exists()
+
+    writer = Checkpointer(str(directory), async_save=False)
+    writer.save(1, trained_state, META)
+    writer.close()
+    _, meta = Checkpointer(str(directory), is_main_process=False).restore(None, fresh_state())
+    assert meta == META
+
+
+def test_find_checkpoint_dir():
+    assert find_checkpoint_dir("/runs/t5") == os.path.join("/runs/t5", "checkpoints")
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, "hello": 3, "world": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_export_pretrained_round_trip(tmp_path):
+    from transformers import FlaxT5ForConditionalGeneration, PreTrainedTokenizerFast, T5Config
+
+    from utils import compat
+
+    compat.apply()
+    config = T5Config(
+        vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2
+    )
+    model = FlaxT5ForConditionalGeneration(config, seed=0)
+    replicated = replicate(model.params, axis_name="batch")  # as the pmap loop holds them
+
+    export_pretrained(model, replicated, tiny_tokenizer(), str(tmp_path))
+    loaded = FlaxT5ForConditionalGeneration.from_pretrained(str(tmp_path))
+    assert_bitwise_equal(loaded.params, jax.device_get(model.params))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    assert tokenizer("hello world").input_ids == [3, 4]
+
+    skipped = tmp_path / "not_main"
+    export_pretrained(model, replicated, None, str(skipped), is_main_process=False)
+    assert not skipped.exists()
+
+
+class FakeHfApi:
+    """Records calls instead of talking to the hub."""
+
+    instances = []
+
+    def __init__(self, token=None):
+        self.token = token
+        self.calls = []
+        FakeHfApi.instances.append(self)
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+
+    def upload_folder(self, **kwargs):
+        self.calls.append(("upload_folder", kwargs))
+        future = concurrent.futures.Future()
+        future.set_result("commit-url")
+        return future
+
+
+def test_hub_pusher_with_fake_api(tmp_path, monkeypatch, caplog):
+    import huggingface_hub
+
+    token = "hf_secretTOKEN123"
+    FakeHfApi.instances.clear()
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHfApi)
+    caplog.set_level(logging.DEBUG)
+
+    pusher = HubPusher("me/tiny-t5", token, str(tmp_path), private=True)
+    api = FakeHfApi.instances[0]
+    assert api.token == token
+    assert api.calls == [("create_repo", "me/tiny-t5", {"private": True, "exist_ok": True})]
+
+    pusher.push("Step 100")
+    pusher.push("End of training")
+    pusher.wait()
+    uploads = [call[1] for call in api.calls[1:]]
+    assert [u["commit_message"] for u in uploads] == ["Step 100", "End of training"]
+    for upload in uploads:
+        assert upload["repo_id"] == "me/tiny-t5"
+        assert upload["folder_path"] == str(tmp_path)
+        assert upload["run_as_future"] is True
+        assert "checkpoints/*" in upload["ignore_patterns"]
+        assert "*.orbax-checkpoint-tmp*" in upload["ignore_patterns"]
+    assert "me/tiny-t5" in caplog.text
+    assert token not in caplog.text
+    assert token not in repr(vars(pusher))  # kept by HfApi only, not as an attribute here
+
+
+def test_hub_pusher_wait_reraises_upload_errors(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    class FailingApi(FakeHfApi):
+        def upload_folder(self, **kwargs):
+            future = concurrent.futures.Future()
+            future.set_exception(RuntimeError("403 Forbidden"))
+            return future
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FailingApi)
+    pusher = HubPusher("me/tiny-t5", "hf_x", str(tmp_path))
+    pusher.push("Step 1")
+    with pytest.raises(RuntimeError, match="403"):
+        pusher.wait()
+
