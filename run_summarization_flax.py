@@ -8,7 +8,6 @@ One `jax.pmap` train / eval / generate loop over all local devices; everything m
 (sharding, schedules, checkpoints, metrics, logging) lives in `utils/`.
 """
 
-import json
 import os
 import sys
 import time
@@ -17,18 +16,18 @@ from functools import partial
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from transformers import FlaxAutoModelForSeq2SeqLM
 
-from utils import compat, data, sharding
-from utils.args import (BaseDataArguments, ModelArguments, TrainingArguments, check_output_dir, check_phases,
-                        parse_args, public_args, save_args)
-from utils.checkpoint import Checkpointer, HubPusher, export_pretrained, find_checkpoint_dir
-from utils.errors import RunError, UsageError, run_main
-from utils.logging import MetricsLogger, Throughput, flops_per_token, peak_flops_per_device, setup_logging
-from utils.metrics import rouge, token_weighted_means
+from utils import data, sharding
+from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
+from utils.errors import UsageError, run_main
+from utils.logging import throughput_meter
+from utils.loop import TrainLoop, eval_batches, host_means, train_batches
+from utils.metrics import rouge
 from utils.models import load_config, load_model, load_tokenizer
 from utils.optim import create_optimizer, learning_rate_schedule
+from utils.run import Outputs, check_before_work, needed_splits, set_up, training_plan
 from utils.state import create_train_state
 from utils.steps import cross_entropy_sums, token_weighted_grads
 
@@ -128,63 +127,37 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    check_phases(training_args)
-    checkpoint_dir = find_checkpoint_dir(training_args.output_dir)
-    check_output_dir(training_args, has_checkpoint=os.path.isdir(checkpoint_dir))
-    if training_args.push_to_hub and not training_args.hub_token:
-        raise UsageError("--push_to_hub needs --hub_token (or run `huggingface-cli login` and pass the token)")
-    needed = {"train": training_args.do_train, "validation": training_args.do_eval, "test": training_args.do_predict}
-    for split, flag in (("validation", "do_eval"), ("test", "do_predict"), ("train", "do_train")):
-        files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-        if needed[split] and not data_args.dataset_name and not files[split]:
-            option = {"train": "--train_file", "validation": "--validation_file", "test": "--test_file"}[split]
-            raise UsageError(f"--{flag} needs {split} data: pass {option} or --dataset_name")
-        if files[split]:
-            data.file_builder(files[split], allowed=("json", "csv"))
+    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    check_before_work(training_args, data_args, files, allowed=("json", "csv"))
+    logger, is_main = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
-    # Devices, logging
+    # Config, tokenizer, data
     # ------------------------------------------------------------------------------------------
-    compat.apply()
-    sharding.enable_compilation_cache(training_args.compilation_cache_dir)
-    is_main = jax.process_index() == 0
-    logger = setup_logging(is_main, debug=training_args.debug)
-    logger.info("devices: %d local of %d total, %s", jax.local_device_count(), jax.device_count(),
-                jax.devices()[0].device_kind)
-
-    # ------------------------------------------------------------------------------------------
-    # Tokenizer, model, data
-    # ------------------------------------------------------------------------------------------
-    from transformers import FlaxAutoModelForSeq2SeqLM
-
     config = load_config(model_args, task="seq2seq")
     if config.decoder_start_token_id is None:
         raise UsageError(f"the {config.model_type} config has no decoder_start_token_id: set it in the config")
     tokenizer = load_tokenizer(model_args)
-    raw = data.load_splits(
-        data_args,
-        {"train": data_args.train_file if needed["train"] else None,
-         "validation": data_args.validation_file if needed["validation"] else None,
-         "test": data_args.test_file if needed["test"] else None},
-        cache_dir=model_args.cache_dir,
-        allowed=("json", "csv"),
-    )
-    for split, wanted in needed.items():
-        if wanted and split not in raw:
+    splits = needed_splits(training_args)
+    raw = data.load_splits(data_args, {s: files[s] for s in splits}, model_args.cache_dir, allowed=("json", "csv"))
+    for split in splits:
+        if split not in raw:
             raise UsageError(f"the dataset has no {split!r} split (it has: {', '.join(raw)})")
-    column_names = next(iter(raw[s] for s in needed if needed[s])).column_names
-    text_column, summary_column = resolve_columns(data_args, column_names)
+    text_column, summary_column = resolve_columns(data_args, raw[splits[0]].column_names)
     max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples,
                    "test": data_args.max_predict_samples}
 
+    # ------------------------------------------------------------------------------------------
+    # Model, preprocessing
+    # ------------------------------------------------------------------------------------------
     model = load_model(FlaxAutoModelForSeq2SeqLM, model_args, config,
                        dtype=sharding.to_dtype(model_args.dtype), seed=training_args.seed)
     if training_args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
-    model_module = sys.modules[model.__module__]
+    model_module = sys.modules[model.__module__]  # for the family's own shift_tokens_right
 
     arrays, sizes = {}, {}
-    for split in (s for s in needed if needed[s]):
+    for split in splits:
         target_length = data_args.max_target_length if split == "train" else data_args.val_max_target_length
         dataset, dropped = preprocess(data.take(raw[split], max_samples[split]), tokenizer, config, data_args,
                                       text_column, summary_column, target_length, model_module)
@@ -196,26 +169,16 @@ def main(argv=None):
         logger.info("%s: %d examples", split, len(dataset))
 
     # ------------------------------------------------------------------------------------------
-    # Schedule, optimizer, state, steps
+    # Optimizer, state, pmap'd steps
     # ------------------------------------------------------------------------------------------
-    accumulation = training_args.gradient_accumulation_steps
-    train_batch_size = sharding.global_batch_size(training_args.per_device_train_batch_size, accumulation)
+    train_batch_size, steps_per_epoch, total_steps = (
+        training_plan(training_args, sizes["train"]) if training_args.do_train else (0, 0, 0))
     eval_batch_size = sharding.global_batch_size(training_args.per_device_eval_batch_size)
-    steps_per_epoch = total_steps = 0
-    if training_args.do_train:
-        steps_per_epoch = data.steps_per_epoch(sizes["train"], train_batch_size)
-        if steps_per_epoch == 0:
-            raise UsageError(
-                f"{sizes['train']} training examples are fewer than one global batch of {train_batch_size} "
-                f"(per_device_train_batch_size x {jax.device_count()} devices x accumulation): lower the batch size"
-            )
-        total_steps = (training_args.max_steps if training_args.max_steps > 0
-                       else int(np.ceil(training_args.num_train_epochs * steps_per_epoch)))
     schedule = learning_rate_schedule(training_args.lr_scheduler_type, training_args.learning_rate,
                                       training_args.warmup_steps, max(total_steps, 1))
-    optimizer = create_optimizer(training_args, schedule)
-    state = create_train_state(model.__call__, model.params, optimizer, training_args.seed)
-    label_smoothing = training_args.label_smoothing_factor
+    state = create_train_state(model.__call__, model.params, create_optimizer(training_args, schedule),
+                               training_args.seed)
+    accumulation, label_smoothing = training_args.gradient_accumulation_steps, training_args.label_smoothing_factor
 
     def loss_fn(params, batch, dropout_rng, train):
         inputs = {k: batch[k] for k in MODEL_INPUTS}
@@ -236,12 +199,12 @@ def main(argv=None):
         _, sums = loss_fn(params, batch, None, train=False)
         return jax.lax.psum(sums, sharding.AXIS)
 
-    max_length = data_args.val_max_target_length
-    num_beams = data_args.num_beams if data_args.num_beams is not None else model.config.num_beams
+    generate_kwargs = {"max_length": data_args.val_max_target_length,
+                       "num_beams": data_args.num_beams or model.config.num_beams}
 
     def generate_step(params, batch):
         output = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], params=params,
-                                max_length=max_length, num_beams=num_beams)
+                                **generate_kwargs)
         return output.sequences
 
     p_train_step = jax.pmap(train_step, sharding.AXIS, donate_argnums=(0,))
@@ -249,135 +212,66 @@ def main(argv=None):
     p_generate_step = jax.pmap(generate_step, sharding.AXIS)
 
     # ------------------------------------------------------------------------------------------
-    # Output dir, checkpoints, resume
+    # Outputs, resume
     # ------------------------------------------------------------------------------------------
-    os.makedirs(training_args.output_dir, exist_ok=True)
-    if is_main:
-        save_args(training_args.output_dir, model_args, data_args, training_args)
-    checkpointer = Checkpointer(checkpoint_dir, max_to_keep=training_args.save_total_limit, is_main_process=is_main)
-    pusher = None
-    if training_args.push_to_hub and is_main:
-        repo_id = training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir))
-        pusher = HubPusher(repo_id, training_args.hub_token, training_args.output_dir)
-    start_step = 0
-    if training_args.resume_from_checkpoint:
-        step = None if training_args.resume_from_checkpoint == "latest" else int(training_args.resume_from_checkpoint)
-        state, meta = checkpointer.restore(step, state)
-        start_step = int(meta["step"])
-        logger.info("resumed from the checkpoint of step %d", start_step)
-    state = sharding.replicate_state(state)
-
-    writer = MetricsLogger(training_args.output_dir, is_main_process=is_main, total_steps=total_steps)
-    writer.hparams(public_args(model_args, data_args, training_args))
-
-    def save(step):
-        checkpointer.save(step, state, {"step": step, "epoch": step / max(steps_per_epoch, 1)})
-        export_pretrained(model, state.params, tokenizer, training_args.output_dir, is_main_process=is_main)
-        if pusher:
-            pusher.push(f"step {step}")
-
-    # ------------------------------------------------------------------------------------------
-    # Evaluation and prediction (pad-shard-unpad: every example counted exactly once)
-    # ------------------------------------------------------------------------------------------
-    eval_rows = sharding.process_slice(eval_batch_size)
+    outputs = Outputs(training_args, (model_args, data_args, training_args), model, tokenizer, total_steps, is_main)
+    state, start_step = outputs.restore_or_start(state, logger)
 
     def evaluate(split):
+        """Token-weighted loss, and with `predict_with_generate` ROUGE, gen_len and the texts."""
         sums, predictions = [], []
-        for start, stop in data.eval_batch_ranges(sizes[split], eval_batch_size):
-            batch, valid = sharding.pad_to(data.gather(arrays[split], np.arange(start, stop)), eval_batch_size)
-            batch["example_weight"] = sharding.example_mask(valid, eval_batch_size)
-            batch = sharding.shard({k: v[eval_rows] for k, v in batch.items()})
+        for batch, valid in eval_batches(arrays[split], sizes[split], eval_batch_size):
             sums.append(p_eval_step(state.params, batch))
             if data_args.predict_with_generate:
                 ids = sharding.gather_from_processes(sharding.unshard(p_generate_step(state.params, batch)))
                 predictions.extend(ids[:valid])
-        metrics = token_weighted_means(jax.device_get([{k: v[0] for k, v in s.items()} for s in sums]))
-        if data_args.predict_with_generate:
-            texts = tokenizer.batch_decode(predictions, skip_special_tokens=True)
-            references = tokenizer.batch_decode(arrays[split]["labels"], skip_special_tokens=True)
-            metrics.update(rouge(texts, references))
-            metrics["gen_len"] = float(np.mean([np.count_nonzero(p != config.pad_token_id) for p in predictions]))
-            return metrics, texts
-        return metrics, None
-
-    def write_results(split_prefix, metrics, step):
-        results = {f"{split_prefix}_{k}": round(v, 4) for k, v in metrics.items()}
-        writer.log(step, metrics, split=split_prefix)
-        if is_main:
-            with open(os.path.join(training_args.output_dir, f"{split_prefix}_results.json"), "w") as f:
-                json.dump(results, f, indent=2)
-        logger.info("%s: %s", split_prefix, results)
-        return results
+        metrics = host_means(sums)
+        if not data_args.predict_with_generate:
+            return metrics, None
+        texts = tokenizer.batch_decode(predictions, skip_special_tokens=True)
+        references = tokenizer.batch_decode(arrays[split]["labels"], skip_special_tokens=True)
+        metrics.update(rouge(texts, references))
+        metrics["gen_len"] = float(np.mean([np.count_nonzero(ids != config.pad_token_id) for ids in predictions]))
+        return metrics, texts
 
     # ------------------------------------------------------------------------------------------
     # Training
     # ------------------------------------------------------------------------------------------
-    all_results, last_eval_step = {}, None
+    last_eval_step = None
     if training_args.do_train:
         logger.info("training: %d steps (%d per epoch), global batch %d = %d per device x %d devices x %d",
                     total_steps, steps_per_epoch, train_batch_size, training_args.per_device_train_batch_size,
                     jax.device_count(), accumulation)
-        tokens_per_step = train_batch_size * (data_args.max_source_length + data_args.max_target_length)
-        peak = peak_flops_per_device(jax.devices()[0])
-        throughput = Throughput(flops_per_token(config, data_args.max_source_length, data_args.max_target_length),
-                                peak * jax.device_count() if peak else None)
-        rows = sharding.process_slice(train_batch_size)
-        batches = sharding.prefetch(
-            data.gather(arrays["train"], data.train_batch_indices(sizes["train"], train_batch_size, training_args.seed,
-                                                                  *divmod(step, steps_per_epoch), rows=rows))
-            for step in range(start_step, total_steps)
-        )
-        window, train_start = [], time.time()
+        # Throughput counts source tokens; flops_per_token charges the decoder's work to them.
+        loop = TrainLoop(training_args, steps_per_epoch, total_steps, start_step, schedule, outputs.writer,
+                         throughput_meter(config, data_args.max_source_length, data_args.max_target_length),
+                         tokens_per_step=train_batch_size * data_args.max_source_length,
+                         examples_per_step=train_batch_size)
+        batches = train_batches(arrays["train"], sizes["train"], train_batch_size, training_args.seed,
+                                steps_per_epoch, start_step, total_steps)
+        train_start = time.time()
         for step, batch in enumerate(batches, start=start_step + 1):
             state, sums = p_train_step(state, batch)
-            window.append(sums)
-            if step == start_step + 1:
-                jax.block_until_ready(sums)
-                throughput.start()
-            else:
-                throughput.update(tokens_per_step, train_batch_size)
-            writer.advance(step)
-            if step % training_args.logging_steps == 0 or step == total_steps:
-                metrics = token_weighted_means(jax.device_get([{k: v[0] for k, v in s.items()} for s in window]))
-                if not np.isfinite(metrics["loss"]):
-                    raise RunError(f"non-finite training loss at step {step}: lower --learning_rate or use "
-                                   "float32; the last good checkpoint is kept")
-                metrics["learning_rate"] = float(schedule(step - 1))
-                metrics.update(throughput.rates() if step > start_step + 1 else {})
-                writer.log(step, metrics)
-                window = []
-            eval_due = (step % training_args.eval_steps == 0 if training_args.eval_steps
-                        else step % steps_per_epoch == 0)
-            if training_args.do_eval and (eval_due or step == total_steps):
-                metrics, _ = evaluate("validation")
-                all_results.update(write_results("eval", metrics, step))
+            loop.after_step(step, sums)
+            if loop.eval_due(step):
+                logger.info("%s", outputs.report("eval", evaluate("validation")[0], step))
                 last_eval_step = step
-            if step % training_args.save_steps == 0 or step == total_steps:
-                save(step)
-        all_results["train_runtime"] = round(time.time() - train_start, 2)
-        checkpointer.wait()
+            if loop.save_due(step):
+                outputs.save(step, state, {"epoch": step / steps_per_epoch})
+        outputs.results["train_runtime"] = round(time.time() - train_start, 2)
 
     # ------------------------------------------------------------------------------------------
     # Final evaluation, prediction, result files
     # ------------------------------------------------------------------------------------------
     final_step = int(jax.device_get(state.step[0]))
     if training_args.do_eval and last_eval_step != final_step:
-        metrics, _ = evaluate("validation")
-        all_results.update(write_results("eval", metrics, final_step))
+        logger.info("%s", outputs.report("eval", evaluate("validation")[0], final_step))
     if training_args.do_predict:
         metrics, texts = evaluate("test")
-        all_results.update(write_results("test", metrics, final_step))
-        if texts is not None and is_main:
-            with open(os.path.join(training_args.output_dir, "generated_predictions.txt"), "w") as f:
-                f.writelines(" ".join(text.split()) + "\n" for text in texts)
-    if is_main:
-        with open(os.path.join(training_args.output_dir, "all_results.json"), "w") as f:
-            json.dump(all_results, f, indent=2)
-    writer.close()
-    checkpointer.close()
-    if pusher:
-        pusher.push("end of training")
-        pusher.wait()
+        logger.info("%s", outputs.report("test", metrics, final_step))
+        if texts is not None:
+            outputs.write_text("generated_predictions.txt", texts)
+    outputs.finish()
 
 
 if __name__ == "__main__":

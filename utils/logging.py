@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import jax
 import numpy as np
 from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
@@ -69,7 +70,9 @@ def setup_logging(is_main_process: bool, debug: bool = False) -> pylogging.Logge
     library_level = pylogging.WARNING if is_main_process else pylogging.ERROR
 
     root = pylogging.getLogger()
-    for handler in [h for h in root.handlers if isinstance(h, _TqdmHandler)]:
+    # Ours from an earlier call, and plain stderr handlers a library's `basicConfig` left behind
+    # (they would print every line twice, unformatted).
+    for handler in [h for h in root.handlers if type(h) in (_TqdmHandler, pylogging.StreamHandler)]:
         root.removeHandler(handler)
     handler = _TqdmHandler()
     handler.setFormatter(pylogging.Formatter(_LOG_FORMAT, _DATE_FORMAT))
@@ -329,3 +332,9 @@ def peak_flops_per_device(device) -> float | None:
         if re.search(pattern, kind):
             return flops
     return None
+
+
+def throughput_meter(config, seq_len, decoder_seq_len=None):
+    """A `Throughput` for this run: FLOPs per token from the model config, peak over all devices."""
+    peak = peak_flops_per_device(jax.devices()[0])
+    return Throughput(flops_per_token(config, seq_len, decoder_seq_len), peak * jax.device_count() if peak else None)

@@ -1,0 +1,115 @@
+"""The mechanical parts of a training loop that every script shares.
+
+The scripts keep the loop itself (`for step, batch in ...: state, sums = p_train_step(...)`);
+`TrainLoop` decides *when* to log, evaluate and save and does the bookkeeping in between, and
+`eval_batches` feeds eval/predict with fixed shapes so no example is dropped or counted twice.
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from utils import data, sharding
+from utils.errors import RunError
+from utils.metrics import token_weighted_means
+
+
+def host_means(device_sums):
+    """Token-weighted means of a list of psum'd per-step sums (device 0's copy of each)."""
+    return token_weighted_means(jax.device_get([{k: v[0] for k, v in sums.items()} for sums in device_sums]))
+
+
+def train_batches(arrays, num_examples, global_batch_size, seed, steps_per_epoch, start_step, total_steps,
+                  transform=None):
+    """This process's rows of each training batch from `start_step` on, prefetched to the devices.
+
+    `transform(batch, step)` runs on the host before sharding (e.g. MLM masking); it must be a
+    pure function of its arguments so that a resumed run sees the same batches.
+    """
+    rows = sharding.process_slice(global_batch_size)
+
+    def batches():
+        for step in range(start_step, total_steps):
+            epoch, step_in_epoch = divmod(step, steps_per_epoch)
+            indices = data.train_batch_indices(num_examples, global_batch_size, seed, epoch, step_in_epoch, rows)
+            batch = data.gather(arrays, indices)
+            yield transform(batch, step) if transform else batch
+
+    return sharding.prefetch(batches())
+
+
+def eval_batches(arrays, num_examples, global_batch_size, transform=None):
+    """(sharded batch, valid rows) for every eval batch in order; the last one is padded.
+
+    Each batch carries `example_weight` (1 for real rows, 0 for padding) for the loss.
+    """
+    rows = sharding.process_slice(global_batch_size)
+    for start, stop in data.eval_batch_ranges(num_examples, global_batch_size):
+        batch = data.gather(arrays, np.arange(start, stop))
+        if transform:
+            batch = transform(batch, start)
+        batch, valid = sharding.pad_to(batch, global_batch_size)
+        batch["example_weight"] = sharding.example_mask(valid, global_batch_size)
+        yield sharding.shard({k: v[rows] for k, v in batch.items()}), valid
+
+
+class TrainLoop:
+    """When to log / evaluate / save, plus the metrics window and throughput between logs."""
+
+    def __init__(self, training_args, steps_per_epoch, total_steps, start_step, schedule, writer, throughput,
+                 tokens_per_step, examples_per_step):
+        self.args = training_args
+        self.steps_per_epoch, self.total_steps, self.start_step = steps_per_epoch, total_steps, start_step
+        self.schedule, self.writer, self.throughput = schedule, writer, throughput
+        self.tokens_per_step, self.examples_per_step = tokens_per_step, examples_per_step
+        self.window = []
+
+    def after_step(self, step, sums):
+        """Record one finished step; logs every `logging_steps` and at the last step."""
+        self.window.append(sums)
+        if step == self.start_step + 1:
+            # The first step includes compilation: time only what follows it.
+            jax.block_until_ready(sums)
+            self.throughput.start()
+        else:
+            self.throughput.update(self.tokens_per_step, self.examples_per_step)
+        self.writer.advance(step)
+        if step % self.args.logging_steps == 0 or step == self.total_steps:
+            self.log(step)
+
+    def log(self, step):
+        # Fetching the window is the only host sync of the loop.
+        metrics = host_means(self.window)
+        self.window = []
+        if not np.isfinite(metrics["loss"]):
+            raise RunError(f"the training loss became {metrics['loss']} by step {step}: lower --learning_rate "
+                           "or use --dtype float32; the last good checkpoint is kept")
+        metrics["learning_rate"] = float(self.schedule(step - 1))
+        if step > self.start_step + 1:
+            jax.block_until_ready(metrics)
+            metrics.update(self.throughput.rates())
+        self.writer.log(step, metrics)
+        return metrics
+
+    def epoch_end(self, step):
+        return step % self.steps_per_epoch == 0
+
+    def eval_due(self, step):
+        if not self.args.do_eval:
+            return False
+        due = step % self.args.eval_steps == 0 if self.args.eval_steps else self.epoch_end(step)
+        return due or step == self.total_steps
+
+    def save_due(self, step):
+        return step % self.args.save_steps == 0 or step == self.total_steps
+
+
+def write_results(output_dir, prefix, metrics, is_main_process):
+    """`{prefix}_results.json` with prefixed keys (`eval_loss`, `test_rouge1`, ...); returns them."""
+    results = {f"{prefix}_{key}": round(float(value), 4) for key, value in metrics.items()}
+    if is_main_process:
+        with open(os.path.join(output_dir, f"{prefix}_results.json"), "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    return results
