@@ -1,0 +1,42 @@
+"""Run a flaxtune script as a user would: a subprocess with 8 virtual CPU devices, offline."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def script_env(**extra):
+    env = dict(os.environ)
+    env.update(
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def run_script(script, args, timeout=600, env=None, cwd=ROOT):
+    """Run `python script *args`; returns the CompletedProcess (stdout/stderr as text)."""
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), *map(str, args)],
+        cwd=cwd, env=env or script_env(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_metrics(output_dir, split="train"):
+    """The lines of `metrics.jsonl` for one split."""
+    with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [row for row in map(json.loads, f) if row["split"] == split]
