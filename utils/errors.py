@@ -38,14 +38,15 @@ def run_main(main, argv=None) -> int:
         main()
         return 0
     except (UsageError, RunError) as error:
-        code, message = error.exit_code, _one_line(error)
-    except KeyboardInterrupt:
-        code, message = 130, "interrupted"
+        failure, code, message = error, error.exit_code, _one_line(error)
+    except KeyboardInterrupt as error:
+        failure, code, message = error, 130, "interrupted"
     except Exception as error:  # noqa: BLE001 - last line of defence: never show a bare traceback
-        code = 1
+        failure, code = error, 1
         message = f"{type(error).__name__}: {_one_line(error)} (rerun with --debug for the traceback)"
     if debug_enabled(argv):
-        traceback.print_exc()
+        # Outside the `except` blocks sys.exc_info() is empty: print the caught exception itself.
+        traceback.print_exception(failure)
     sys.stdout.flush()
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code

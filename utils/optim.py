@@ -41,7 +41,7 @@ def decay_mask(params):
     flat = traverse_util.flatten_dict(params)
 
     def decays(path):
-        if path[-1] == "bias":
+        if str(path[-1]).endswith("bias"):  # `bias`, and BART's top-level `final_logits_bias`
             return False
         return not any(_NORM_MODULE.search(str(name)) for name in path[:-1])
 

@@ -1,0 +1,129 @@
+"""utils/data.py: local files, seeded per-process training batches, eval ranges."""
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from utils import data
+from utils.errors import UsageError
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+def test_file_builder(tmp_path):
+    for name, builder in (("a.json", "json"), ("a.JSONL", "json"), ("a.csv", "csv"), ("a.txt", "text")):
+        (tmp_path / name).write_text("x")
+        assert data.file_builder(str(tmp_path / name)) == builder
+
+
+def test_file_builder_missing(tmp_path):
+    with pytest.raises(UsageError, match=r"data file .*missing\.json not found"):
+        data.file_builder(str(tmp_path / "missing.json"))
+
+
+def test_file_builder_unsupported_extension(tmp_path):
+    cases = (("a.parquet", ("json", "csv", "text"), ".csv, .json, .jsonl, .txt"),
+             ("a.txt", ("json", "csv"), ".csv, .json, .jsonl"))
+    for name, allowed, names in cases:
+        (tmp_path / name).write_text("x")
+        with pytest.raises(UsageError, match="unsupported extension") as info:
+            data.file_builder(str(tmp_path / name), allowed=allowed)
+        assert str(info.value).endswith(f"use one of {names}")
+
+
+def test_file_builder_empty(tmp_path):
+    (tmp_path / "empty.csv").write_text("")
+    with pytest.raises(UsageError, match="empty"):
+        data.file_builder(str(tmp_path / "empty.csv"))
+
+
+NO_HUB = SimpleNamespace(dataset_name=None, dataset_config_name=None)
+
+
+def test_load_splits_json_and_csv(tmp_path):
+    rows = [{"document": f"doc {i}", "summary": f"sum {i}"} for i in range(5)]
+    (tmp_path / "train.json").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "valid.json").write_text("\n".join(json.dumps(r) for r in rows[:2]))
+    files = {"train": str(tmp_path / "train.json"), "validation": str(tmp_path / "valid.json"), "test": None}
+    splits = data.load_splits(NO_HUB, files, cache_dir=str(tmp_path / "cache"))
+    assert sorted(splits) == ["train", "validation"]
+    assert len(splits["train"]) == 5 and splits["validation"][1] == rows[1]
+
+    (tmp_path / "train.csv").write_text("document,summary\n" + "".join(f"d{i},s{i}\n" for i in range(3)))
+    csv = data.load_splits(NO_HUB, {"train": str(tmp_path / "train.csv")}, cache_dir=str(tmp_path / "cache"))
+    assert csv["train"].column_names == ["document", "summary"] and csv["train"][2] == {"document": "d2",
+                                                                                      "summary": "s2"}
+
+
+def test_load_splits_text(tmp_path):
+    (tmp_path / "train.txt").write_text("first line\nsecond line\nthird\n")
+    splits = data.load_splits(NO_HUB, {"train": str(tmp_path / "train.txt")}, cache_dir=str(tmp_path / "cache"))
+    assert list(splits["train"]["text"]) == ["first line", "second line", "third"]
+
+
+def test_load_splits_errors(tmp_path):
+    with pytest.raises(UsageError, match="no data"):
+        data.load_splits(NO_HUB, {"train": None})
+    (tmp_path / "a.json").write_text("{}")
+    (tmp_path / "b.csv").write_text("a\n1\n")
+    with pytest.raises(UsageError, match="share one format, got csv, json"):
+        data.load_splits(NO_HUB, {"train": str(tmp_path / "a.json"), "validation": str(tmp_path / "b.csv")})
+    (tmp_path / "c.txt").write_text("x\n")
+    with pytest.raises(UsageError, match="unsupported extension"):
+        data.load_splits(NO_HUB, {"train": str(tmp_path / "c.txt")}, allowed=("json", "csv"))
+
+
+def test_take_and_to_arrays():
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"ids": [[i, i + 1] for i in range(10)], "label": list(range(10))})
+    assert len(data.take(ds, 3)) == 3 and data.take(ds, 3)["label"][:] == [0, 1, 2]
+    assert data.take(ds, None) is ds and data.take(ds, 50) is ds
+    arrays = data.to_arrays(data.take(ds, 4), ["ids", "label"])
+    assert arrays["ids"].shape == (4, 2) and arrays["ids"].dtype.kind == "i"
+    np.testing.assert_array_equal(arrays["label"], [0, 1, 2, 3])
+    np.testing.assert_array_equal(data.gather(arrays, np.array([3, 0]))["ids"], [[3, 4], [0, 1]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------------
+def epoch_batches(num_examples, batch, seed, epoch, rows=None):
+    steps = data.steps_per_epoch(num_examples, batch)
+    return [data.train_batch_indices(num_examples, batch, seed, epoch, step, rows) for step in range(steps)]
+
+
+def test_train_batches_deterministic_and_without_repeats():
+    num, batch = 103, 8
+    first = epoch_batches(num, batch, seed=0, epoch=0)
+    assert len(first) == data.steps_per_epoch(num, batch) == 12
+    assert all(len(b) == batch for b in first)
+    flat = np.concatenate(first)
+    assert len(set(flat.tolist())) == len(flat) == 96 and flat.min() >= 0 and flat.max() < num
+    np.testing.assert_array_equal(np.concatenate(epoch_batches(num, batch, 0, 0)), flat)  # same seed and epoch
+    assert not np.array_equal(np.concatenate(epoch_batches(num, batch, 0, 1)), flat)  # next epoch reshuffles
+    assert not np.array_equal(np.concatenate(epoch_batches(num, batch, 1, 0)), flat)  # other seed
+    np.testing.assert_array_equal(data.train_batch_indices(num, batch, 0, 0, 5), first[5])  # resume mid-epoch
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_process_rows_partition_global_batch(processes):
+    num, batch = 64, 16
+    local = batch // processes
+    for step in range(data.steps_per_epoch(num, batch)):
+        whole = data.train_batch_indices(num, batch, 7, 2, step)
+        parts = [data.train_batch_indices(num, batch, 7, 2, step, slice(p * local, (p + 1) * local))
+                 for p in range(processes)]
+        np.testing.assert_array_equal(np.concatenate(parts), whole)
+
+
+def test_eval_batch_ranges_cover_every_example_once():
+    assert data.eval_batch_ranges(21, 8) == [(0, 8), (8, 16), (16, 21)]
+    assert data.eval_batch_ranges(16, 8) == [(0, 8), (8, 16)]
+    assert data.eval_batch_ranges(3, 8) == [(0, 3)]
+    assert data.eval_batch_ranges(0, 8) == []
+    covered = [i for start, stop in data.eval_batch_ranges(1001, 64) for i in range(start, stop)]
+    assert covered == list(range(1001))

@@ -1,0 +1,54 @@
+"""utils/errors.py: exit codes and the one-line, traceback-free error report."""
+
+import pytest
+
+from utils.errors import RunError, UsageError, debug_enabled, run_main
+
+
+def raising(error):
+    def main():
+        raise error
+    return main
+
+
+@pytest.fixture(autouse=True)
+def no_debug_env(monkeypatch):
+    monkeypatch.delenv("FLAXTUNE_DEBUG", raising=False)
+
+
+@pytest.mark.parametrize("error, code, message", [
+    (UsageError("bad flag\n  --foo: use --bar"), 2, "error: bad flag --foo: use --bar"),
+    (RunError("loss became nan by step 3"), 1, "error: loss became nan by step 3"),
+    (ZeroDivisionError("division by zero"), 1,
+     "error: ZeroDivisionError: division by zero (rerun with --debug for the traceback)"),
+    (KeyboardInterrupt(), 130, "error: interrupted"),
+])
+def test_exit_code_and_one_line(capsys, error, code, message):
+    assert run_main(raising(error), argv=[]) == code
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [message]
+    assert "Traceback" not in err + out
+
+
+def test_success_returns_zero(capsys):
+    calls = []
+    assert run_main(lambda: calls.append(1), argv=[]) == 0
+    assert calls == [1] and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("argv, env", [(["cfg.json", "--debug"], None), ([], "1")])
+def test_debug_prints_traceback(capsys, monkeypatch, argv, env):
+    if env:
+        monkeypatch.setenv("FLAXTUNE_DEBUG", env)
+    assert run_main(raising(RunError("boom")), argv=argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "RunError: boom" in err
+    assert err.rstrip().splitlines()[-1] == "error: boom"
+
+
+def test_debug_enabled(monkeypatch):
+    assert not debug_enabled([]) and debug_enabled(["--debug"])
+    monkeypatch.setenv("FLAXTUNE_DEBUG", "0")
+    assert not debug_enabled([])
+    monkeypatch.setenv("FLAXTUNE_DEBUG", "yes")
+    assert debug_enabled([])

@@ -1,0 +1,137 @@
+"""utils/loop.py: when to evaluate / save, token-weighted host means, non-finite loss, results, eval batches."""
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from utils import sharding
+from utils.errors import RunError
+from utils.logging import Throughput
+from utils.loop import TrainLoop, eval_batches, host_means, train_batches, write_results
+
+N = 8
+
+
+class Writer:
+    def __init__(self):
+        self.logged, self.advanced = [], []
+
+    def log(self, step, metrics):
+        self.logged.append((step, metrics))
+
+    def advance(self, step):
+        self.advanced.append(step)
+
+
+def make_loop(total=10, per_epoch=4, start=0, **args):
+    defaults = dict(do_eval=True, eval_steps=None, save_steps=3, logging_steps=2)
+    training_args = SimpleNamespace(**{**defaults, **args})
+    return TrainLoop(training_args, per_epoch, total, start, schedule=lambda step: 0.1 * step, writer=Writer(),
+                     throughput=Throughput(), tokens_per_step=100, examples_per_step=4)
+
+
+def due(loop, method, total=10):
+    return [step for step in range(1, total + 1) if getattr(loop, method)(step)]
+
+
+def test_eval_at_epoch_ends_and_last_step():
+    assert due(make_loop(), "eval_due") == [4, 8, 10]
+
+
+def test_eval_every_eval_steps_and_last_step():
+    assert due(make_loop(eval_steps=3), "eval_due") == [3, 6, 9, 10]
+    assert due(make_loop(eval_steps=5), "eval_due") == [5, 10]
+
+
+def test_no_eval_without_do_eval():
+    assert due(make_loop(do_eval=False), "eval_due") == []
+
+
+def test_save_due():
+    assert due(make_loop(), "save_due") == [3, 6, 9, 10]
+    assert due(make_loop(save_steps=100), "save_due") == [10]
+
+
+def device_sums(loss, tokens):
+    """psum'd step sums as a pmap returns them: the same value on every device."""
+    return {"loss": sharding.replicate(np.float32(loss)), "tokens": sharding.replicate(np.float32(tokens))}
+
+
+def test_host_means_weights_by_tokens():
+    means = host_means([device_sums(10.0, 2), device_sums(30.0, 8)])
+    assert means == {"loss": pytest.approx(4.0)}  # 40 / 10 tokens, not the mean of 5 and 3.75
+
+
+def test_after_step_logs_window_means():
+    loop = make_loop(total=5, logging_steps=2)
+    for step, (loss, tokens) in enumerate([(4, 2), (9, 3), (1, 1), (3, 3), (8, 2)], start=1):
+        loop.after_step(step, device_sums(loss, tokens))
+    assert [step for step, _ in loop.writer.logged] == [2, 4, 5]
+    assert loop.writer.advanced == [1, 2, 3, 4, 5]
+    metrics = [m for _, m in loop.writer.logged]
+    assert metrics[0]["loss"] == pytest.approx(13 / 5) and metrics[1]["loss"] == pytest.approx(1.0)
+    assert metrics[2]["loss"] == pytest.approx(4.0)
+    assert metrics[0]["learning_rate"] == pytest.approx(0.1) and metrics[2]["learning_rate"] == pytest.approx(0.4)
+    assert all(m["tokens_per_second"] > 0 for m in metrics)  # timed from the end of step 1
+
+
+def test_first_step_log_has_no_throughput():
+    loop = make_loop(logging_steps=1)
+    loop.after_step(1, device_sums(2.0, 4))
+    assert loop.writer.logged == [(1, {"loss": pytest.approx(0.5), "learning_rate": pytest.approx(0.0)})]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_loss_raises_naming_step(bad):
+    loop = make_loop(logging_steps=3)
+    loop.after_step(1, device_sums(1.0, 1))
+    loop.after_step(2, device_sums(bad, 1))
+    with pytest.raises(RunError, match=rf"training loss became {bad} by step 3.*--learning_rate"):
+        loop.after_step(3, device_sums(1.0, 1))
+
+
+def test_write_results(tmp_path):
+    results = write_results(str(tmp_path), "eval", {"loss": 1.234567, "rouge1": np.float32(41.23456)}, True)
+    assert results == {"eval_loss": 1.2346, "eval_rouge1": 41.2346}
+    assert json.loads((tmp_path / "eval_results.json").read_text()) == results
+    assert write_results(str(tmp_path), "test", {"loss": 2.0}, False) == {"test_loss": 2.0}
+    assert not (tmp_path / "test_results.json").exists()  # only the main process writes
+
+
+def test_eval_batches_fixed_shapes_and_weights():
+    num, batch_size = 21, 16
+    arrays = {"input_ids": np.arange(num * 3).reshape(num, 3), "labels": np.arange(num)}
+    seen, weight, valids = [], 0.0, []
+    for batch, valid in eval_batches(arrays, num, batch_size):
+        assert batch["input_ids"].shape == (N, 2, 3) and batch["example_weight"].shape == (N, 2)
+        weights = sharding.unshard(batch["example_weight"])
+        seen.extend(sharding.unshard(batch["labels"])[weights > 0])
+        weight += weights.sum()
+        valids.append(valid)
+    assert valids == [16, 5] and weight == num and seen == list(range(num))
+
+
+def test_eval_batches_transform_sees_batch_start():
+    arrays = {"x": np.arange(10)}
+    starts = []
+
+    def transform(batch, start):
+        starts.append(start)
+        return {"x": batch["x"] + 100}
+
+    out = [sharding.unshard(b["x"])[:valid] for b, valid in eval_batches(arrays, 10, 8, transform)]
+    assert starts == [0, 8] and np.concatenate(out).tolist() == list(range(100, 110))
+
+
+def test_train_batches_follow_seeded_order_and_resume():
+    from utils import data
+
+    arrays = {"x": np.arange(40)}
+    run = [sharding.unshard(b["x"]) for b in train_batches(arrays, 40, 16, seed=1, steps_per_epoch=2, start_step=0,
+                                                           total_steps=5)]
+    assert len(run) == 5
+    np.testing.assert_array_equal(run[2], data.train_batch_indices(40, 16, 1, epoch=1, step_in_epoch=0))
+    resumed = [sharding.unshard(b["x"]) for b in train_batches(arrays, 40, 16, 1, 2, start_step=3, total_steps=5)]
+    np.testing.assert_array_equal(np.stack(resumed), np.stack(run[3:]))

@@ -1,0 +1,106 @@
+"""utils/models.py: configs from model_type (+ overrides), task checks, vocab fitting, offline failures."""
+
+import time
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, T5Config
+
+from utils.args import ModelArguments
+from utils.errors import UsageError
+from utils.models import fit_config_to_tokenizer, load_config, load_tokenizer
+
+WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    vocab = {"<unk>": 0, "<pad>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+
+
+def test_load_config_from_model_type_with_overrides():
+    args = ModelArguments(model_type="t5", config_overrides="d_model=16, num_layers=1,dropout_rate=0.25,"
+                                                            "tie_word_embeddings=false,feed_forward_proj=gated-gelu")
+    config = load_config(args, task="seq2seq")
+    assert config.model_type == "t5"
+    assert config.d_model == 16 and config.num_layers == 1 and isinstance(config.num_layers, int)
+    assert config.dropout_rate == 0.25 and config.tie_word_embeddings is False
+    assert config.feed_forward_proj == "gated-gelu"
+    assert load_config(ModelArguments(model_type="gpt2"), task="causal-lm").model_type == "gpt2"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ("d_model=16,no_such_key=3", "t5 config has no attribute 'no_such_key'"),
+    ("d_model=big", r"d_model='big' is not a int"),
+    ("d_model", r"item 'd_model' is not key=value"),
+])
+def test_bad_overrides(overrides, message):
+    with pytest.raises(UsageError, match=message):
+        load_config(ModelArguments(model_type="t5", config_overrides=overrides), task="seq2seq")
+
+
+def test_unknown_model_type_lists_valid_ones():
+    with pytest.raises(UsageError, match=r"unknown --model_type 't6': use one of .*\bt5\b") as info:
+        load_config(ModelArguments(model_type="t6"), task="seq2seq")
+    assert "bart" in str(info.value) and "gpt2" not in str(info.value)
+
+
+@pytest.mark.parametrize("model_type, task", [("bert", "seq2seq"), ("t5", "causal-lm"), ("gpt2", "masked-lm")])
+def test_model_type_the_task_cannot_train(model_type, task):
+    with pytest.raises(UsageError, match=rf"model type '{model_type}' cannot be trained by this script \({task}\)"):
+        load_config(ModelArguments(model_type=model_type), task=task)
+
+
+def test_no_model_at_all():
+    with pytest.raises(UsageError, match="no model"):
+        load_config(ModelArguments(), task="seq2seq")
+
+
+def test_local_config_dir_and_overrides(tmp_path):
+    T5Config(d_model=24, num_layers=2).save_pretrained(tmp_path)
+    config = load_config(ModelArguments(config_name=str(tmp_path), config_overrides="num_layers=1"), "seq2seq")
+    assert config.d_model == 24 and config.num_layers == 1
+    with pytest.raises(UsageError, match="only applies when training from scratch"):
+        load_config(ModelArguments(model_name_or_path=str(tmp_path), config_overrides="num_layers=1"), "seq2seq")
+
+
+def test_nonexistent_local_model_path_fails_fast(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(UsageError, match=r"could not load model config .*nope"):
+        load_config(ModelArguments(model_name_or_path=str(tmp_path / "nope")), task="seq2seq")
+    with pytest.raises(UsageError, match=r"could not load tokenizer .*nope"):
+        load_tokenizer(ModelArguments(model_name_or_path=str(tmp_path / "nope")))
+    assert time.monotonic() - start < 10
+
+
+def test_fit_config_from_scratch(tokenizer):
+    args = ModelArguments(model_type="t5", config_overrides="d_model=16")
+    config = fit_config_to_tokenizer(load_config(args, "seq2seq"), tokenizer, args)
+    assert config.vocab_size == len(tokenizer) == 11
+    assert config.pad_token_id == 1 and config.eos_token_id == 2
+
+
+def test_fit_config_keeps_explicit_overrides(tokenizer):
+    args = ModelArguments(model_type="t5", config_overrides="vocab_size=64,pad_token_id=0")
+    config = fit_config_to_tokenizer(load_config(args, "seq2seq"), tokenizer, args)
+    assert config.vocab_size == 64 and config.pad_token_id == 0 and config.eos_token_id == 2
+
+
+def test_fit_config_pretrained_vocab_must_cover_tokenizer(tokenizer, tmp_path):
+    args = ModelArguments(model_name_or_path=str(tmp_path))
+    small = T5Config(vocab_size=5, pad_token_id=0)
+    with pytest.raises(UsageError, match="the tokenizer has 11 tokens but the model only 5"):
+        fit_config_to_tokenizer(small, tokenizer, args)
+    big = fit_config_to_tokenizer(T5Config(vocab_size=32, pad_token_id=0), tokenizer, args)
+    assert big.vocab_size == 32 and big.pad_token_id == 0  # a pretrained model keeps its own
+
+
+def test_load_tokenizer_from_local_dir(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    loaded = load_tokenizer(ModelArguments(tokenizer_name=str(tmp_path)))
+    assert len(loaded) == 11 and loaded("the cat ran")["input_ids"] == [3, 4, 10]
+    with pytest.raises(UsageError, match="no tokenizer"):
+        load_tokenizer(ModelArguments(model_type="t5"))

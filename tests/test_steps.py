@@ -1,0 +1,109 @@
+"""utils/steps.py: token-summed cross entropy and token-weighted (accumulated) gradients under pmap."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from utils import sharding
+from utils.steps import cross_entropy_sums, token_weighted_grads
+
+N, VOCAB, DIM, LENGTH = 8, 7, 4, 5
+
+
+def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_cross_entropy_sums_matches_numpy():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 4, VOCAB)).astype(np.float32)
+    labels = rng.integers(0, VOCAB, size=(3, 4))
+    weights = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]], np.float32)
+    expected = -(np.take_along_axis(log_softmax(logits.astype(np.float64)), labels[..., None], -1)[..., 0] * weights)
+    loss, tokens = cross_entropy_sums(logits, labels, weights)
+    assert float(tokens) == 8.0
+    assert float(loss) == pytest.approx(expected.sum(), rel=1e-5)
+    # masked tokens contribute nothing, whatever their logits
+    logits[0, 3] = 1e4
+    assert float(cross_entropy_sums(logits, labels, weights)[0]) == pytest.approx(expected.sum(), rel=1e-5)
+
+
+def test_label_smoothing_matches_numpy_and_perfect_logits_score_zero():
+    eps = 0.1
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(2, 3, VOCAB)).astype(np.float32)
+    labels = rng.integers(0, VOCAB, size=(2, 3))
+    weights = np.array([[1, 1, 0], [1, 1, 1]], np.float32)
+    target = np.full((2, 3, VOCAB), eps / (VOCAB - 1))
+    np.put_along_axis(target, labels[..., None], 1 - eps, -1)
+    entropy = -(target * np.log(target)).sum(-1)
+    expected = ((-(target * log_softmax(logits.astype(np.float64))).sum(-1) - entropy) * weights).sum()
+    loss, tokens = cross_entropy_sums(logits, labels, weights, label_smoothing=eps)
+    assert float(tokens) == 5 and float(loss) == pytest.approx(expected, rel=1e-5)
+    assert float(loss) > 0.1
+    perfect, _ = cross_entropy_sums(np.log(target).astype(np.float32), labels, weights, label_smoothing=eps)
+    assert abs(float(perfect)) < 1e-4
+    # without smoothing, perfect means all mass on the label
+    sharp = np.where(np.arange(VOCAB) == labels[..., None], 30.0, -30.0).astype(np.float32)
+    assert float(cross_entropy_sums(sharp, labels, weights)[0]) < 1e-6
+
+
+def linear_loss(params, batch, rng):
+    logits = batch["x"] @ params["w"] + params["b"]
+    loss, tokens = cross_entropy_sums(logits, batch["labels"], batch["mask"])
+    return loss, {"loss": loss, "tokens": tokens}
+
+
+def make_problem(global_batch, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"w": jnp.asarray(rng.normal(size=(DIM, VOCAB)), jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(VOCAB,)), jnp.float32)}
+    lengths = rng.integers(1, LENGTH + 1, size=global_batch)  # uneven tokens per row and per device
+    batch = {"x": rng.normal(size=(global_batch, LENGTH, DIM)).astype(np.float32),
+             "labels": rng.integers(0, VOCAB, size=(global_batch, LENGTH)).astype(np.int32),
+             "mask": (np.arange(LENGTH) < lengths[:, None]).astype(np.float32)}
+    return params, batch
+
+
+def pmapped_grads(params, batch, accumulation):
+    step = jax.pmap(partial(token_weighted_grads, linear_loss, accumulation_steps=accumulation), sharding.AXIS)
+    grads, sums = step(sharding.replicate(params), sharding.shard(batch), sharding.per_device_keys(0))
+    return sharding.unreplicate(grads), sharding.unreplicate(sums), grads
+
+
+def test_token_weighted_grads_equal_global_mean_gradient():
+    params, batch = make_problem(16)
+
+    def global_mean(params):
+        loss, sums = linear_loss(params, batch, None)
+        return loss / sums["tokens"]
+
+    expected = jax.jit(jax.grad(global_mean))(params)
+    grads, sums, replicated = pmapped_grads(params, batch, accumulation=1)
+    for name in params:
+        np.testing.assert_allclose(grads[name], expected[name], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(replicated[name]), np.broadcast_to(grads[name], replicated[name].shape))
+    assert float(sums["tokens"]) == batch["mask"].sum()
+    assert float(sums["loss"]) == pytest.approx(float(jax.jit(linear_loss)(params, batch, None)[0]), rel=1e-5)
+    # a per-device mean of means would differ (uneven token counts): the test can tell them apart
+    def device_mean(params, rows):
+        loss, sums = linear_loss(params, rows, None)
+        return loss / sums["tokens"]
+
+    per_device = jax.tree_util.tree_map(lambda x: x.reshape((N, -1) + x.shape[1:]), batch)
+    mean_of_means = jax.jit(jax.vmap(jax.grad(device_mean), (None, 0)))(params, per_device)["w"].mean(0)
+    assert not np.allclose(mean_of_means, expected["w"], rtol=1e-3)
+
+
+def test_accumulation_equals_one_big_batch():
+    params, batch = make_problem(32, seed=3)
+    grads1, sums1, _ = pmapped_grads(params, batch, accumulation=1)
+    grads4, sums4, _ = pmapped_grads(params, batch, accumulation=4)
+    for name in params:
+        np.testing.assert_allclose(grads4[name], grads1[name], atol=1e-6)
+    assert float(sums4["tokens"]) == float(sums1["tokens"]) == batch["mask"].sum()
+    assert float(sums4["loss"]) == pytest.approx(float(sums1["loss"]), rel=1e-6)
