@@ -25,7 +25,7 @@ from utils.errors import UsageError, run_main
 from utils.logging import throughput_meter
 from utils.loop import TrainLoop, eval_batches, host_means, train_batches
 from utils.metrics import rouge
-from utils.models import load_config, load_model, load_tokenizer
+from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
 from utils.optim import create_optimizer, learning_rate_schedule
 from utils.run import Outputs, check_before_work, needed_splits, set_up, training_plan
 from utils.state import create_train_state
@@ -134,10 +134,10 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Config, tokenizer, data
     # ------------------------------------------------------------------------------------------
-    config = load_config(model_args, task="seq2seq")
+    tokenizer = load_tokenizer(model_args)
+    config = fit_config_to_tokenizer(load_config(model_args, task="seq2seq"), tokenizer, model_args)
     if config.decoder_start_token_id is None:
         raise UsageError(f"the {config.model_type} config has no decoder_start_token_id: set it in the config")
-    tokenizer = load_tokenizer(model_args)
     splits = needed_splits(training_args)
     raw = data.load_splits(data_args, {s: files[s] for s in splits}, model_args.cache_dir, allowed=("json", "csv"))
     for split in splits:
@@ -225,7 +225,7 @@ def main(argv=None):
             if data_args.predict_with_generate:
                 ids = sharding.gather_from_processes(sharding.unshard(p_generate_step(state.params, batch)))
                 predictions.extend(ids[:valid])
-        metrics = host_means(sums)
+        metrics = {**host_means(sums), "samples": sizes[split]}
         if not data_args.predict_with_generate:
             return metrics, None
         texts = tokenizer.batch_decode(predictions, skip_special_tokens=True)
@@ -258,7 +258,7 @@ def main(argv=None):
                 last_eval_step = step
             if loop.save_due(step):
                 outputs.save(step, state, {"epoch": step / steps_per_epoch})
-        outputs.results["train_runtime"] = round(time.time() - train_start, 2)
+        outputs.results.update(train_runtime=round(time.time() - train_start, 2), train_samples=sizes["train"])
 
     # ------------------------------------------------------------------------------------------
     # Final evaluation, prediction, result files

@@ -15,6 +15,9 @@ TASK_MODEL_TYPES = {
 }
 
 
+PAD_STARTS_DECODER = ("t5", "mt5", "longt5")
+
+
 def _hub_error(what, name, error):
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     where = "a local directory" if os.path.isdir(name) else "a local directory or a hub id reachable from here"
@@ -74,6 +77,31 @@ def load_config(model_args, task):
             f"model type {config.model_type!r} cannot be trained by this script ({task}): "
             f"use one of {', '.join(TASK_MODEL_TYPES[task])}"
         )
+    return config
+
+
+def fit_config_to_tokenizer(config, tokenizer, model_args):
+    """A model built from scratch takes its vocabulary size and special ids from the tokenizer.
+
+    A pretrained model keeps its own, but must cover every id the tokenizer can produce: JAX
+    does not bounds-check embedding lookups, so larger ids would silently read garbage.
+    """
+    if model_args.model_name_or_path:
+        if len(tokenizer) > config.vocab_size:
+            raise UsageError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}: "
+                             "use the model's own tokenizer (--tokenizer_name)")
+        return config
+    overridden = _parse_overrides(model_args.config_overrides or "")
+    if "vocab_size" not in overridden:
+        config.vocab_size = len(tokenizer)
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        token_id = getattr(tokenizer, name, None)
+        if token_id is not None and name not in overridden:
+            setattr(config, name, token_id)
+    # T5-family configs built from scratch lack the decoder start id their pretrained ones carry:
+    # by that family's convention, decoding starts from the pad token.
+    if config.model_type in PAD_STARTS_DECODER and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = config.pad_token_id
     return config
 
 
