@@ -36,6 +36,16 @@ def test_replicate_state_gives_distinct_dropout_keys():
     assert len({k.tobytes() for k in keys}) == N
 
 
+def test_replicate_state_keeps_restored_per_device_keys():
+    """A restored state carries one saved key per device: they must not be re-derived (exact resume)."""
+    params = {"w": jnp.ones((3,))}
+    saved = np.arange(N * 2, dtype=np.uint32).reshape(N, 2)
+    state = create_train_state(lambda *a: None, params, optax.sgd(0.1), seed=0).replace(dropout_rng=saved)
+    np.testing.assert_array_equal(np.asarray(sharding.replicate_state(state).dropout_rng), saved)
+    with pytest.raises(ValueError, match="dropout keys for 4 devices, this process has 8"):
+        sharding.replicate_state(state.replace(dropout_rng=saved[:4]))
+
+
 def test_per_device_keys_deterministic():
     a, b = sharding.per_device_keys(3), sharding.per_device_keys(3)
     np.testing.assert_array_equal(a, b)

@@ -47,9 +47,21 @@ def per_device_keys(seed_or_key, num_devices=None):
 
 
 def replicate_state(state):
-    """Replicate a host TrainState, giving each device its own dropout key."""
-    keys = per_device_keys(state.dropout_rng)
-    return replicate(state).replace(dropout_rng=jax.device_put(keys, _mesh_sharding()))
+    """Replicate a host TrainState, giving each device its own dropout key.
+
+    A fresh state carries one key (`[2]`), split here into one per device of the run. A restored
+    state carries the saved keys of this process's devices (`[local devices, 2]`, from
+    `Checkpointer.restore`); they are used as they are, or the resumed run would draw different
+    dropout masks than the uninterrupted one.
+    """
+    key = np.asarray(state.dropout_rng)
+    if key.ndim == 1:
+        keys = per_device_keys(state.dropout_rng)
+    elif key.shape[0] == jax.local_device_count():
+        keys = key
+    else:
+        raise ValueError(f"dropout keys for {key.shape[0]} devices, this process has {jax.local_device_count()}")
+    return replicate(state.replace(dropout_rng=None)).replace(dropout_rng=jax.device_put(keys, _mesh_sharding()))
 
 
 def process_slice(global_batch_size):
