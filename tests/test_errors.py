@@ -2,7 +2,9 @@
 
 import pytest
 
-from utils.errors import RunError, UsageError, debug_enabled, run_main
+import signal
+
+from utils.errors import RunError, Stopped, UsageError, at_exit, debug_enabled, run_main
 
 
 def raising(error):
@@ -52,3 +54,28 @@ def test_debug_enabled(monkeypatch):
     assert not debug_enabled([])
     monkeypatch.setenv("FLAXTUNE_DEBUG", "yes")
     assert debug_enabled([])
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_stopped_exits_128_plus_signal_without_traceback(capsys, signum, code):
+    assert run_main(raising(Stopped("saved step 3. To resume, rerun\n with --resume_from_checkpoint latest", signum)),
+                    argv=["--debug"]) == code
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["stopped: saved step 3. To resume, rerun with --resume_from_checkpoint latest"]
+
+
+def test_at_exit_callbacks_run_last_first_even_after_an_error(capsys):
+    calls = []
+    at_exit(lambda: calls.append("first"))
+    at_exit(lambda: calls.append("second"))
+    assert run_main(raising(RunError("boom")), argv=[]) == 1
+    assert calls == ["second", "first"]
+    assert run_main(lambda: None, argv=[]) == 0 and calls == ["second", "first"]  # each runs once
+
+
+def test_failing_at_exit_callback_is_reported_and_fails_a_good_run(capsys):
+    at_exit(raising(OSError("disk full")))
+    assert run_main(lambda: None, argv=[]) == 1
+    assert "error: OSError: disk full" in capsys.readouterr().err
+    at_exit(raising(OSError("disk full")))
+    assert run_main(raising(UsageError("bad flag")), argv=[]) == 2  # the first failure's code wins

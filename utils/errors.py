@@ -3,7 +3,9 @@
 A mistake by the user (bad flag, missing file, non-empty output dir) is a `UsageError`: exit 2.
 A failure while running (non-finite loss, disk full) is a `RunError`: exit 1. Either way the user
 sees one line on stderr naming the problem and the fix, not a traceback; `--debug` or
-`FLAXTUNE_DEBUG=1` shows the traceback too.
+`FLAXTUNE_DEBUG=1` shows the traceback too. A run stopped by SIGTERM / SIGINT after saving a
+checkpoint is `Stopped`: exit 128 + the signal number (143 / 130, what shells and schedulers expect
+of a process ended by that signal), with a line saying how to resume.
 """
 
 import os
@@ -23,6 +25,14 @@ class RunError(Exception):
     exit_code = 1
 
 
+class Stopped(Exception):
+    """Training stopped on a signal after saving a checkpoint. Exit code 128 + signal number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 def debug_enabled(argv=None) -> bool:
     argv = sys.argv[1:] if argv is None else argv
     return os.environ.get("FLAXTUNE_DEBUG", "") not in ("", "0") or "--debug" in argv
@@ -32,11 +42,35 @@ def _one_line(message: str) -> str:
     return " ".join(str(message).split())
 
 
+_at_exit = []
+
+
+def at_exit(callback):
+    """Have `run_main` call `callback()` once `main` has ended, however it ended (last registered first).
+
+    For work that must finish while the interpreter still runs, such as a checkpoint being written
+    in the background: `atexit` callbacks come after the thread pools that work needs are shut down.
+    """
+    _at_exit.append(callback)
+
+
 def run_main(main, argv=None) -> int:
-    """Run `main()` and turn any exception into one stderr line and an exit code."""
+    """Run `main()`, then the `at_exit` callbacks; any exception becomes one stderr line and an exit code."""
+    code = _run(main, argv)
+    while _at_exit:
+        exit_code = _run(_at_exit.pop(), argv)
+        code = code or exit_code
+    return code
+
+
+def _run(main, argv):
     try:
         main()
         return 0
+    except Stopped as stop:  # not a failure: no traceback, even with --debug
+        sys.stdout.flush()
+        print(f"stopped: {_one_line(stop)}", file=sys.stderr, flush=True)
+        return stop.exit_code
     except (UsageError, RunError) as error:
         failure, code, message = error, error.exit_code, _one_line(error)
     except KeyboardInterrupt as error:
