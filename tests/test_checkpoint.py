@@ -12,7 +12,9 @@ import pytest
 from flax import linen as nn
 from flax.jax_utils import replicate
 
-from utils.checkpoint import Checkpointer, HubPusher, export_pretrained, find_checkpoint_dir
+from utils.checkpoint import (Checkpointer, HubPusher, all_finite, checkpoint_steps, export_pretrained,
+                              find_checkpoint_dir, locate_checkpoint)
+from utils.errors import UsageError
 from utils.state import TrainState, create_train_state
 
 N_DEVICES = 8
@@ -204,6 +206,48 @@ def test_non_main_process_writes_nothing_but_can_read(tmp_path, trained_state):
     writer.close()
     _, meta = Checkpointer(str(directory), is_main_process=False).restore(None, fresh_state())
     assert meta == META
+
+
+def test_read_meta_and_delete_after(tmp_path, trained_state):
+    ckpt = Checkpointer(str(tmp_path), max_to_keep=None, async_save=False)
+    for step in (2, 4, 6):
+        ckpt.save(step, trained_state, {"step": step})
+    assert ckpt.read_meta(None) == {"step": 6} and ckpt.read_meta(4) == {"step": 4}
+    assert ckpt.delete_after(2) == [4, 6]
+    assert ckpt.all_steps() == [2] and checkpoint_steps(str(tmp_path)) == [2]
+    ckpt.close()
+
+
+def test_checkpoint_steps_skips_partial_saves(tmp_path):
+    for name in ("3", "12", "15.orbax-checkpoint-tmp-99", "notes"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "7").write_text("a file, not a step directory")
+    assert checkpoint_steps(str(tmp_path)) == [3, 12]
+    assert checkpoint_steps(str(tmp_path / "missing")) == []
+
+
+def test_locate_checkpoint_accepts_every_form(tmp_path):
+    out = tmp_path / "run"
+    checkpoints = out / "checkpoints"
+    for name in ("4", "8", "12.orbax-checkpoint-tmp"):
+        (checkpoints / name).mkdir(parents=True)
+    here = str(checkpoints)
+    assert locate_checkpoint("latest", str(out)) == (here, None)
+    assert locate_checkpoint("8", str(out)) == (here, 8)
+    assert locate_checkpoint(str(checkpoints / "4"), "elsewhere") == (here, 4)
+    assert locate_checkpoint(here, "elsewhere") == (here, None)
+    assert locate_checkpoint(str(out), "elsewhere") == (here, None)
+    with pytest.raises(UsageError, match="is an incomplete checkpoint"):
+        locate_checkpoint(str(checkpoints / "12.orbax-checkpoint-tmp"), "elsewhere")
+    with pytest.raises(UsageError, match="no checkpoint there; pass 'latest', a step number, a step directory"):
+        locate_checkpoint(str(tmp_path), "elsewhere")
+
+
+def test_all_finite(trained_state):
+    assert all_finite((trained_state.params, trained_state.opt_state))
+    broken = jax.tree.map(lambda x: x.at[0].set(jnp.nan) if x.ndim > 1 else x, trained_state.params)
+    assert not all_finite(broken)
+    assert all_finite({"count": jnp.zeros((), jnp.int32)})
 
 
 def test_find_checkpoint_dir():

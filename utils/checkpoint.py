@@ -5,7 +5,8 @@ A checkpoint step directory holds two orbax items:
   step once (the replicas are identical), dropout_rng as one row per device of the run
   (`[n_devices, ...]`), because every device draws its own dropout key and an exact resume needs them
   all.
-- "meta": a JSON dict chosen by the script (data position, a fingerprint of settings, ...).
+- "meta": a JSON dict chosen by the caller (`utils.run.Outputs` stores the step, the data position
+  and a fingerprint of the settings a resume must not change).
 
 Orbax writes each step into a `*.orbax-checkpoint-tmp*` directory and renames it when complete, so a
 save killed half-way never shows up in `all_steps`/`latest_step` and is never restored.
@@ -26,6 +27,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from utils.errors import UsageError
+
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -34,6 +37,52 @@ CHECKPOINT_SUBDIR = "checkpoints"
 def find_checkpoint_dir(output_dir: str) -> str:
     """Where a run keeps its checkpoints: `output_dir/checkpoints`."""
     return os.path.join(output_dir, CHECKPOINT_SUBDIR)
+
+
+def checkpoint_steps(directory: str) -> list[int]:
+    """Steps of the complete checkpoints in `directory`, found without opening any.
+
+    A save cut short leaves `<step>.orbax-checkpoint-tmp*`, which is not a step directory.
+    """
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory)
+                  if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+
+
+def locate_checkpoint(resume: str, output_dir: str) -> tuple[str, int | None]:
+    """(checkpoints directory, step or None for its latest) named by `--resume_from_checkpoint resume`.
+
+    `resume` is "latest" or a step number (both in `output_dir`), a step directory
+    (`out/checkpoints/120`), a checkpoints directory, or an output directory holding one.
+    """
+    if resume == "latest":
+        return find_checkpoint_dir(output_dir), None
+    if resume.isdigit():
+        return find_checkpoint_dir(output_dir), int(resume)
+    path = os.path.abspath(os.path.expanduser(resume))
+    parent, name = os.path.split(path)
+    if ".orbax-checkpoint-tmp" in name:
+        raise UsageError(f"--resume_from_checkpoint {resume} is an incomplete checkpoint (its save was cut short): "
+                         f"resume from a complete one in {parent}")
+    if name.isdigit() and int(name) in checkpoint_steps(parent):
+        return parent, int(name)
+    for directory in (path, find_checkpoint_dir(path)):
+        if checkpoint_steps(directory):
+            return directory, None
+    raise UsageError(f"--resume_from_checkpoint {resume}: no checkpoint there; pass 'latest', a step number, a step "
+                     "directory (OUTPUT_DIR/checkpoints/120), a checkpoints directory or an output directory")
+
+
+@jax.jit
+def _leaves_finite(leaves):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+
+def all_finite(tree) -> bool:
+    """Whether every floating-point value of `tree` (e.g. replicated params) is finite, checked on device."""
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return bool(_leaves_finite(leaves)) if leaves else True
 
 
 def _first_replica(x):
@@ -120,6 +169,18 @@ class Checkpointer:
         if saved:
             logger.info("Saving checkpoint at step %d to %s", step, self.directory)
         return saved
+
+    def read_meta(self, step: int | None) -> dict:
+        """The meta dict saved at `step` (None: the latest), without reading the state."""
+        step = self._resolve_step(step)
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def delete_after(self, step: int) -> list[int]:
+        """Delete the checkpoints of steps after `step`; returns their steps."""
+        later = [s for s in self.all_steps() if s > step]
+        for s in later:
+            self._manager.delete(s)
+        return later
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
