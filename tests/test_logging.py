@@ -76,6 +76,32 @@ def test_lines_are_on_disk_before_close(tmp_path):
     metrics.close()
 
 
+def test_rewind_makes_a_resumed_run_read_like_an_uninterrupted_one(tmp_path):
+    killed = MetricsLogger(tmp_path, progress=False)
+    for step in range(1, 7):
+        killed.log(step, {"loss": float(step)})
+    killed.log(4, {"loss": 0.4}, split="eval")
+    killed.close()
+    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": 7, "split": "tr')  # the torn last line of a kill -9
+
+    time.sleep(1.1)  # event files are named by the second: a restart within the same one would reuse the name
+    resumed = MetricsLogger(tmp_path, progress=False)
+    resumed.rewind(4)
+    assert [(r["step"], r["split"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [
+        (1, "train"), (2, "train"), (3, "train"), (4, "train"), (4, "eval")]
+    resumed.log(4, {"loss": 0.5}, split="eval")  # an evaluation the resumed run repeats replaces the old line
+    resumed.log(5, {"loss": 50.0})
+    resumed.close()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["split"], r["loss"]) for r in rows] == [
+        (1, "train", 1.0), (2, "train", 2.0), (3, "train", 3.0), (4, "train", 4.0), (4, "eval", 0.5), (5, "train", 50.0)]
+
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 50)]
+
+
 def test_rejects_non_scalar_and_reserved_names(tmp_path):
     metrics = MetricsLogger(tmp_path, tensorboard=False, progress=False)
     with pytest.raises(ValueError, match="shape"):

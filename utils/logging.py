@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 from tensorboardX import SummaryWriter
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tqdm.auto import tqdm
 
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
@@ -107,13 +108,21 @@ def _to_python(name, value):
     return int(scalar) if array.dtype.kind in "biu" else float(scalar)
 
 
+def _parse_line(line):
+    """A metrics.jsonl row, or None for a blank line or the torn last line of a killed run."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
 class MetricsLogger:
     """Writes each metrics dict to TensorBoard (tags `"{split}/{key}"`) and to `metrics.jsonl`.
 
     `metrics.jsonl` gets one JSON object per `log` call, `{"step", "split", "time", **metrics}`, flushed
-    at once so a killed run keeps every line. A resumed run appends to the file, so steps between the
-    restored checkpoint and the kill appear twice: readers should keep the last line per (split, step).
-    On a process other than the main one every method is a no-op and nothing is created.
+    at once so a killed run keeps every line. A resumed run calls `rewind(step)` first, so both files
+    read like one uninterrupted run. On a process other than the main one every method is a no-op and
+    nothing is created.
     """
 
     def __init__(self, output_dir, is_main_process=True, total_steps=None, tensorboard=True, progress=True):
@@ -124,10 +133,12 @@ class MetricsLogger:
         self._file = None
         self._bar = None
         self._postfix = {}
+        self._replaceable = set()
         if self._closed:
             return
         os.makedirs(output_dir, exist_ok=True)
-        self._file = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        self._path = os.path.join(output_dir, "metrics.jsonl")
+        self._file = open(self._path, "a", encoding="utf-8")
         if tensorboard:
             self._writer = SummaryWriter(logdir=str(output_dir))
 
@@ -140,6 +151,9 @@ class MetricsLogger:
             raise ValueError(f"metric names {clashes} are reserved in metrics.jsonl")
         values = {key: _to_python(key, value) for key, value in metrics.items()}
         step = int(step)
+        if (split, step) in self._replaceable:
+            self._replaceable.discard((split, step))
+            self._rewrite(lambda row: (row["split"], row["step"]) != (split, step))
         self._file.write(json.dumps({"step": step, "split": split, "time": time.time(), **values}) + "\n")
         self._file.flush()
         if self._writer is not None:
@@ -148,6 +162,35 @@ class MetricsLogger:
             self._writer.flush()
         if split == "train":
             self._update_postfix(values)
+
+    def rewind(self, step: int):
+        """Continue a run resumed from its checkpoint at `step`: forget what was logged after it.
+
+        metrics.jsonl keeps only its lines up to `step`; TensorBoard hides the events after it (a
+        SessionLog START at `step + 1`, as `SummaryWriter(purge_step=...)` writes). An eval or test
+        line at `step` itself is replaced if the resumed run logs it again (e.g. the final evaluation
+        of a run resumed from its last checkpoint).
+        """
+        if self._closed:
+            return
+        kept = self._rewrite(lambda row: row["step"] <= step)
+        self._replaceable = {(row["split"], step) for row in kept if row["step"] == step and row["split"] != "train"}
+        if self._writer is not None:
+            self._writer.file_writer.add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+            self._writer.flush()
+
+    def _rewrite(self, keep):
+        """Keep only the lines of metrics.jsonl whose row satisfies `keep`; returns those rows."""
+        self._file.close()
+        with open(self._path, encoding="utf-8") as f:
+            rows = [row for row in map(_parse_line, f) if row is not None]
+        kept = [row for row in rows if keep(row)]
+        # Written beside and renamed over: a kill mid-write leaves the old file, never half of one.
+        with open(self._path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row) + "\n" for row in kept)
+        os.replace(self._path + ".tmp", self._path)
+        self._file = open(self._path, "a", encoding="utf-8")
+        return kept
 
     def _update_postfix(self, values):
         for key, label, fmt in _POSTFIX_FIELDS:
