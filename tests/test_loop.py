@@ -26,7 +26,7 @@ class Writer:
 
 
 def make_loop(total=10, per_epoch=4, start=0, **args):
-    defaults = dict(do_eval=True, eval_steps=None, save_steps=3, logging_steps=2)
+    defaults = dict(do_eval=True, eval_steps=None, save_steps=3, logging_steps=2, save_on_epoch_end=False)
     training_args = SimpleNamespace(**{**defaults, **args})
     return TrainLoop(training_args, per_epoch, total, start, schedule=lambda step: 0.1 * step, writer=Writer(),
                      throughput=Throughput(), tokens_per_step=100, examples_per_step=4)
@@ -52,6 +52,24 @@ def test_no_eval_without_do_eval():
 def test_save_due():
     assert due(make_loop(), "save_due") == [3, 6, 9, 10]
     assert due(make_loop(save_steps=100), "save_due") == [10]
+    assert due(make_loop(save_steps=100, save_on_epoch_end=True), "save_due") == [4, 8, 10]
+
+
+def test_save_due_on_a_stop_request(monkeypatch):
+    from utils import preemption
+
+    loop = make_loop(save_steps=100)
+    monkeypatch.setattr(preemption, "stop_due", lambda step: step == 5)
+    assert due(loop, "save_due") == [5, 10]
+
+
+def test_save_refused_after_a_non_finite_loss():
+    """A save step checks the steps since the last log: a state reached through a nan is never saved."""
+    loop = make_loop(logging_steps=100, save_steps=3)
+    for step, loss in enumerate([1.0, np.nan, 1.0], start=1):
+        loop.after_step(step, device_sums(loss, 1))
+    with pytest.raises(RunError, match="training loss became nan at step 2"):
+        loop.save_due(3)
 
 
 def device_sums(loss, tokens):
@@ -84,12 +102,13 @@ def test_first_step_log_has_no_throughput():
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_non_finite_loss_raises_naming_step(bad):
-    loop = make_loop(logging_steps=3)
+def test_non_finite_loss_raises_naming_the_first_bad_step(bad):
+    loop = make_loop(logging_steps=4)
     loop.after_step(1, device_sums(1.0, 1))
     loop.after_step(2, device_sums(bad, 1))
-    with pytest.raises(RunError, match=rf"training loss became {bad} by step 3.*--learning_rate"):
-        loop.after_step(3, device_sums(1.0, 1))
+    loop.after_step(3, device_sums(bad, 1))
+    with pytest.raises(RunError, match=rf"training loss became {bad} at step 2: .*--learning_rate"):
+        loop.after_step(4, device_sums(1.0, 1))
 
 
 def test_write_results(tmp_path):

@@ -92,9 +92,12 @@ class TrainingArguments:
     logging_steps: int = _help("Log training metrics every X steps.", default=500)
     save_steps: int = _help("Save a checkpoint every X steps.", default=500)
     eval_steps: Optional[int] = _help("Evaluate every X steps; default: at the end of each epoch.", default=None)
+    save_on_epoch_end: bool = _help("Also save a checkpoint at the end of every epoch.", default=False)
     save_total_limit: Optional[int] = _help("Keep at most this many checkpoints (oldest deleted).", default=2)
     resume_from_checkpoint: Optional[str] = _help(
-        "Resume from a checkpoint directory, or 'latest' for the newest one in output_dir.", default=None
+        "Resume training exactly: 'latest' (the newest checkpoint in output_dir; a fresh start if there is none), "
+        "a step number, a step directory (OUTPUT_DIR/checkpoints/120), a checkpoints directory or an output "
+        "directory.", default=None
     )
     seed: int = _help("Random seed for initialization, shuffling and dropout.", default=42)
     push_to_hub: bool = _help("Upload the model to the Hugging Face hub at each save.", default=False)

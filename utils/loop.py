@@ -11,7 +11,7 @@ import os
 import jax
 import numpy as np
 
-from utils import data, sharding
+from utils import data, preemption, sharding
 from utils.errors import RunError
 from utils.metrics import token_weighted_means
 
@@ -79,13 +79,23 @@ class TrainLoop:
         if step % self.args.logging_steps == 0 or step == self.total_steps:
             self.log(step)
 
+    def _finite_window(self, step):
+        """The window's per-step sums on the host; RunError naming the first step whose loss is not finite.
+
+        Fetching the window is the only host sync of the loop (besides saves).
+        """
+        window = jax.device_get(self.window)
+        first = step - len(window) + 1
+        for offset, sums in enumerate(window):
+            loss = np.asarray(sums["loss"]).reshape(-1)[0]
+            if not np.isfinite(loss):
+                raise RunError(f"the training loss became {loss} at step {first + offset}: lower --learning_rate or "
+                               "use --dtype float32; the checkpoints saved before that step are kept")
+        return window
+
     def log(self, step):
-        # Fetching the window is the only host sync of the loop.
-        metrics = host_means(self.window)
+        metrics = host_means(self._finite_window(step))
         self.window = []
-        if not np.isfinite(metrics["loss"]):
-            raise RunError(f"the training loss became {metrics['loss']} by step {step}: lower --learning_rate "
-                           "or use --dtype float32; the last good checkpoint is kept")
         metrics["learning_rate"] = float(self.schedule(step - 1))
         if step > self.start_step + 1:  # fetching the window above waited for the device
             metrics.update(self.throughput.rates())
@@ -102,7 +112,14 @@ class TrainLoop:
         return due or step == self.total_steps
 
     def save_due(self, step):
-        return step % self.args.save_steps == 0 or step == self.total_steps
+        """Every `save_steps`, at the last step, at epoch ends with `save_on_epoch_end`, and when a
+        stop was requested (SIGTERM / SIGINT). Never for a state reached through a non-finite loss."""
+        stop = preemption.stop_due(step)  # first: multi-host agreement needs a call at every step
+        due = (stop or step % self.args.save_steps == 0 or step == self.total_steps
+               or (self.args.save_on_epoch_end and self.epoch_end(step)))
+        if due:
+            self._finite_window(step)
+        return due
 
 
 def write_results(output_dir, prefix, metrics, is_main_process):
