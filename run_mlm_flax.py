@@ -145,7 +145,8 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Outputs, resume
     # ------------------------------------------------------------------------------------------
-    outputs = Outputs(training_args, (model_args, data_args, training_args), model, tokenizer, total_steps, is_main)
+    outputs = Outputs(training_args, (model_args, data_args, training_args), model, tokenizer, total_steps, is_main,
+                      train_examples=sizes.get("train"))
     state, start_step = outputs.restore_or_start(state, logger)
 
     def evaluate():
@@ -176,7 +177,7 @@ def main(argv=None):
                 logger.info("%s", outputs.report("eval", evaluate(), step))
                 last_eval_step = step
             if loop.save_due(step):
-                outputs.save(step, state, {"epoch": step / steps_per_epoch})
+                outputs.save(step, state)
         outputs.results.update(train_runtime=round(time.time() - train_start, 2), train_samples=sizes["train"])
 
     # ------------------------------------------------------------------------------------------
