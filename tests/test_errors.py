@@ -3,6 +3,7 @@
 import pytest
 
 import signal
+import sys
 
 from utils.errors import RunError, Stopped, UsageError, at_exit, debug_enabled, run_main
 
@@ -78,4 +79,12 @@ def test_failing_at_exit_callback_is_reported_and_fails_a_good_run(capsys):
     assert run_main(lambda: None, argv=[]) == 1
     assert "error: OSError: disk full" in capsys.readouterr().err
     at_exit(raising(OSError("disk full")))
-    assert run_main(raising(UsageError("bad flag")), argv=[]) == 2  # the first failure's code wins
+    assert run_main(raising(UsageError("bad flag")), argv=[]) == 2  # main's failure decides, and comes last
+    assert capsys.readouterr().err.splitlines() == [
+        "error: OSError: disk full (rerun with --debug for the traceback)", "error: bad flag"]
+
+
+def test_main_failure_is_the_last_line(capsys):
+    at_exit(lambda: print("progress bar closing", file=sys.stderr))
+    assert run_main(raising(RunError("boom")), argv=[]) == 1
+    assert capsys.readouterr().err.splitlines() == ["progress bar closing", "error: boom"]

@@ -55,32 +55,43 @@ def at_exit(callback):
 
 
 def run_main(main, argv=None) -> int:
-    """Run `main()`, then the `at_exit` callbacks; any exception becomes one stderr line and an exit code."""
-    code = _run(main, argv)
+    """Run `main()`, then the `at_exit` callbacks; a failure becomes one stderr line and an exit code.
+
+    The line about `main` comes last, after anything the callbacks print (e.g. a progress bar closing).
+    """
+    failure = _call(main)
     while _at_exit:
-        exit_code = _run(_at_exit.pop(), argv)
-        code = code or exit_code
-    return code
+        late = _call(_at_exit.pop())
+        if late is not None and failure is None:
+            failure = late
+        elif late is not None:
+            _report(late, argv)
+    return 0 if failure is None else _report(failure, argv)
 
 
-def _run(main, argv):
+def _call(function):
+    """The exception `function()` raised (KeyboardInterrupt included), or None."""
     try:
-        main()
-        return 0
-    except Stopped as stop:  # not a failure: no traceback, even with --debug
+        function()
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - each one is reported by `_report`
+        return error
+    return None
+
+
+def _report(error, argv) -> int:
+    """Print the one line for `error` (and its traceback with --debug); returns the exit code."""
+    if isinstance(error, Stopped):  # not a failure: no traceback, even with --debug
         sys.stdout.flush()
-        print(f"stopped: {_one_line(stop)}", file=sys.stderr, flush=True)
-        return stop.exit_code
-    except (UsageError, RunError) as error:
-        failure, code, message = error, error.exit_code, _one_line(error)
-    except KeyboardInterrupt as error:
-        failure, code, message = error, 130, "interrupted"
-    except Exception as error:  # noqa: BLE001 - last line of defence: never show a bare traceback
-        failure, code = error, 1
-        message = f"{type(error).__name__}: {_one_line(error)} (rerun with --debug for the traceback)"
+        print(f"stopped: {_one_line(error)}", file=sys.stderr, flush=True)
+        return error.exit_code
+    if isinstance(error, (UsageError, RunError)):
+        code, message = error.exit_code, _one_line(error)
+    elif isinstance(error, KeyboardInterrupt):
+        code, message = 130, "interrupted"
+    else:  # last line of defence: never show a bare traceback
+        code, message = 1, f"{type(error).__name__}: {_one_line(error)} (rerun with --debug for the traceback)"
     if debug_enabled(argv):
-        # Outside the `except` blocks sys.exc_info() is empty: print the caught exception itself.
-        traceback.print_exception(failure)
+        traceback.print_exception(error)
     sys.stdout.flush()
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
