@@ -1,0 +1,209 @@
+"""Never lose a run: kill a training run at any moment and the resumed run ends exactly as if nothing happened.
+
+Tiny models with dropout (so every device's dropout key matters), 8 virtual CPU devices, 12 steps of
+6 per epoch, a checkpoint every 4. Each scenario is compared with one uninterrupted run of the same
+command: the exported parameters byte for byte, and every logged loss and learning rate.
+"""
+
+import glob
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from script_runner import ROOT, read_metrics, run_script, script_env
+from utils.checkpoint import checkpoint_steps
+
+TRAINING = ["--do_train", "--max_train_samples", 96, "--per_device_train_batch_size", 2, "--max_steps", 12,
+            "--learning_rate", 1e-3, "--logging_steps", 1, "--save_steps", 4]
+SCRIPTS = {
+    "summarization": ("run_summarization_flax.py", [
+        "--model_type", "t5", "--tokenizer_name", "data/summarization/tokenizer",
+        "--config_overrides", "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.1",
+        "--train_file", "data/summarization/train.jsonl", "--max_source_length", 32, "--max_target_length", 16]),
+    "clm": ("run_clm_flax.py", [
+        "--model_type", "gpt2", "--tokenizer_name", "data/lm/tokenizer",
+        "--config_overrides", "n_embd=32,n_layer=1,n_head=2,n_positions=32",  # GPT-2's dropouts are 0.1
+        "--train_file", "data/lm/train.txt", "--block_size", 16]),
+}
+
+
+@pytest.fixture(scope="module")
+def command(tmp_path_factory):
+    """command(name, output_dir, *extra): the script and its arguments (one compilation cache for all runs)."""
+    cache = str(tmp_path_factory.mktemp("jax_cache"))
+
+    def make(name, output_dir, *extra):
+        script, args = SCRIPTS[name]
+        return [os.path.join(ROOT, script), *map(str, args + TRAINING + ["--compilation_cache_dir", cache,
+                                                                          "--output_dir", output_dir, *extra])]
+
+    return make
+
+
+def run(argv, wrapper=()):
+    """Run `python [wrapper] script args` to the end; returns the CompletedProcess."""
+    return subprocess.run([sys.executable, *wrapper, *argv], cwd=ROOT, env=script_env(), capture_output=True,
+                          text=True, timeout=600)
+
+
+def run_ok(argv):
+    result = run(argv)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def interrupted(mode, step, argv):
+    return run(argv, wrapper=[os.path.join(ROOT, "tests", "interrupted_run.py"), mode, str(step)])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, command):
+    """uninterrupted(name): the output dir of the script's run that nothing stopped (made once)."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            out = str(tmp_path_factory.mktemp(f"{name}_uninterrupted"))
+            run_ok(command(name, out))
+            runs[name] = out
+        return runs[name]
+
+    return get
+
+
+def last_line(result):
+    return result.stderr.strip().splitlines()[-1]
+
+
+def logged(output_dir):
+    return [(row["step"], row["loss"], row["learning_rate"]) for row in read_metrics(output_dir)]
+
+
+def assert_same_run(output_dir, reference):
+    """Same final parameters (bytes), same loss and learning rate at every step, TensorBoard without repeats."""
+    with open(os.path.join(output_dir, "flax_model.msgpack"), "rb") as a, \
+            open(os.path.join(reference, "flax_model.msgpack"), "rb") as b:
+        assert a.read() == b.read(), "final parameters differ from the uninterrupted run"
+    assert logged(output_dir) == logged(reference)
+    assert [step for step, _, _ in logged(output_dir)] == list(range(1, 13))
+    events = EventAccumulator(output_dir)
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (step, pytest.approx(loss)) for step, loss, _ in logged(reference)]
+
+
+def snapshot(directory):
+    """{relative path: (size, mtime)} of every file under `directory`."""
+    return {os.path.relpath(os.path.join(root, name), directory): os.stat(os.path.join(root, name))[6:9:2]
+            for root, _, names in os.walk(directory) for name in names}
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path, command, uninterrupted, name):
+    reference, out = uninterrupted(name), str(tmp_path / "run")
+    process = subprocess.Popen([sys.executable, *command(name, out)], cwd=ROOT, env=script_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not os.path.isdir(os.path.join(out, "checkpoints", "4")):
+        assert process.poll() is None, "the run ended before its first checkpoint"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL
+    assert not os.path.exists(os.path.join(out, "all_results.json"))  # killed before the end
+
+    resumed = run_ok(command(name, out, "--resume_from_checkpoint", "latest"))
+    assert "resumed from the checkpoint of step" in resumed.stderr
+    assert_same_run(out, reference)
+
+
+def test_sigterm_mid_epoch_saves_stops_and_says_how_to_resume(tmp_path, command, uninterrupted):
+    reference, out = uninterrupted("summarization"), str(tmp_path / "run")
+    stopped = interrupted("sigterm-after-step", 3, command("summarization", out))  # epochs are 6 steps
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    message = last_line(stopped)
+    assert message.startswith(f"stopped: SIGTERM received: saved the checkpoint of step 3 in {out}/checkpoints. "
+                              "To resume, rerun the same command with --resume_from_checkpoint latest: python ")
+    assert "Traceback" not in stopped.stderr
+    assert checkpoint_steps(os.path.join(out, "checkpoints")) == [3]
+    assert [step for step, _, _ in logged(out)] == [1, 2, 3]  # logs flushed up to the stop
+
+    # The printed command, as a user would paste it.
+    resume = shlex.split(message.split("latest: ", 1)[1])
+    assert resume[0] == "python" and resume[-2:] == ["--resume_from_checkpoint", "latest"]
+    run_ok(resume[1:])
+    assert_same_run(out, reference)
+
+
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, command, uninterrupted):
+    reference, out = uninterrupted("summarization"), str(tmp_path / "run")
+    crashed = interrupted("sigkill-during-save", 8, command("summarization", out))
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+    checkpoints = os.path.join(out, "checkpoints")
+    assert glob.glob(os.path.join(checkpoints, "8.orbax-checkpoint-tmp*"))  # the half-written save
+    assert checkpoint_steps(checkpoints) == [4]
+
+    resumed = run_ok(command("summarization", out, "--resume_from_checkpoint", "latest"))
+    assert "resumed from the checkpoint of step 4" in resumed.stderr
+    assert_same_run(out, reference)
+    assert checkpoint_steps(checkpoints) == [8, 12]
+
+
+@pytest.mark.parametrize("flags, error, kept", [
+    # A learning rate of 1e30 after a warmup step at 0: step 2 takes the parameters near 1e30, which
+    # still give a finite loss in step 3 (the RMS norms overflow to zero) but non-finite parameters;
+    # step 4's loss is nan. The save check at step 4 finds it in the window and keeps checkpoint 2.
+    (["--warmup_steps", 2, "--save_steps", 2, "--logging_steps", 100],
+     "error: the training loss became nan at step 4: ", [2]),
+    # Without the warmup and saving every step: step 2's non-finite parameters are never saved.
+    (["--save_steps", 1], "error: the parameters became non-finite in step 2 (its loss was still finite)", [1]),
+])
+def test_non_finite_training_stops_naming_the_step_and_keeps_good_checkpoints(tmp_path, command, flags, error, kept):
+    out = str(tmp_path / "run")
+    result = run(command("summarization", out, "--learning_rate", 1e30, *flags))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert last_line(result).startswith(error)
+    assert checkpoint_steps(os.path.join(out, "checkpoints")) == kept
+
+
+def test_output_dir_with_checkpoints_needs_resume_or_overwrite(command, uninterrupted):
+    reference = uninterrupted("summarization")
+    before = snapshot(reference)
+    result = run(command("summarization", reference))
+    assert result.returncode == 2
+    message = last_line(result)
+    assert message.startswith("error: output directory") and "Traceback" not in result.stderr
+    assert "--resume_from_checkpoint latest" in message and "--overwrite_output_dir" in message
+    assert snapshot(reference) == before
+
+
+@pytest.mark.parametrize("change, difference", [
+    (["--per_device_train_batch_size", 1], "global batch size is 16 in the checkpoint but 8 in this run"),
+    (["--config_overrides", "d_model=64,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16"],
+     "model config 'd_model' is 32 in the checkpoint but 64 in this run"),
+    (["--max_train_samples", 80], "training examples is 96 in the checkpoint but 80 in this run"),
+])
+def test_incompatible_resume_is_refused_before_anything_is_written(tmp_path, command, uninterrupted, change,
+                                                                     difference):
+    out = str(tmp_path / "run")
+    shutil.copytree(uninterrupted("summarization"), out)
+    before = snapshot(out)
+    result = run(command("summarization", out, "--resume_from_checkpoint", "latest", *change))
+    assert result.returncode == 2
+    assert last_line(result).startswith(f"error: cannot resume from {out}/checkpoints/12: {difference} (set by ")
+    assert snapshot(out) == before
+
+
+def test_compatible_changes_continue_the_run(tmp_path, command, uninterrupted):
+    """More steps, other logging and save intervals: the finished run goes on from its last checkpoint."""
+    out = str(tmp_path / "run")
+    shutil.copytree(uninterrupted("summarization"), out)
+    run_ok(command("summarization", out, "--resume_from_checkpoint", "latest", "--max_steps", 14,
+                   "--logging_steps", 2, "--save_steps", 7))
+    assert [step for step, _, _ in logged(out)] == list(range(1, 13)) + [14]
+    assert checkpoint_steps(os.path.join(out, "checkpoints")) == [12, 14]
