@@ -1,9 +1,20 @@
-"""utils/run.py: the fingerprint a resumed run is checked against."""
+"""utils/run.py: the fingerprint a resumed run is checked against; what Outputs.save refuses and when it stops."""
 
+import os
+import signal
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
 from transformers import T5Config
 
+from utils import compat, preemption, sharding
 from utils.args import TrainingArguments
-from utils.run import fingerprint_difference, run_fingerprint
+from utils.errors import RunError, Stopped
+from utils.run import Outputs, fingerprint_difference, run_fingerprint
+from utils.state import create_train_state
 
 
 def fingerprint(train_examples=160, config=None, **training):
@@ -47,3 +58,55 @@ def test_eval_only_runs_compare_the_model_config_only():
     current = run_fingerprint(T5Config(d_model=32, num_layers=1), args)
     assert set(current) == {"model config"}
     assert fingerprint_difference(fingerprint(), current) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs.save: never a non-finite state; on a stop request, the checkpoint only, then Stopped
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def outputs(tmp_path, monkeypatch):
+    from transformers import FlaxT5ForConditionalGeneration
+
+    from utils import run
+
+    monkeypatch.setattr(run, "at_exit", lambda callback: None)  # run_main's list, which nothing here drains
+    compat.apply()
+    model = FlaxT5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                                    num_heads=2), seed=0)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True, per_device_train_batch_size=1)
+    outputs = Outputs(args, (args,), model, None, total_steps=4, is_main=True, train_examples=16)
+    state = create_train_state(model.__call__, model.params, optax.adamw(1e-3), seed=0)
+    yield outputs, sharding.replicate_state(state)
+    outputs.close()
+
+
+def test_save_stores_the_data_position_and_fingerprint(outputs):
+    outputs, state = outputs
+    outputs.save(3, state)
+    outputs.close()
+    meta = outputs.checkpointer.read_meta(3)
+    assert (meta["step"], meta["epoch"], meta["step_in_epoch"]) == (3, 1, 1)  # 2 steps per epoch
+    assert meta["fingerprint"] == outputs.fingerprint
+    assert os.path.exists(os.path.join(outputs.args.output_dir, "flax_model.msgpack"))
+
+
+def test_save_refuses_a_non_finite_state(outputs):
+    outputs, state = outputs
+    broken = state.replace(params=jax.tree.map(lambda x: x * jnp.nan, state.params))
+    with pytest.raises(RunError, match="the parameters became non-finite in step 3"):
+        outputs.save(3, broken)
+    outputs.close()
+    assert outputs.checkpointer.all_steps() == []
+
+
+def test_save_after_a_stop_request_writes_the_checkpoint_only_and_stops(outputs, monkeypatch):
+    outputs, state = outputs
+    monkeypatch.setattr(preemption, "_received", signal.SIGINT)
+    monkeypatch.setattr(sys, "argv", ["run_summarization_flax.py", "cfg.json"])
+    with pytest.raises(Stopped, match=r"^SIGINT received: saved the checkpoint of step 3 in .*/out/checkpoints\. To "
+                                      r"resume, .*: python run_summarization_flax.py cfg.json "
+                                      r"--resume_from_checkpoint latest$") as stop:
+        outputs.save(3, state)
+    assert stop.value.exit_code == 130
+    assert outputs.checkpointer.all_steps() == [3]  # already written: Stopped comes after the wait
+    assert not os.path.exists(os.path.join(outputs.args.output_dir, "flax_model.msgpack"))
