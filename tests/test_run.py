@@ -25,7 +25,7 @@ def fingerprint(train_examples=160, config=None, **training):
 def test_fingerprint_names_what_fixes_the_run():
     saved = fingerprint()
     assert saved["global batch size"] == 16 and saved["training examples"] == 160  # 2 x 8 devices
-    assert saved["seed"] == 42 and saved["optimizer"] == "adamw"
+    assert saved["seed"] == 42 and saved["optimizer"] == "adamw" and saved["devices"] == 8
     assert saved["model config"]["d_model"] == 32 and "transformers_version" not in saved["model config"]
 
 

@@ -83,6 +83,7 @@ _FINGERPRINT_HINTS = {
     "training examples": "the training data and --max_train_samples",
     "seed": "--seed",
     "optimizer": "--adafactor",
+    "devices": "the machine: every device has its own dropout key",
 }
 
 
@@ -91,7 +92,8 @@ def run_fingerprint(config, training_args, train_examples=None):
 
     The model config (shapes and everything the model computes with); when training also the
     global batch size, the number of training examples and the seed (together they fix the examples
-    of every step) and the optimizer (the structure of its state). Anything else may change.
+    of every step), the optimizer (the structure of its state) and the number of devices (one dropout
+    key each). Anything else may change.
     """
     config = json.loads(config.to_json_string(use_diff=False))
     fingerprint = {"model config": {k: v for k, v in config.items() if k not in _CONFIG_METADATA}}
@@ -102,6 +104,7 @@ def run_fingerprint(config, training_args, train_examples=None):
             "training examples": train_examples,
             "seed": training_args.seed,
             "optimizer": "adafactor" if training_args.adafactor else "adamw",
+            "devices": jax.device_count(),
         })
     return fingerprint
 
