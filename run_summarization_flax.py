@@ -25,7 +25,7 @@ from utils.errors import UsageError, run_main
 from utils.logging import throughput_meter
 from utils.loop import TrainLoop, eval_batches, host_means, train_batches
 from utils.metrics import rouge
-from utils.models import (clamp_length, fit_config_to_tokenizer, load_config, load_model, load_tokenizer,
+from utils.models import (fit_config_to_tokenizer, fit_length, load_config, load_model, load_tokenizer,
                           max_positions)
 from utils.optim import create_optimizer, learning_rate_schedule
 from utils.run import SPLIT_FLAGS, Outputs, check_before_work, needed_splits, set_up, training_plan
@@ -152,9 +152,10 @@ def main(argv=None):
     if config.decoder_start_token_id is None:
         raise UsageError(f"the {config.model_type} config has no decoder_start_token_id: set it in the config")
     encoder, decoder = (config.encoder, config.decoder) if config.model_type == "encoder-decoder" else (config, config)
-    clamp_length(data_args, "max_source_length", max_positions(encoder), logger)
+    data_args.max_source_length = fit_length(data_args.max_source_length, max_positions(encoder),
+                                             "max_source_length", logger)
     for name in ("max_target_length", "val_max_target_length"):
-        clamp_length(data_args, name, max_positions(decoder), logger)
+        setattr(data_args, name, fit_length(getattr(data_args, name), max_positions(decoder), name, logger))
     raw = data.load_splits(data_args, {s: files[s] for s in splits}, model_args.cache_dir, allowed=("json", "csv"))
     for split in splits:
         if split not in raw:

@@ -2,7 +2,6 @@
 
 import logging
 import time
-from types import SimpleNamespace
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -10,7 +9,7 @@ from transformers import PreTrainedTokenizerFast, T5Config
 
 from utils.args import ModelArguments
 from utils.errors import UsageError
-from utils.models import clamp_length, fit_config_to_tokenizer, load_config, load_tokenizer, max_positions
+from utils.models import fit_config_to_tokenizer, fit_length, load_config, load_tokenizer, max_positions
 
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
 
@@ -121,12 +120,10 @@ def test_max_positions(model_type, overrides, limit):
     assert max_positions(config) == limit
 
 
-def test_clamp_length(caplog):
-    args = SimpleNamespace(max_source_length=1024, max_target_length=64, block_size=None)
+def test_fit_length(caplog):
     logger = logging.getLogger("flaxtune.test")
     with caplog.at_level(logging.WARNING):
-        for name in ("max_source_length", "max_target_length", "block_size"):
-            clamp_length(args, name, 128, logger)
-        clamp_length(args, "max_source_length", None, logger)  # no limit
-    assert (args.max_source_length, args.max_target_length, args.block_size) == (128, 64, None)
+        assert fit_length(1024, 128, "max_source_length", logger) == 128
+        assert fit_length(64, 128, "max_target_length", logger) == 64
+        assert fit_length(1024, None, "block_size", logger) == 1024  # no limit
     assert caplog.messages == ["--max_source_length 1024 is more than the model's 128 positions: using 128"]

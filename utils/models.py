@@ -121,13 +121,13 @@ def max_positions(config):
     return limit
 
 
-def clamp_length(args, name, limit, logger):
-    """Lower `args.<name>` to `limit` with a warning: JAX does not bounds-check the position lookup,
-    so longer sequences would silently compute with wrong positions."""
-    value = getattr(args, name)
+def fit_length(value, limit, flag, logger):
+    """`value`, lowered to `limit` with a warning: JAX does not bounds-check the position lookup, so
+    longer sequences would silently compute with wrong positions."""
     if limit is not None and value is not None and value > limit:
-        logger.warning("--%s %d is more than the model's %d positions: using %d", name, value, limit, limit)
-        setattr(args, name, limit)
+        logger.warning("--%s %d is more than the model's %d positions: using %d", flag, value, limit, limit)
+        return limit
+    return value
 
 
 def load_tokenizer(model_args):
