@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from utils import lm, sharding
-from utils.args import TrainingArguments
+from utils.args import ModelArguments, TrainingArguments
 from utils.errors import UsageError
 from utils.steps import cross_entropy_sums
 
@@ -229,11 +229,15 @@ def test_csv_and_json_inputs(tmp_path, tokenizer):
 
 def test_check_before_work(tmp_path):
     train = write_txt(tmp_path / "train.txt", ["a line"])
-    lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(train_file=train))  # held-out part
+    model = ModelArguments(model_type="gpt2", tokenizer_name=str(tmp_path))
+    lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(train_file=train), model)  # held-out part
     with pytest.raises(UsageError, match="--do_predict"):
-        lm.check_before_work(training_args(tmp_path, do_predict=True), data_args(train_file=train))
+        lm.check_before_work(training_args(tmp_path, do_predict=True), data_args(train_file=train), model)
     with pytest.raises(UsageError, match="--validation_file"):
-        lm.check_before_work(training_args(tmp_path, do_eval=True), data_args())
+        lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(), model)
+    with pytest.raises(UsageError, match=r"--text_column 'body' is not a column of the train data; its columns: text"):
+        lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(train_file=train, text_column="body"),
+                             model)
     with pytest.raises(UsageError, match="validation_split_percentage"):
         data_args(validation_split_percentage=100)
 

@@ -44,15 +44,18 @@ class LMDataArguments(BaseDataArguments):
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
-def check_before_work(training_args, data_args):
+def check_before_work(training_args, data_args, model_args):
     """`run.check_before_work` for LM data: a validation file is optional when a train file is given
-    (evaluation then uses the part of the training data `load_splits` holds out)."""
+    (evaluation then uses the part of the training data `load_splits` holds out). An explicit
+    `--text_column` is checked against the local files' columns now, not after loading them."""
     if training_args.do_predict:
         raise UsageError("--do_predict does not apply to language modeling (there is no test split): use --do_eval")
     files = {"train": data_args.train_file}
     if data_args.validation_file or not data_args.train_file:
         files["validation"] = data_args.validation_file
-    run.check_before_work(training_args, data_args, files, allowed=FILE_FORMATS)
+    columns = run.check_before_work(training_args, data_args, files, allowed=FILE_FORMATS, model_args=model_args)
+    if data_args.text_column and not data_args.dataset_name:
+        data.require_columns(columns, (("text_column", data_args.text_column),))
 
 
 def load_splits(data_args, training_args, cache_dir=None):
