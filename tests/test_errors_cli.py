@@ -19,6 +19,8 @@ import time
 import pytest
 from huggingface_hub import constants
 
+import run_clm_flax as clm
+import run_mlm_flax as mlm
 import run_summarization_flax as summarization
 from script_runner import ROOT, run_script, script_env
 from utils import hub
@@ -28,6 +30,8 @@ from utils.run import Outputs
 
 DATA = os.path.join(ROOT, "data", "summarization")
 TOKENIZER = os.path.join(DATA, "tokenizer")
+LM_TOKENIZER = os.path.join(ROOT, "data", "lm", "tokenizer")
+LM_TRAIN = os.path.join(ROOT, "data", "lm", "train.txt")
 TINY_T5 = "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.0"
 # A port nothing listens on: "connection refused" at once, like a machine without a network.
 UNREACHABLE = "http://127.0.0.1:9"
@@ -83,24 +87,31 @@ def check_failure(code, returncode, stderr, pattern):
     assert last.startswith("error: ") and re.search(pattern, last), last
 
 
+def stop_at_model(monkeypatch, error):
+    def load_model(*args, **kwargs):
+        raise error
+
+    for script in (summarization, clm, mlm):
+        monkeypatch.setattr(script, "load_model", load_model)
+
+
+def run_in_process(script, argv, tmp_path):
+    """(exit code, stderr is read by the caller) of `script.main(argv)` under `run_main`, as the script runs it."""
+    argv = [str(a) for a in argv] + ["--compilation_cache_dir", "none", "--cache_dir", str(tmp_path / "cache")]
+    return run_main(lambda: script.main(argv), argv)
+
+
 @pytest.fixture
 def fails(monkeypatch, capsys, tmp_path):
-    """fails(argv, pattern, code=2, out=...): run main in-process; check the error and the output dir."""
+    """fails(argv, pattern, code=2, out=..., script=...): run main in-process; check the error and the output dir."""
+    stop_at_model(monkeypatch, AssertionError("the model was built before the error was found"))
 
-    def no_model(*args, **kwargs):
-        raise AssertionError("the model was built before the error was found")
-
-    monkeypatch.setattr(summarization, "load_model", no_model)
-
-    def run(argv, pattern, code=2, out=None):
+    def run(argv, pattern, code=2, out=None, script=summarization):
         out = str(out or tmp_path / "out")
-        argv = [str(a) for a in argv] + ["--output_dir", out, "--compilation_cache_dir", "none",
-                                         "--cache_dir", str(tmp_path / "cache")]
         before = snapshot(out)
-        returncode = run_main(lambda: summarization.main(argv), argv)
+        returncode = run_in_process(script, [*argv, "--output_dir", out], tmp_path)
         check_failure(code, returncode, capsys.readouterr().err, pattern)
         assert snapshot(out) == before
-        return returncode
 
     return run
 
@@ -315,22 +326,90 @@ def test_long_inputs_clamped_and_empty_examples_dropped(tmp_path, capsys, monkey
     """Lengths beyond BART's 64 positions are clamped with a warning, and empty examples dropped with a
     count, all before the model is built; the 5 usable examples, fewer than one global batch of 8, are
     fine for evaluation (padded, see test_run_summarization)."""
-    def built(auto_class, model_args, config, dtype, seed):
-        raise RunError("stopped where the model would be built")
-
-    monkeypatch.setattr(summarization, "load_model", built)
+    stop_at_model(monkeypatch, RunError("stopped where the model would be built"))
     bart = ("d_model=16,encoder_layers=1,decoder_layers=1,encoder_attention_heads=2,decoder_attention_heads=2,"
             "encoder_ffn_dim=32,decoder_ffn_dim=32,max_position_embeddings=64")
-    argv = ["--model_type", "bart", "--config_overrides", bart, "--tokenizer_name", os.path.join(ROOT, "data", "lm", "tokenizer"),
-            "--validation_file", write_jsonl(tmp_path / "valid.jsonl", rows(5) + rows(2, document="")), "--do_eval",
-            "--max_source_length", "512", "--max_target_length", "100", "--output_dir", str(tmp_path / "out"),
-            "--compilation_cache_dir", "none", "--cache_dir", str(tmp_path / "cache")]
-    assert run_main(lambda: summarization.main(argv), argv) == 1
+    valid = write_jsonl(tmp_path / "valid.jsonl", rows(5) + rows(2, document=""))
+    assert run_in_process(summarization, [
+        "--model_type", "bart", "--config_overrides", bart, "--tokenizer_name", LM_TOKENIZER, "--validation_file",
+        valid, "--do_eval", "--max_source_length", 512, "--max_target_length", 100, "--output_dir", tmp_path / "out"],
+        tmp_path) == 1
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == "error: stopped where the model would be built"
     for name, value in (("max_source_length", 512), ("max_target_length", 100), ("val_max_target_length", 100)):
         assert f"--{name} {value} is more than the model's 64 positions: using 64" in err
     assert "validation: dropped 2 examples with an empty document or summary" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Language modeling scripts: the same checks
+# ---------------------------------------------------------------------------------------------
+LM_SCRIPTS = {
+    "clm": (clm, ["--model_type", "gpt2", "--config_overrides", "n_embd=32,n_layer=1,n_head=2,n_positions=64",
+                  "--block_size", 32], "block_size", 64),
+    "mlm": (mlm, ["--model_type", "roberta", "--config_overrides", "hidden_size=32,num_hidden_layers=1,"
+                  "num_attention_heads=2,intermediate_size=64,max_position_embeddings=34", "--max_seq_length", 32],
+            "max_seq_length", 32),
+}
+
+
+@pytest.fixture(scope="module")
+def lm_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lm")
+    (d / "latin1.txt").write_bytes(b"one line\nna\xefve\n")
+    (d / "broken.jsonl").write_text('{"text": "a b"}\n{"text": "a b"\n')
+    (d / "titles.csv").write_text("text,title\nAnn met Bob.,Meeting\n")
+    return {name: str(d / name) for name in ("latin1.txt", "broken.jsonl", "titles.csv")}
+
+
+def lm_args(name, *args, train=LM_TRAIN):
+    script, model, _, _ = LM_SCRIPTS[name]
+    return script, [*model, "--tokenizer_name", LM_TOKENIZER, "--train_file", train, "--do_train",
+                    "--per_device_train_batch_size", 1, *args]
+
+
+@pytest.mark.parametrize("name", LM_SCRIPTS)
+@pytest.mark.parametrize("file, args, pattern", [
+    ("latin1.txt", [], r"latin1\.txt is not UTF-8 text: byte 0xef at offset 11 \(line 2\)"),
+    ("broken.jsonl", [], r"broken\.jsonl:2 is not valid JSON"),
+    ("titles.csv", ["--text_column", "body"], r"--text_column 'body' is not a column of the train data; its "
+                                               r"columns: text, title"),
+    (None, ["--learnin_rate", 1], r"unknown argument --learnin_rate; did you mean '--learning_rate'"),
+    (None, ["--max_train_samples", 0], r"--max_train_samples must be a positive number"),
+    (None, ["--do_predict"], r"--do_predict does not apply to language modeling"),
+    (None, ["--max_train_samples", 3], r"3 training examples are fewer than one global batch of 8"),
+    (None, ["--tokenizer_name", "./no/such/tokenizer"], r"--tokenizer_name ./no/such/tokenizer not found"),
+])
+def test_lm_scripts(fails, lm_files, name, file, args, pattern):
+    script, argv = lm_args(name, *args, train=lm_files[file] if file else LM_TRAIN)
+    fails(argv, pattern, script=script)
+
+
+@pytest.mark.parametrize("name, model_type, task", [("clm", "t5", "causal-lm"), ("mlm", "gpt2", "masked-lm")])
+def test_lm_model_type_the_script_cannot_train(fails, name, model_type, task):
+    script, argv = lm_args(name)
+    fails(["--model_type", model_type, *argv[4:]], rf"model type '{model_type}' cannot be trained by this script "
+                                                  rf"\({task}\)", script=script)
+
+
+@pytest.mark.parametrize("name", LM_SCRIPTS)
+def test_lm_hub_model_without_network(fails, hub_online, name):
+    hub_online(UNREACHABLE)
+    script, argv = lm_args(name)
+    fails(["--model_name_or_path", "gpt2", *argv[4:]], r"could not load model config 'gpt2': .* the hub at "
+                                                       r"http://127\.0\.0\.1:9 is unreachable", script=script)
+
+
+@pytest.mark.parametrize("name", LM_SCRIPTS)
+def test_lm_length_clamped_before_the_model(tmp_path, capsys, monkeypatch, name):
+    stop_at_model(monkeypatch, RunError("stopped where the model would be built"))
+    script, argv = lm_args(name, "--max_train_samples", 64)
+    _, _, flag, limit = LM_SCRIPTS[name]
+    argv[argv.index(f"--{flag}") + 1] = 512
+    assert run_in_process(script, [*argv, "--output_dir", tmp_path / "out"], tmp_path) == 1
+    err = capsys.readouterr().err
+    assert f"--{flag} 512 is more than the model's {limit} positions: using {limit}" in err
+    assert err.strip().splitlines()[-1] == "error: stopped where the model would be built"
 
 
 # ---------------------------------------------------------------------------------------------
