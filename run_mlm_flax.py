@@ -38,7 +38,10 @@ class DataTrainingArguments(lm.LMDataArguments):
         default=None, metadata={"help": "Tokens per example (default: min(512, the tokenizer's max length); at most "
                                         "the model's positions). Longer lines are truncated with --line_by_line."}
     )
-    mlm_probability: float = field(default=0.15, metadata={"help": "Share of the tokens masked for prediction."})
+    mlm_probability: float = field(
+        default=0.15, metadata={"help": "Share of the ordinary (non-special) tokens to predict: 80% of them are "
+                                        "masked, 10% replaced by a random token, 10% left as they are."}
+    )
     line_by_line: bool = field(
         default=False, metadata={"help": "One example per non-blank line instead of concatenated blocks."}
     )
