@@ -25,7 +25,8 @@ TRAINING = ["--do_train", "--max_train_samples", 96, "--per_device_train_batch_s
 SCRIPTS = {
     "summarization": ("run_summarization_flax.py", [
         "--model_type", "t5", "--tokenizer_name", "data/summarization/tokenizer",
-        "--config_overrides", "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.1",
+        "--config_overrides",
+        "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.1",
         "--train_file", "data/summarization/train.jsonl", "--max_source_length", 32, "--max_target_length", 16]),
     "clm": ("run_clm_flax.py", [
         "--model_type", "gpt2", "--tokenizer_name", "data/lm/tokenizer",

@@ -8,9 +8,15 @@ checkpoint is `Stopped`: exit 128 + the signal number (143 / 130, what shells an
 of a process ended by that signal), with a line saying how to resume.
 """
 
+import errno
 import os
 import sys
 import traceback
+
+# How a full disk shows: OSError's errno, or the message of libraries that wrap it (tensorstore,
+# under orbax, raises ValueError("... No space left on device [os_error_code='28']")).
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_TEXTS = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
 
 
 class UsageError(Exception):
@@ -31,6 +37,15 @@ class Stopped(Exception):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error`, or an exception it was raised from, says the disk (or quota) is full."""
+    while error is not None:
+        if getattr(error, "errno", None) in _DISK_FULL_ERRNOS or any(t in str(error) for t in _DISK_FULL_TEXTS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def debug_enabled(argv=None) -> bool:
@@ -54,19 +69,35 @@ def at_exit(callback):
     _at_exit.append(callback)
 
 
+def _close_progress_bars():
+    """A bar the failure left open would redraw itself below the error line when Python exits."""
+    tqdm = sys.modules.get("tqdm.std")
+    if tqdm is not None:
+        for bar in list(tqdm.tqdm._instances):
+            bar.close()
+
+
 def run_main(main, argv=None) -> int:
     """Run `main()`, then the `at_exit` callbacks; a failure becomes one stderr line and an exit code.
 
-    The line about `main` comes last, after anything the callbacks print (e.g. a progress bar closing).
+    The line about `main` comes last, after anything the callbacks print.
     """
-    failure = _call(main)
-    while _at_exit:
-        late = _call(_at_exit.pop())
-        if late is not None and failure is None:
-            failure = late
-        elif late is not None:
-            _report(late, argv)
-    return 0 if failure is None else _report(failure, argv)
+    debug, previous_hook = debug_enabled(argv), sys.unraisablehook
+    if not debug:
+        # Exceptions a library could not raise (orbax's callbacks into a closed event loop after a
+        # failed save) are ignored by Python anyway; only --debug prints their tracebacks.
+        sys.unraisablehook = lambda unraisable: None
+    try:
+        failure = _call(main)
+        while _at_exit:
+            late = _call(_at_exit.pop())
+            if late is not None and failure is None:
+                failure = late
+            elif late is not None:
+                _report(late, debug)
+    finally:
+        sys.unraisablehook = previous_hook
+    return 0 if failure is None else _report(failure, debug)
 
 
 def _call(function):
@@ -78,8 +109,9 @@ def _call(function):
     return None
 
 
-def _report(error, argv) -> int:
+def _report(error, debug) -> int:
     """Print the one line for `error` (and its traceback with --debug); returns the exit code."""
+    _close_progress_bars()
     if isinstance(error, Stopped):  # not a failure: no traceback, even with --debug
         sys.stdout.flush()
         print(f"stopped: {_one_line(error)}", file=sys.stderr, flush=True)
@@ -88,9 +120,12 @@ def _report(error, argv) -> int:
         code, message = error.exit_code, _one_line(error)
     elif isinstance(error, KeyboardInterrupt):
         code, message = 130, "interrupted"
+    elif is_disk_full(error):
+        code, message = 1, (f"no space left on device ({_one_line(error)[:300]}): free some space, or choose "
+                            "another --output_dir / --cache_dir")
     else:  # last line of defence: never show a bare traceback
         code, message = 1, f"{type(error).__name__}: {_one_line(error)} (rerun with --debug for the traceback)"
-    if debug_enabled(argv):
+    if debug:
         traceback.print_exception(error)
     sys.stdout.flush()
     print(f"error: {message}", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """Script scaffolding shared by every `run_*_flax.py`: start-up checks, set-up, the training plan,
 and the run's outputs (results files, checkpoints, Hugging Face export, hub pushes)."""
 
+import contextlib
 import json
 import logging
 import os
@@ -8,12 +9,13 @@ import shutil
 
 import jax
 import numpy as np
+from huggingface_hub import get_token
 
-from utils import compat, data, preemption, sharding
+from utils import compat, data, hub, preemption, sharding
 from utils.args import check_output_dir, check_phases, public_args, save_args
 from utils.checkpoint import (Checkpointer, HubPusher, all_finite, checkpoint_steps, export_pretrained,
                               find_checkpoint_dir, locate_checkpoint)
-from utils.errors import RunError, Stopped, UsageError, at_exit
+from utils.errors import RunError, Stopped, UsageError, at_exit, is_disk_full
 from utils.logging import MetricsLogger, setup_logging
 from utils.loop import write_results
 
@@ -23,22 +25,44 @@ SPLIT_FLAGS = {"train": ("do_train", "--train_file"), "validation": ("do_eval", 
                "test": ("do_predict", "--test_file")}
 
 
-def check_before_work(training_args, data_args, files, allowed):
-    """Everything that can be checked before a model or dataset is touched.
+def check_before_work(training_args, data_args, files, allowed, model_args=None):
+    """Everything that can be checked before a model or dataset is touched; returns the columns of
+    the local data files ({split: names}, where a cheap pre-read found them).
 
     `files` maps split -> local path (or None); a phase needs its split's file or a hub dataset.
+    Names that are not local paths (`model_args`' model, config and tokenizer, the dataset) make
+    one short probe of the hub, which switches to offline mode if it does not answer.
     """
     check_phases(training_args)
-    check_output_dir(training_args, has_checkpoint=bool(checkpoint_steps(find_checkpoint_dir(training_args.output_dir))))
-    if training_args.push_to_hub and not training_args.hub_token:
-        raise UsageError("--push_to_hub needs --hub_token (a token with write access to the repository)")
+    has_checkpoint = bool(checkpoint_steps(find_checkpoint_dir(training_args.output_dir)))
+    check_output_dir(training_args, has_checkpoint=has_checkpoint)
+    if training_args.push_to_hub and not (training_args.hub_token or get_token()):
+        raise UsageError("--push_to_hub needs --hub_token (a token with write access to the repository) "
+                         "or a saved login (huggingface-cli login)")
+    columns = {}
     for split, (phase, option) in SPLIT_FLAGS.items():
         if split not in files:
             continue
         if getattr(training_args, phase) and not data_args.dataset_name and not files[split]:
             raise UsageError(f"--{phase} needs {split} data: pass {option} or --dataset_name")
         if files[split]:
-            data.file_builder(files[split], allowed)
+            names = data.check_file(files[split], allowed)
+            if names is not None:
+                columns[split] = names
+    names = {"dataset_name": data_args.dataset_name}
+    if model_args is not None:
+        names.update(model_name_or_path=model_args.model_name_or_path, config_name=model_args.config_name,
+                     tokenizer_name=model_args.tokenizer_name)
+    for flag, name in names.items():
+        if name and hub.looks_like_path(name) and not os.path.exists(name):
+            raise UsageError(f"--{flag} {name} not found: check the path")
+    offline = hub.check_access(names.values(), need_hub=training_args.push_to_hub)
+    if training_args.push_to_hub:
+        if offline:
+            raise UsageError(f"--push_to_hub needs the hub, but {offline}: run where it is reachable, or drop "
+                             "--push_to_hub")
+        hub.check_token(training_args.hub_token)
+    return columns
 
 
 def needed_splits(training_args, splits=("train", "validation", "test")):
@@ -118,7 +142,8 @@ def fingerprint_difference(saved, current):
         if name == "model config":
             key = next(k for k in sorted(set(value) | set(saved_value)) if value.get(k) != saved_value.get(k))
             what, saved_value, value = f"model config {key!r}", saved_value.get(key), value.get(key)
-        return f"{what} is {saved_value!r} in the checkpoint but {value!r} in this run (set by {_FINGERPRINT_HINTS[name]})"
+        return (f"{what} is {saved_value!r} in the checkpoint but {value!r} in this run "
+                f"(set by {_FINGERPRINT_HINTS[name]})")
     return None
 
 
@@ -137,6 +162,14 @@ class Outputs:
         training = training_args.do_train
         self.steps_per_epoch = training_plan(training_args, train_examples)[1] if training else None
         self.fingerprint = run_fingerprint(model.config, training_args, train_examples if training else None)
+        self.pusher = None
+        if training_args.push_to_hub and is_main:  # first: a bad token or name leaves the output dir as it was
+            repo_id = training_args.hub_model_id or os.path.basename(os.path.abspath(out))
+            try:
+                self.pusher = HubPusher(repo_id, training_args.hub_token, out)
+            except OSError as e:  # requests' HTTP and connection errors
+                raise UsageError(f"could not create the hub repository {repo_id!r}: {e}; check --hub_token "
+                                 "(it needs write access) and --hub_model_id") from e
         checkpoint_dir = find_checkpoint_dir(out)
         fresh_training = training and training_args.overwrite_output_dir and not training_args.resume_from_checkpoint
         if is_main and fresh_training:
@@ -151,10 +184,6 @@ class Outputs:
         os.makedirs(out, exist_ok=True)
         if is_main:
             save_args(out, *all_args)
-        self.pusher = None
-        if training_args.push_to_hub and is_main:
-            repo_id = training_args.hub_model_id or os.path.basename(os.path.abspath(out))
-            self.pusher = HubPusher(repo_id, training_args.hub_token, out)
         self.writer = MetricsLogger(out, is_main_process=is_main, total_steps=total_steps)
         self.writer.hparams(public_args(*all_args))
         self.results = {}
@@ -216,6 +245,23 @@ class Outputs:
                              "or start a new run with --overwrite_output_dir or another --output_dir")
         return checkpointer, step
 
+    @contextlib.contextmanager
+    def _saving(self):
+        """A full disk while saving becomes a RunError that says which checkpoint is intact.
+
+        Saves are asynchronous: a failed write shows up at the next save or at the final wait.
+        """
+        try:
+            yield
+        except Exception as error:
+            if not is_disk_full(error):
+                raise
+            latest = self.checkpointer.latest_step()
+            kept = ("no checkpoint was completed" if latest is None else
+                    f"the checkpoint of step {latest} is intact (resume with --resume_from_checkpoint latest)")
+            raise RunError(f"no space left on device while saving to {self.args.output_dir}: free some space or "
+                           f"choose another --output_dir; {kept}") from error
+
     def save(self, step, state):
         """Full-state checkpoint (with the data position and fingerprint), Hugging Face export beside
         it, and a hub push.
@@ -229,15 +275,18 @@ class Outputs:
             raise RunError(f"the parameters became non-finite in step {step} (its loss was still finite): lower "
                            "--learning_rate; the checkpoints saved before that step are kept")
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
-        self.checkpointer.save(step, state, {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
-                                             "fingerprint": self.fingerprint})
+        with self._saving():
+            self.checkpointer.save(step, state, {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
+                                                 "fingerprint": self.fingerprint})
         if preemption.stop_due(step):
             self.close()
             signal = preemption.stop_signal()
             raise Stopped(f"{signal.name} received: saved the checkpoint of step {step} in "
-                          f"{self.checkpointer.directory}. To resume, rerun the same command with --resume_from_checkpoint "
-                          f"latest: {preemption.resume_command()}", signal)
-        export_pretrained(self.model, state.params, self.tokenizer, self.args.output_dir, is_main_process=self.is_main)
+                          f"{self.checkpointer.directory}. To resume, rerun the same command with "
+                          f"--resume_from_checkpoint latest: {preemption.resume_command()}", signal)
+        with self._saving():
+            export_pretrained(self.model, state.params, self.tokenizer, self.args.output_dir,
+                              is_main_process=self.is_main)
         if self.pusher:
             self.pusher.push(f"step {step}")
         if step == self.total_steps:
@@ -257,15 +306,19 @@ class Outputs:
 
     def close(self):
         """Wait for checkpoints being written and flush the logs. Safe to call more than once."""
-        self.checkpointer.wait()
-        self.writer.close()
-        preemption.uninstall()
+        try:
+            with self._saving():
+                self.checkpointer.wait()
+        finally:
+            self.writer.close()
+            preemption.uninstall()
 
     def finish(self):
         if self.is_main:
             with open(os.path.join(self.args.output_dir, "all_results.json"), "w", encoding="utf-8") as f:
                 json.dump(self.results, f, indent=2)
         self.close()
+        self.checkpointer.close()
         if self.pusher:
             self.pusher.push("end of training")
             self.pusher.wait()
