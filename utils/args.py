@@ -105,6 +105,15 @@ class TrainingArguments:
         "JAX persistent compilation cache directory; 'none' turns it off.", default="~/.cache/flaxtune/jax"
     )
     debug: bool = _help("Show full tracebacks on errors.", default=False)
+    coordinator_address: Optional[str] = _help(
+        "Multi-host: host:port of process 0, the same on every process (default: $JAX_COORDINATOR_ADDRESS; "
+        "found automatically on TPU pods).", default=None
+    )
+    num_processes: Optional[int] = _help(
+        "Multi-host: number of processes (default: $JAX_NUM_PROCESSES; 1 turns multi-host set-up off).", default=None
+    )
+    process_id: Optional[int] = _help("Multi-host: this process's index, 0 to num_processes - 1 "
+                                      "(default: $JAX_PROCESS_ID).", default=None)
 
     def __post_init__(self):
         positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -122,6 +131,7 @@ class TrainingArguments:
         if self.lr_scheduler_type not in SCHEDULES:
             raise UsageError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown: use one of {', '.join(SCHEDULES)}")
         self.output_dir = os.path.expanduser(self.output_dir)
+        check_distributed(self.coordinator_address, self.num_processes, self.process_id)
 
 
 class ArgumentParser(HfArgumentParser):
@@ -238,6 +248,19 @@ def check_output_dir(training_args, has_checkpoint: bool):
             f"output directory {out} already exists and is not empty: use {hint}--overwrite_output_dir to "
             "overwrite it, or choose another --output_dir"
         )
+
+
+def check_distributed(coordinator_address, num_processes, process_id):
+    """Check the multi-host settings given; `sharding.initialize_processes` checks them again once the
+    environment has filled in the missing ones."""
+    if coordinator_address is not None:
+        host, _, port = coordinator_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise UsageError(f"--coordinator_address {coordinator_address!r} must be host:port, e.g. 10.0.0.1:1234")
+    if num_processes is not None and num_processes < 1:
+        raise UsageError(f"--num_processes must be positive, got {num_processes}")
+    if process_id is not None and (process_id < 0 or (num_processes is not None and process_id >= num_processes)):
+        raise UsageError(f"--process_id must be in 0..num_processes - 1, got {process_id}")
 
 
 def check_phases(training_args):

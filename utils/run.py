@@ -42,7 +42,9 @@ def needed_splits(training_args, splits=("train", "validation", "test")):
 
 
 def set_up(training_args):
-    """Version shims, compilation cache, logging; returns (logger, is_main_process)."""
+    """Multi-host start-up, version shims, compilation cache, logging; returns (logger, is_main_process)."""
+    sharding.initialize_processes(training_args.coordinator_address, training_args.num_processes,
+                                  training_args.process_id)
     compat.apply()
     sharding.enable_compilation_cache(training_args.compilation_cache_dir)
     is_main = jax.process_index() == 0
@@ -90,6 +92,8 @@ class Outputs:
         os.makedirs(out, exist_ok=True)
         if is_main:
             save_args(out, *all_args)
+        # No process may list the checkpoints before process 0 has removed an overwritten run's.
+        sharding.sync_processes("flaxtune: output_dir ready")
         self.checkpointer = Checkpointer(checkpoint_dir, max_to_keep=training_args.save_total_limit,
                                          is_main_process=is_main)
         self.pusher = None
