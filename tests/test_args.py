@@ -137,7 +137,7 @@ def test_zero_epochs_allowed_with_max_steps():
 
 
 @pytest.mark.parametrize("flag, value", [("--lr_scheduler_type", "exp"), ("--dtype", "int8"),
-                                         ("--label_smoothing_factor", "1.0")])
+                                         ("--param_dtype", "float16"), ("--label_smoothing_factor", "1.0")])
 def test_bad_choices_rejected(flag, value):
     with pytest.raises(UsageError, match=flag):
         parse(["--output_dir", "a", flag, value])

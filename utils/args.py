@@ -18,6 +18,7 @@ from utils.errors import UsageError
 
 SECRET_FIELDS = ("hub_token", "token")
 DTYPES = ("float32", "float16", "bfloat16")
+PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine", "constant")
 
 
@@ -37,7 +38,12 @@ class ModelArguments:
     cache_dir: Optional[str] = _help("Where to store downloaded models and datasets.", default=None)
     use_fast_tokenizer: bool = _help("Use a fast (Rust) tokenizer.", default=True)
     dtype: str = _help(
-        "Compute dtype: float32, float16 or bfloat16. Parameters stay float32 (master weights).",
+        "Compute dtype: float32, float16 or bfloat16. Parameters stay float32 (master weights) unless --param_dtype.",
+        default="float32",
+    )
+    param_dtype: str = _help(
+        "Storage dtype of parameters and optimizer state: float32, or bfloat16 to halve their memory "
+        "(updates smaller than bf16's precision are lost).",
         default="float32",
     )
     token: Optional[str] = _help("Hugging Face token for private models (never logged or saved).", default=None)
@@ -46,6 +52,8 @@ class ModelArguments:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype {self.dtype!r} is not supported: use one of {', '.join(DTYPES)}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise UsageError(f"--param_dtype {self.param_dtype!r} is not supported: use one of {', '.join(PARAM_DTYPES)}")
 
 
 @dataclass
