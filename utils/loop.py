@@ -87,8 +87,7 @@ class TrainLoop:
             raise RunError(f"the training loss became {metrics['loss']} by step {step}: lower --learning_rate "
                            "or use --dtype float32; the last good checkpoint is kept")
         metrics["learning_rate"] = float(self.schedule(step - 1))
-        if step > self.start_step + 1:
-            jax.block_until_ready(metrics)
+        if step > self.start_step + 1:  # fetching the window above waited for the device
             metrics.update(self.throughput.rates())
         self.writer.log(step, metrics)
         return metrics

@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Train or fine-tune a Flax causal language model (GPT-2, GPT-Neo, OPT, Llama, ...) on a text corpus.
+
+    python run_clm_flax.py configs/clm_tiny.json
+    python run_clm_flax.py config.json --block_size 256   # flags override the file
+
+The text is tokenized, concatenated and cut into `block_size` blocks; the model learns to predict
+each next token. One `jax.pmap` train / eval loop over all local devices; everything mechanical
+(sharding, schedules, checkpoints, metrics, logging) lives in `utils/`.
+"""
+
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from transformers import FlaxAutoModelForCausalLM
+
+from utils import data, lm, sharding
+from utils.args import ModelArguments, TrainingArguments, parse_args
+from utils.errors import UsageError, run_main
+from utils.logging import throughput_meter
+from utils.loop import TrainLoop, eval_batches, host_means, train_batches
+from utils.metrics import perplexity
+from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
+from utils.optim import create_optimizer, learning_rate_schedule
+from utils.run import Outputs, needed_splits, set_up, training_plan
+from utils.state import create_train_state
+from utils.steps import cross_entropy_sums, token_weighted_grads
+
+
+@dataclass
+class DataTrainingArguments(lm.LMDataArguments):
+    block_size: Optional[int] = field(
+        default=None, metadata={"help": "Tokens per training block (default: min(1024, the tokenizer's max length); "
+                                        "at most the model's positions)."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.block_size is not None and self.block_size <= 1:
+            raise UsageError(f"--block_size must be at least 2 (a token and its successor), got {self.block_size}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
+def main(argv=None):
+    model_args, data_args, training_args = parse_args(
+        (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
+    )
+    lm.check_before_work(training_args, data_args)
+    logger, is_main = set_up(training_args)
+
+    # ------------------------------------------------------------------------------------------
+    # Config, tokenizer, data
+    # ------------------------------------------------------------------------------------------
+    tokenizer = load_tokenizer(model_args)
+    config = fit_config_to_tokenizer(load_config(model_args, task="causal-lm"), tokenizer, model_args)
+    block_size = lm.sequence_length(data_args.block_size, 1024, tokenizer, config, "block_size", logger)
+    splits = needed_splits(training_args, ("train", "validation"))
+    raw = lm.load_splits(data_args, training_args, model_args.cache_dir)
+    text_column = lm.resolve_text_column(data_args.text_column, raw[splits[0]])
+    max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
+
+    # ------------------------------------------------------------------------------------------
+    # Model, preprocessing
+    # ------------------------------------------------------------------------------------------
+    model = load_model(FlaxAutoModelForCausalLM, model_args, config,
+                       dtype=sharding.to_dtype(model_args.dtype), seed=training_args.seed)
+    if training_args.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+
+    arrays, sizes = {}, {}
+    for split in splits:
+        blocks = data.take(lm.tokenize_and_group(raw[split], tokenizer, text_column, block_size, data_args),
+                           max_samples[split])
+        if len(blocks) == 0:
+            raise UsageError(f"the {split} data has fewer than --block_size {block_size} tokens: "
+                             "lower --block_size or add text")
+        arrays[split], sizes[split] = data.to_arrays(blocks, ("input_ids",)), len(blocks)
+        logger.info("%s: %d blocks of %d tokens", split, len(blocks), block_size)
+
+    # ------------------------------------------------------------------------------------------
+    # Optimizer, state, pmap'd steps
+    # ------------------------------------------------------------------------------------------
+    train_batch_size, steps_per_epoch, total_steps = (
+        training_plan(training_args, sizes["train"]) if training_args.do_train else (0, 0, 0))
+    eval_batch_size = sharding.global_batch_size(training_args.per_device_eval_batch_size)
+    schedule = learning_rate_schedule(training_args.lr_scheduler_type, training_args.learning_rate,
+                                      training_args.warmup_steps, max(total_steps, 1))
+    state = create_train_state(model.__call__, model.params, create_optimizer(training_args, schedule),
+                               training_args.seed)
+    accumulation, label_smoothing = training_args.gradient_accumulation_steps, training_args.label_smoothing_factor
+
+    def loss_fn(params, batch, dropout_rng, train):
+        logits = state.apply_fn(batch["input_ids"], params=params, dropout_rng=dropout_rng, train=train)[0]
+        # The labels are the inputs: position t predicts token t + 1, the last position nothing.
+        labels = batch["input_ids"][:, 1:]
+        weights = jnp.ones(labels.shape, jnp.float32)
+        if "example_weight" in batch:  # eval: padded rows weigh 0
+            weights = weights * batch["example_weight"][:, None]
+        loss, tokens = cross_entropy_sums(logits[:, :-1], labels, weights, label_smoothing if train else 0.0)
+        return loss, {"loss": loss, "tokens": tokens}
+
+    def train_step(state, batch):
+        dropout_rng, state = state.next_dropout_rng()
+        grads, sums = token_weighted_grads(partial(loss_fn, train=True), state.params, batch, dropout_rng,
+                                           accumulation)
+        return state.apply_gradients(grads=grads), sums
+
+    def eval_step(params, batch):
+        _, sums = loss_fn(params, batch, None, train=False)
+        return jax.lax.psum(sums, sharding.AXIS)
+
+    p_train_step = jax.pmap(train_step, sharding.AXIS, donate_argnums=(0,))
+    p_eval_step = jax.pmap(eval_step, sharding.AXIS)
+
+    # ------------------------------------------------------------------------------------------
+    # Outputs, resume
+    # ------------------------------------------------------------------------------------------
+    outputs = Outputs(training_args, (model_args, data_args, training_args), model, tokenizer, total_steps, is_main)
+    state, start_step = outputs.restore_or_start(state, logger)
+
+    def evaluate():
+        """Token-weighted next-token loss over the validation blocks, and its perplexity."""
+        sums = [p_eval_step(state.params, batch)
+                for batch, _ in eval_batches(arrays["validation"], sizes["validation"], eval_batch_size)]
+        metrics = host_means(sums)
+        return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": sizes["validation"]}
+
+    # ------------------------------------------------------------------------------------------
+    # Training
+    # ------------------------------------------------------------------------------------------
+    last_eval_step = None
+    if training_args.do_train:
+        logger.info("training: %d steps (%d per epoch), global batch %d = %d per device x %d devices x %d",
+                    total_steps, steps_per_epoch, train_batch_size, training_args.per_device_train_batch_size,
+                    jax.device_count(), accumulation)
+        loop = TrainLoop(training_args, steps_per_epoch, total_steps, start_step, schedule, outputs.writer,
+                         throughput_meter(config, block_size), tokens_per_step=train_batch_size * block_size,
+                         examples_per_step=train_batch_size)
+        batches = train_batches(arrays["train"], sizes["train"], train_batch_size, training_args.seed,
+                                steps_per_epoch, start_step, total_steps)
+        train_start = time.time()
+        for step, batch in enumerate(batches, start=start_step + 1):
+            state, sums = p_train_step(state, batch)
+            loop.after_step(step, sums)
+            if loop.eval_due(step):
+                logger.info("%s", outputs.report("eval", evaluate(), step))
+                last_eval_step = step
+            if loop.save_due(step):
+                outputs.save(step, state, {"epoch": step / steps_per_epoch})
+        outputs.results.update(train_runtime=round(time.time() - train_start, 2), train_samples=sizes["train"])
+
+    # ------------------------------------------------------------------------------------------
+    # Final evaluation, result files
+    # ------------------------------------------------------------------------------------------
+    final_step = int(jax.device_get(state.step[0]))
+    if training_args.do_eval and last_eval_step != final_step:
+        logger.info("%s", outputs.report("eval", evaluate(), final_step))
+    outputs.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

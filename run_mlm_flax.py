@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""Train or fine-tune a Flax masked language model (BERT, RoBERTa, DistilBERT, ELECTRA, ...) on a text corpus.
+
+    python run_mlm_flax.py configs/mlm_tiny.json
+    python run_mlm_flax.py config.json --line_by_line   # flags override the file
+
+The text is tokenized and cut into `max_seq_length` blocks (or kept one example per line); each
+batch is masked BERT-style on the host, seeded by the step, and the model learns to restore the
+selected tokens. One `jax.pmap` train / eval loop over all local devices; everything mechanical
+(sharding, schedules, checkpoints, metrics, logging) lives in `utils/`.
+"""
+
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Optional
+
+import jax
+from transformers import FlaxAutoModelForMaskedLM
+
+from utils import data, lm, sharding
+from utils.args import ModelArguments, TrainingArguments, parse_args
+from utils.errors import UsageError, run_main
+from utils.logging import throughput_meter
+from utils.loop import TrainLoop, eval_batches, host_means, train_batches
+from utils.metrics import perplexity
+from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
+from utils.optim import create_optimizer, learning_rate_schedule
+from utils.run import Outputs, needed_splits, set_up, training_plan
+from utils.state import create_train_state
+from utils.steps import cross_entropy_sums, token_weighted_grads
+
+
+@dataclass
+class DataTrainingArguments(lm.LMDataArguments):
+    max_seq_length: Optional[int] = field(
+        default=None, metadata={"help": "Tokens per example (default: min(512, the tokenizer's max length); at most "
+                                        "the model's positions). Longer lines are truncated with --line_by_line."}
+    )
+    mlm_probability: float = field(default=0.15, metadata={"help": "Share of the tokens masked for prediction."})
+    line_by_line: bool = field(
+        default=False, metadata={"help": "One example per non-blank line instead of concatenated blocks."}
+    )
+    pad_to_max_length: bool = field(
+        default=False, metadata={"help": "Kept for compatibility: --line_by_line examples are always padded to "
+                                         "max_seq_length, so every batch has one shape and nothing recompiles."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_seq_length is not None and self.max_seq_length <= 0:
+            raise UsageError(f"--max_seq_length must be positive, got {self.max_seq_length}")
+        if not 0 < self.mlm_probability < 1:
+            raise UsageError(f"--mlm_probability must be between 0 and 1, got {self.mlm_probability}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
+def main(argv=None):
+    model_args, data_args, training_args = parse_args(
+        (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
+    )
+    lm.check_before_work(training_args, data_args)
+    logger, is_main = set_up(training_args)
+
+    # ------------------------------------------------------------------------------------------
+    # Config, tokenizer, data
+    # ------------------------------------------------------------------------------------------
+    tokenizer = load_tokenizer(model_args)
+    config = fit_config_to_tokenizer(load_config(model_args, task="masked-lm"), tokenizer, model_args)
+    # A training batch is masked per process (its own rows); an eval batch whole, before the split.
+    train_masking = lm.masking(tokenizer, data_args.mlm_probability, training_args.seed, lm.TRAIN_STREAM,
+                               jax.process_index())
+    eval_masking = lm.masking(tokenizer, data_args.mlm_probability, training_args.seed, lm.EVAL_STREAM)
+    seq_length = lm.sequence_length(data_args.max_seq_length, 512, tokenizer, config, "max_seq_length", logger)
+    splits = needed_splits(training_args, ("train", "validation"))
+    raw = lm.load_splits(data_args, training_args, model_args.cache_dir)
+    text_column = lm.resolve_text_column(data_args.text_column, raw[splits[0]])
+    max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
+
+    # ------------------------------------------------------------------------------------------
+    # Model, preprocessing
+    # ------------------------------------------------------------------------------------------
+    model = load_model(FlaxAutoModelForMaskedLM, model_args, config,
+                       dtype=sharding.to_dtype(model_args.dtype), seed=training_args.seed)
+    if training_args.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+
+    # Blocks are all real tokens; padded lines also need their attention mask.
+    columns = ("input_ids", "attention_mask") if data_args.line_by_line else ("input_ids",)
+    arrays, sizes = {}, {}
+    for split in splits:
+        if data_args.line_by_line:
+            examples = lm.tokenize_lines(raw[split], tokenizer, text_column, seq_length, data_args)
+        else:
+            examples = lm.tokenize_and_group(raw[split], tokenizer, text_column, seq_length, data_args)
+        examples = data.take(examples, max_samples[split])
+        if len(examples) == 0:
+            raise UsageError(f"the {split} data has no text (or, in blocks, fewer than --max_seq_length {seq_length} "
+                             "tokens): add text, lower --max_seq_length or use --line_by_line")
+        arrays[split], sizes[split] = data.to_arrays(examples, columns), len(examples)
+        logger.info("%s: %d examples of %d tokens", split, len(examples), seq_length)
+
+    # ------------------------------------------------------------------------------------------
+    # Optimizer, state, pmap'd steps
+    # ------------------------------------------------------------------------------------------
+    train_batch_size, steps_per_epoch, total_steps = (
+        training_plan(training_args, sizes["train"]) if training_args.do_train else (0, 0, 0))
+    eval_batch_size = sharding.global_batch_size(training_args.per_device_eval_batch_size)
+    schedule = learning_rate_schedule(training_args.lr_scheduler_type, training_args.learning_rate,
+                                      training_args.warmup_steps, max(total_steps, 1))
+    state = create_train_state(model.__call__, model.params, create_optimizer(training_args, schedule),
+                               training_args.seed)
+    accumulation, label_smoothing = training_args.gradient_accumulation_steps, training_args.label_smoothing_factor
+
+    def loss_fn(params, batch, dropout_rng, train):
+        logits = state.apply_fn(batch["input_ids"], attention_mask=batch.get("attention_mask"), params=params,
+                                dropout_rng=dropout_rng, train=train)[0]
+        # Only the selected tokens count, for the loss and for the accuracy.
+        weights = batch["label_weights"]
+        if "example_weight" in batch:  # eval: padded rows weigh 0
+            weights = weights * batch["example_weight"][:, None]
+        loss, tokens = cross_entropy_sums(logits, batch["labels"], weights, label_smoothing if train else 0.0)
+        correct = ((logits.argmax(-1) == batch["labels"]) * weights).sum()
+        return loss, {"loss": loss, "accuracy": correct, "tokens": tokens}
+
+    def train_step(state, batch):
+        dropout_rng, state = state.next_dropout_rng()
+        grads, sums = token_weighted_grads(partial(loss_fn, train=True), state.params, batch, dropout_rng,
+                                           accumulation)
+        return state.apply_gradients(grads=grads), sums
+
+    def eval_step(params, batch):
+        _, sums = loss_fn(params, batch, None, train=False)
+        return jax.lax.psum(sums, sharding.AXIS)
+
+    p_train_step = jax.pmap(train_step, sharding.AXIS, donate_argnums=(0,))
+    p_eval_step = jax.pmap(eval_step, sharding.AXIS)
+
+    # ------------------------------------------------------------------------------------------
+    # Outputs, resume
+    # ------------------------------------------------------------------------------------------
+    outputs = Outputs(training_args, (model_args, data_args, training_args), model, tokenizer, total_steps, is_main)
+    state, start_step = outputs.restore_or_start(state, logger)
+
+    def evaluate():
+        """Token-weighted loss and accuracy over the masked validation tokens (same masks every time)."""
+        sums = [p_eval_step(state.params, batch) for batch, _ in
+                eval_batches(arrays["validation"], sizes["validation"], eval_batch_size, transform=eval_masking)]
+        metrics = host_means(sums)
+        return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": sizes["validation"]}
+
+    # ------------------------------------------------------------------------------------------
+    # Training
+    # ------------------------------------------------------------------------------------------
+    last_eval_step = None
+    if training_args.do_train:
+        logger.info("training: %d steps (%d per epoch), global batch %d = %d per device x %d devices x %d",
+                    total_steps, steps_per_epoch, train_batch_size, training_args.per_device_train_batch_size,
+                    jax.device_count(), accumulation)
+        loop = TrainLoop(training_args, steps_per_epoch, total_steps, start_step, schedule, outputs.writer,
+                         throughput_meter(config, seq_length), tokens_per_step=train_batch_size * seq_length,
+                         examples_per_step=train_batch_size)
+        batches = train_batches(arrays["train"], sizes["train"], train_batch_size, training_args.seed,
+                                steps_per_epoch, start_step, total_steps, transform=train_masking)
+        train_start = time.time()
+        for step, batch in enumerate(batches, start=start_step + 1):
+            state, sums = p_train_step(state, batch)
+            loop.after_step(step, sums)
+            if loop.eval_due(step):
+                logger.info("%s", outputs.report("eval", evaluate(), step))
+                last_eval_step = step
+            if loop.save_due(step):
+                outputs.save(step, state, {"epoch": step / steps_per_epoch})
+        outputs.results.update(train_runtime=round(time.time() - train_start, 2), train_samples=sizes["train"])
+
+    # ------------------------------------------------------------------------------------------
+    # Final evaluation, result files
+    # ------------------------------------------------------------------------------------------
+    final_step = int(jax.device_get(state.step[0]))
+    if training_args.do_eval and last_eval_step != final_step:
+        logger.info("%s", outputs.report("eval", evaluate(), final_step))
+    outputs.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

@@ -1,0 +1,73 @@
+"""End to end: run_clm_flax.py on a tiny GPT-2 over 8 virtual devices, as a user would run it."""
+
+import os
+
+import pytest
+
+from tests.script_runner import read_json, read_metrics, run_script
+
+SCRIPT = "run_clm_flax.py"
+MAX_STEPS = 60
+# Calibrated: this run ends near 22; the untrained model scores ~870 (about the vocabulary's size).
+PERPLEXITY_THRESHOLD = 35
+MODEL = ["--model_type", "gpt2", "--tokenizer_name", "data/lm/tokenizer",
+         "--config_overrides", "n_embd=64,n_layer=2,n_head=4,n_positions=64"]
+DATA = ["--train_file", "data/lm/train.txt", "--validation_file", "data/lm/validation.txt", "--block_size", "32",
+        "--max_train_samples", "1280", "--max_eval_samples", "40"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir):
+    out = str(tmp_path_factory.mktemp("clm"))
+    result = run_script(SCRIPT, MODEL + DATA + [
+        "--output_dir", out, "--overwrite_output_dir", "--do_train", "--do_eval", "--max_steps", MAX_STEPS,
+        "--num_train_epochs", "100", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "2",
+        "--learning_rate", "5e-3", "--warmup_steps", "5", "--logging_steps", "5", "--eval_steps", "30",
+        "--save_steps", "30", "--compilation_cache_dir", cache_dir])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_loss_falls_and_max_steps_is_honoured(trained):
+    train = read_metrics(trained)
+    assert [row["step"] for row in train] == list(range(5, MAX_STEPS + 1, 5))
+    assert train[-1]["loss"] < 0.6 * train[0]["loss"]
+    assert [row["step"] for row in read_metrics(trained, "eval")] == [30, 60]
+
+
+def test_result_files(trained):
+    results = read_json(os.path.join(trained, "eval_results.json"))
+    assert set(results) == {"eval_loss", "eval_perplexity", "eval_samples"}
+    assert results["eval_perplexity"] < PERPLEXITY_THRESHOLD
+    everything = read_json(os.path.join(trained, "all_results.json"))
+    assert everything["eval_perplexity"] == results["eval_perplexity"] and everything["train_runtime"] > 0
+    assert everything["train_samples"] == 1280 and results["eval_samples"] == 40
+    assert read_json(os.path.join(trained, "run_args.json"))["block_size"] == 32
+    for name in ("config.json", "flax_model.msgpack", "tokenizer.json", "metrics.jsonl"):
+        assert os.path.isfile(os.path.join(trained, name)), name
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(trained))
+    assert sorted(os.listdir(os.path.join(trained, "checkpoints"))) == ["30", "60"]
+
+
+def test_eval_only_from_the_saved_model(trained, tmp_path, cache_dir):
+    result = run_script(SCRIPT, ["--model_name_or_path", trained, "--do_eval", "--output_dir", tmp_path,
+                                 "--validation_file", "data/lm/validation.txt", "--block_size", "32",
+                                 "--max_eval_samples", "40", "--per_device_eval_batch_size", "2",
+                                 "--compilation_cache_dir", cache_dir])
+    assert result.returncode == 0, result.stderr[-3000:]
+    again = read_json(os.path.join(tmp_path, "eval_results.json"))
+    assert again["eval_loss"] == pytest.approx(read_json(os.path.join(trained, "eval_results.json"))["eval_loss"],
+                                               abs=2e-4)
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoints", "0"))
+
+
+def test_usage_errors_are_one_line(tmp_path):
+    result = run_script(SCRIPT, MODEL + DATA + ["--output_dir", tmp_path, "--do_eval", "--do_predict"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: --do_predict does not apply to language modeling (there is no test split): use --do_eval")

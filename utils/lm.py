@@ -1,0 +1,211 @@
+"""Language-modeling data shared by `run_clm_flax.py` and `run_mlm_flax.py`.
+
+Arguments both scripts take, loading with a validation split carved off the training data when the
+data has none, text-column resolution, tokenizing into fixed-length blocks (or padded lines), the
+sequence-length defaults, and BERT-style masking on the host.
+"""
+
+import itertools
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Optional
+
+import numpy as np
+
+from utils import data, run
+from utils.args import BaseDataArguments
+from utils.errors import UsageError
+
+FILE_FORMATS = ("json", "csv", "text")
+# Model types whose position ids start after the padding index (fairseq heritage): they fit
+# `max_position_embeddings - pad_token_id - 1` tokens.
+POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta", "roberta-prelayernorm")
+# Random streams of the masking: training and evaluation masks never coincide.
+TRAIN_STREAM, EVAL_STREAM = 0, 1
+
+
+@dataclass
+class LMDataArguments(BaseDataArguments):
+    text_column: Optional[str] = field(
+        default=None, metadata={"help": "Column with the text (default: 'text' if present, else the first column)."}
+    )
+    validation_split_percentage: int = field(
+        default=5, metadata={"help": "Percent of the training data held out for validation when there is no "
+                                     "validation split (the first rows, so every run holds out the same ones)."}
+    )
+    keep_linebreaks: bool = field(default=True, metadata={"help": "Keep line breaks when reading txt files."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 < self.validation_split_percentage < 100:
+            raise UsageError(
+                f"--validation_split_percentage must be between 1 and 99, got {self.validation_split_percentage}"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+def check_before_work(training_args, data_args):
+    """`run.check_before_work` for LM data: a validation file is optional when a train file is given
+    (evaluation then uses the part of the training data `load_splits` holds out)."""
+    if training_args.do_predict:
+        raise UsageError("--do_predict does not apply to language modeling (there is no test split): use --do_eval")
+    files = {"train": data_args.train_file}
+    if data_args.validation_file or not data_args.train_file:
+        files["validation"] = data_args.validation_file
+    run.check_before_work(training_args, data_args, files, allowed=FILE_FORMATS)
+
+
+def load_splits(data_args, training_args, cache_dir=None):
+    """The DatasetDict a run needs, with "validation" carved off "train" when the data has none."""
+    files = {}
+    if training_args.do_train or not data_args.validation_file:
+        files["train"] = data_args.train_file
+    if training_args.do_eval:
+        files["validation"] = data_args.validation_file
+    # `keep_linebreaks` configures the local text builder only; a hub dataset would reject it.
+    kwargs = {} if data_args.dataset_name else {"keep_linebreaks": data_args.keep_linebreaks}
+    raw = data.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS, **kwargs)
+    if "validation" not in raw and not data_args.validation_file and "train" in raw:
+        raw["train"], raw["validation"] = split_off_validation(raw["train"], data_args.validation_split_percentage)
+    for split, phase in (("train", training_args.do_train), ("validation", training_args.do_eval)):
+        if phase and split not in raw:
+            raise UsageError(f"the dataset has no {split!r} split (it has: {', '.join(raw)})")
+    return raw
+
+
+def split_off_validation(dataset, percentage):
+    """(train, validation): the first `percentage` percent of the rows (at least one) validate."""
+    held_out = max(1, round(len(dataset) * percentage / 100))
+    if held_out >= len(dataset):
+        raise UsageError(
+            f"{len(dataset)} training examples are too few to hold out {percentage}% for validation: "
+            "pass --validation_file or add data"
+        )
+    return dataset.select(range(held_out, len(dataset))), dataset.select(range(held_out))
+
+
+def resolve_text_column(text_column, dataset):
+    """`text_column`, else "text" when present, else the first column; it must hold strings."""
+    names = dataset.column_names
+    name = text_column or ("text" if "text" in names else names[0])
+    if name not in names:
+        raise UsageError(f"--text_column {name!r} is not a column of the data; columns: {', '.join(names)}")
+    dtype = getattr(dataset.features[name], "dtype", None)
+    if dtype not in ("string", "large_string"):
+        raise UsageError(f"column {name!r} holds {dtype or 'non-text values'}, not text: pass --text_column")
+    return name
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequence length
+# ----------------------------------------------------------------------------------------------
+def model_max_positions(config):
+    """How many tokens the model can take at once, or None when the config does not say."""
+    for name in ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            if config.model_type in POSITIONS_AFTER_PADDING:
+                value -= (config.pad_token_id or 0) + 1
+            return value
+    return None
+
+
+def sequence_length(requested, default_cap, tokenizer, config, flag, logger):
+    """`--block_size` / `--max_seq_length`: None -> min(default_cap, tokenizer max); at most the model's."""
+    length = requested or min(default_cap, tokenizer.model_max_length)
+    limit = model_max_positions(config)
+    if limit is not None and length > limit:
+        logger.warning("--%s %d is more than the %d positions the model has: using %d", flag, length, limit, limit)
+        length = limit
+    return length
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizing
+# ----------------------------------------------------------------------------------------------
+def _non_blank(texts):
+    # Blank lines carry no text: alone they would only add special tokens.
+    return [text for text in texts if text and not text.isspace()]
+
+
+def group_texts(examples, block_size):
+    """Concatenate every column and cut it into `block_size` chunks; the remainder is dropped.
+
+    Applied per `datasets.map` batch (1000 rows), so each batch drops its own short tail.
+    """
+    concatenated = {key: list(itertools.chain.from_iterable(values)) for key, values in examples.items()}
+    total = len(next(iter(concatenated.values()), [])) // block_size * block_size
+    return {key: [values[i: i + block_size] for i in range(0, total, block_size)]
+            for key, values in concatenated.items()}
+
+
+def _map(dataset, function, data_args, desc, remove_columns=None):
+    return dataset.map(function, batched=True, num_proc=data_args.preprocessing_num_workers,
+                       remove_columns=remove_columns, load_from_cache_file=not data_args.overwrite_cache, desc=desc)
+
+
+def tokenize_and_group(dataset, tokenizer, text_column, block_size, data_args):
+    """Every non-blank text tokenized (special tokens included), concatenated, cut into blocks."""
+
+    def tokenize(examples):
+        # verbose=False: lines longer than the model are expected here, grouping cuts them up.
+        ids = tokenizer(_non_blank(examples[text_column]), return_attention_mask=False, verbose=False)["input_ids"]
+        return {"input_ids": ids}
+
+    tokens = _map(dataset, tokenize, data_args, "tokenizing", remove_columns=dataset.column_names)
+    return _map(tokens, partial(group_texts, block_size=block_size), data_args, f"grouping into blocks of {block_size}")
+
+
+def tokenize_lines(dataset, tokenizer, text_column, max_length, data_args):
+    """One example per non-blank text, truncated and always padded to `max_length` (fixed shapes)."""
+    if tokenizer.pad_token is None:
+        raise UsageError("one example per line needs a tokenizer with a padding token: set one, or drop --line_by_line")
+
+    def tokenize(examples):
+        encoded = tokenizer(_non_blank(examples[text_column]), padding="max_length", truncation=True,
+                            max_length=max_length)
+        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+
+    return _map(dataset, tokenize, data_args, "tokenizing lines", remove_columns=dataset.column_names)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masking
+# ----------------------------------------------------------------------------------------------
+def mask_tokens(input_ids, special_ids, mask_token_id, replacement_ids, probability, rng):
+    """BERT masking: (inputs, selected) with `selected` 1.0 where the model must predict the token.
+
+    Each token that is not special (padding is special) is selected with `probability`; of those 80%
+    become the mask token, 10% a random ordinary token, 10% stay as they are. The labels are the
+    original `input_ids`, weighted by `selected`.
+    """
+    selected = (rng.random(input_ids.shape) < probability) & ~np.isin(input_ids, special_ids)
+    action = rng.random(input_ids.shape)
+    random_ids = replacement_ids[rng.integers(len(replacement_ids), size=input_ids.shape)]
+    inputs = np.where(selected & (action < 0.8), mask_token_id, input_ids)
+    inputs = np.where(selected & (action >= 0.8) & (action < 0.9), random_ids, inputs)
+    return inputs.astype(input_ids.dtype), selected.astype(np.float32)
+
+
+def masking(tokenizer, probability, seed, stream, process_index=0):
+    """`transform(batch, index)` for `loop.train_batches` / `loop.eval_batches`.
+
+    The mask is a pure function of (seed, stream, process, index), so a resumed run masks its
+    batches exactly as the uninterrupted run would, and every evaluation sees the same masks. Adds
+    `labels` (the original ids) and `label_weights` (1 at the tokens to predict).
+    """
+    if tokenizer.mask_token_id is None:
+        raise UsageError("the tokenizer has no mask token, which masked LM needs: use one with a mask token "
+                         "(e.g. <mask> or [MASK])")
+    special_ids = np.array(sorted(set(tokenizer.all_special_ids)))
+    replacement_ids = np.setdiff1d(np.arange(len(tokenizer)), special_ids)
+
+    def transform(batch, index):
+        rng = np.random.default_rng([seed, stream, process_index, index])
+        inputs, weights = mask_tokens(batch["input_ids"], special_ids, tokenizer.mask_token_id, replacement_ids,
+                                      probability, rng)
+        return {**batch, "input_ids": inputs, "labels": batch["input_ids"], "label_weights": weights}
+
+    return transform
