@@ -52,7 +52,7 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    lm.check_before_work(training_args, data_args)
+    lm.check_before_work(training_args, data_args, model_args)
     logger, is_main = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
@@ -67,13 +67,8 @@ def main(argv=None):
     max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
 
     # ------------------------------------------------------------------------------------------
-    # Model, preprocessing
+    # Preprocessing, model (built last: too little data fails first)
     # ------------------------------------------------------------------------------------------
-    model = load_model(FlaxAutoModelForCausalLM, model_args, config,
-                       dtype=sharding.to_dtype(model_args.dtype), seed=training_args.seed)
-    if training_args.gradient_checkpointing:
-        model.enable_gradient_checkpointing()
-
     arrays, sizes = {}, {}
     for split in splits:
         blocks = data.take(lm.tokenize_and_group(raw[split], tokenizer, text_column, block_size, data_args),
@@ -83,12 +78,17 @@ def main(argv=None):
                              "lower --block_size or add text")
         arrays[split], sizes[split] = data.to_arrays(blocks, ("input_ids",)), len(blocks)
         logger.info("%s: %d blocks of %d tokens", split, len(blocks), block_size)
+    train_batch_size, steps_per_epoch, total_steps = (
+        training_plan(training_args, sizes["train"]) if training_args.do_train else (0, 0, 0))
+
+    model = load_model(FlaxAutoModelForCausalLM, model_args, config,
+                       dtype=sharding.to_dtype(model_args.dtype), seed=training_args.seed)
+    if training_args.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
 
     # ------------------------------------------------------------------------------------------
     # Optimizer, state, pmap'd steps
     # ------------------------------------------------------------------------------------------
-    train_batch_size, steps_per_epoch, total_steps = (
-        training_plan(training_args, sizes["train"]) if training_args.do_train else (0, 0, 0))
     eval_batch_size = sharding.global_batch_size(training_args.per_device_eval_batch_size)
     schedule = learning_rate_schedule(training_args.lr_scheduler_type, training_args.learning_rate,
                                       training_args.warmup_steps, max(total_steps, 1))

@@ -38,7 +38,10 @@ class DataTrainingArguments(lm.LMDataArguments):
         default=None, metadata={"help": "Tokens per example (default: min(512, the tokenizer's max length); at most "
                                         "the model's positions). Longer lines are truncated with --line_by_line."}
     )
-    mlm_probability: float = field(default=0.15, metadata={"help": "Share of the tokens masked for prediction."})
+    mlm_probability: float = field(
+        default=0.15, metadata={"help": "Share of the ordinary (non-special) tokens to predict: 80% of them are "
+                                        "masked, 10% replaced by a random token, 10% left as they are."}
+    )
     line_by_line: bool = field(
         default=False, metadata={"help": "One example per non-blank line instead of concatenated blocks."}
     )
@@ -62,7 +65,7 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    lm.check_before_work(training_args, data_args)
+    lm.check_before_work(training_args, data_args, model_args)
     logger, is_main = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
@@ -81,13 +84,8 @@ def main(argv=None):
     max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
 
     # ------------------------------------------------------------------------------------------
-    # Model, preprocessing
+    # Preprocessing, model (built last: too little data fails first)
     # ------------------------------------------------------------------------------------------
-    model = load_model(FlaxAutoModelForMaskedLM, model_args, config,
-                       dtype=sharding.to_dtype(model_args.dtype), seed=training_args.seed)
-    if training_args.gradient_checkpointing:
-        model.enable_gradient_checkpointing()
-
     # Blocks are all real tokens; padded lines also need their attention mask.
     columns = ("input_ids", "attention_mask") if data_args.line_by_line else ("input_ids",)
     arrays, sizes = {}, {}
@@ -102,12 +100,17 @@ def main(argv=None):
                              "tokens): add text, lower --max_seq_length or use --line_by_line")
         arrays[split], sizes[split] = data.to_arrays(examples, columns), len(examples)
         logger.info("%s: %d examples of %d tokens", split, len(examples), seq_length)
+    train_batch_size, steps_per_epoch, total_steps = (
+        training_plan(training_args, sizes["train"]) if training_args.do_train else (0, 0, 0))
+
+    model = load_model(FlaxAutoModelForMaskedLM, model_args, config,
+                       dtype=sharding.to_dtype(model_args.dtype), seed=training_args.seed)
+    if training_args.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
 
     # ------------------------------------------------------------------------------------------
     # Optimizer, state, pmap'd steps
     # ------------------------------------------------------------------------------------------
-    train_batch_size, steps_per_epoch, total_steps = (
-        training_plan(training_args, sizes["train"]) if training_args.do_train else (0, 0, 0))
     eval_batch_size = sharding.global_batch_size(training_args.per_device_eval_batch_size)
     schedule = learning_rate_schedule(training_args.lr_scheduler_type, training_args.learning_rate,
                                       training_args.warmup_steps, max(total_steps, 1))

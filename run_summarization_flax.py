@@ -25,9 +25,10 @@ from utils.errors import UsageError, run_main
 from utils.logging import throughput_meter
 from utils.loop import TrainLoop, eval_batches, host_means, train_batches
 from utils.metrics import rouge
-from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
+from utils.models import (fit_config_to_tokenizer, fit_length, load_config, load_model, load_tokenizer,
+                          max_positions)
 from utils.optim import create_optimizer, learning_rate_schedule
-from utils.run import Outputs, check_before_work, needed_splits, set_up, training_plan
+from utils.run import SPLIT_FLAGS, Outputs, check_before_work, needed_splits, set_up, training_plan
 from utils.state import create_train_state
 from utils.steps import cross_entropy_sums, token_weighted_grads
 
@@ -76,16 +77,32 @@ class DataTrainingArguments(BaseDataArguments):
 # ----------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------
-def resolve_columns(data_args, column_names):
-    """Document and summary columns: explicit, the dataset's known pair, or the first two."""
+def resolve_columns(data_args, columns):
+    """Document and summary columns: explicit, the dataset's known pair, or the first two.
+
+    `columns` maps each split to its column names; every split must have both columns.
+    """
     known = SUMMARIZATION_COLUMNS.get(os.path.basename(data_args.dataset_name or ""))
-    defaults = known or tuple(column_names[:2])
+    split, names = next(iter(columns.items()))
+    defaults = known or tuple(names[:2])
     text = data_args.text_column or defaults[0]
     summary = data_args.summary_column or (defaults[1] if len(defaults) > 1 else None)
-    for flag, name in (("text_column", text), ("summary_column", summary)):
-        if name not in column_names:
-            raise UsageError(f"--{flag} {name!r} is not a column of the data; columns: {', '.join(column_names)}")
+    if summary is None:
+        raise UsageError(f"the {split} data has only the column {names[0]!r}: summarization needs a document "
+                         "column and a summary column (--text_column, --summary_column)")
+    data.require_columns(columns, (("text_column", text), ("summary_column", summary)))
     return text, summary
+
+
+def drop_empty(dataset, text_column, summary_column, data_args):
+    """(dataset, number dropped): empty documents or summaries teach nothing and break ROUGE."""
+
+    def usable(example):
+        return bool(str(example[text_column] or "").strip()) and bool(str(example[summary_column] or "").strip())
+
+    kept = dataset.filter(usable, num_proc=data_args.preprocessing_num_workers,
+                          load_from_cache_file=not data_args.overwrite_cache, desc="dropping empty examples")
+    return kept, len(dataset) - len(kept)
 
 
 def preprocess(dataset, tokenizer, config, data_args, text_column, summary_column, max_target_length, model_module):
@@ -106,16 +123,9 @@ def preprocess(dataset, tokenizer, config, data_args, text_column, summary_colum
         model_inputs["decoder_attention_mask"] = labels["attention_mask"]
         return model_inputs
 
-    # Empty documents or summaries teach nothing and break ROUGE: drop them and say how many.
-    def usable(example):
-        return bool(str(example[text_column] or "").strip()) and bool(str(example[summary_column] or "").strip())
-
-    kept = dataset.filter(usable, num_proc=data_args.preprocessing_num_workers,
-                          load_from_cache_file=not data_args.overwrite_cache, desc="dropping empty examples")
-    dropped = len(dataset) - len(kept)
-    return kept.map(tokenize, batched=True, num_proc=data_args.preprocessing_num_workers,
-                    remove_columns=dataset.column_names, load_from_cache_file=not data_args.overwrite_cache,
-                    desc="tokenizing"), dropped
+    return dataset.map(tokenize, batched=True, num_proc=data_args.preprocessing_num_workers,
+                       remove_columns=dataset.column_names, load_from_cache_file=not data_args.overwrite_cache,
+                       desc="tokenizing")
 
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
@@ -130,7 +140,10 @@ def main(argv=None):
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-    check_before_work(training_args, data_args, files, allowed=("json", "csv"))
+    local_columns = check_before_work(training_args, data_args, files, allowed=("json", "csv"), model_args=model_args)
+    splits = needed_splits(training_args)
+    if not data_args.dataset_name and all(split in local_columns for split in splits):
+        resolve_columns(data_args, {split: local_columns[split] for split in splits})  # a wrong column fails now
     logger, is_main = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
@@ -140,14 +153,31 @@ def main(argv=None):
     config = fit_config_to_tokenizer(load_config(model_args, task="seq2seq"), tokenizer, model_args)
     if config.decoder_start_token_id is None:
         raise UsageError(f"the {config.model_type} config has no decoder_start_token_id: set it in the config")
-    splits = needed_splits(training_args)
+    encoder, decoder = (config.encoder, config.decoder) if config.model_type == "encoder-decoder" else (config, config)
+    data_args.max_source_length = fit_length(data_args.max_source_length, max_positions(encoder),
+                                             "max_source_length", logger)
+    for name in ("max_target_length", "val_max_target_length"):
+        setattr(data_args, name, fit_length(getattr(data_args, name), max_positions(decoder), name, logger))
     raw = data.load_splits(data_args, {s: files[s] for s in splits}, model_args.cache_dir, allowed=("json", "csv"))
     for split in splits:
         if split not in raw:
-            raise UsageError(f"the dataset has no {split!r} split (it has: {', '.join(raw)})")
-    text_column, summary_column = resolve_columns(data_args, raw[splits[0]].column_names)
+            phase = SPLIT_FLAGS[split][0]
+            raise UsageError(f"--{phase} needs a {split!r} split, but dataset {data_args.dataset_name!r} has only "
+                             f"{', '.join(raw)}: drop --{phase}, or pass local files instead of --dataset_name")
+    text_column, summary_column = resolve_columns(data_args, {split: raw[split].column_names for split in splits})
     max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples,
                    "test": data_args.max_predict_samples}
+    usable = {}
+    for split in splits:
+        usable[split], dropped = drop_empty(data.take(raw[split], max_samples[split]), text_column, summary_column,
+                                            data_args)
+        if dropped:
+            logger.warning("%s: dropped %d examples with an empty document or summary", split, dropped)
+        if len(usable[split]) == 0:
+            raise UsageError(f"the {split} data has no usable examples (all documents or summaries are empty)")
+    # Before the model: too few examples for one batch fails now.
+    train_batch_size, steps_per_epoch, total_steps = (
+        training_plan(training_args, len(usable["train"])) if training_args.do_train else (0, 0, 0))
 
     # ------------------------------------------------------------------------------------------
     # Model, preprocessing
@@ -161,20 +191,14 @@ def main(argv=None):
     arrays, sizes = {}, {}
     for split in splits:
         target_length = data_args.max_target_length if split == "train" else data_args.val_max_target_length
-        dataset, dropped = preprocess(data.take(raw[split], max_samples[split]), tokenizer, config, data_args,
-                                      text_column, summary_column, target_length, model_module)
-        if dropped:
-            logger.warning("%s: dropped %d examples with an empty document or summary", split, dropped)
-        if len(dataset) == 0:
-            raise UsageError(f"the {split} data has no usable examples (all documents or summaries are empty)")
+        dataset = preprocess(usable[split], tokenizer, config, data_args, text_column, summary_column, target_length,
+                             model_module)
         arrays[split], sizes[split] = data.to_arrays(dataset, INPUT_COLUMNS), len(dataset)
         logger.info("%s: %d examples", split, len(dataset))
 
     # ------------------------------------------------------------------------------------------
     # Optimizer, state, pmap'd steps
     # ------------------------------------------------------------------------------------------
-    train_batch_size, steps_per_epoch, total_steps = (
-        training_plan(training_args, sizes["train"]) if training_args.do_train else (0, 0, 0))
     eval_batch_size = sharding.global_batch_size(training_args.per_device_eval_batch_size)
     schedule = learning_rate_schedule(training_args.lr_scheduler_type, training_args.learning_rate,
                                       training_args.warmup_steps, max(total_steps, 1))

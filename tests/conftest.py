@@ -14,3 +14,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+import pytest  # noqa: E402  (after the environment set-up above)
+
+
+@pytest.fixture
+def hub_online(monkeypatch):
+    """Offline mode off (set above) and the probe's finding forgotten, all restored afterwards.
+
+    Returns a setter for the hub endpoint; point it at a port nothing listens on to act out a
+    machine without a network.
+    """
+    import datasets.config
+    import transformers.utils.hub
+    from huggingface_hub import constants
+
+    from utils import hub
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+    monkeypatch.setattr(transformers.utils.hub, "_is_offline_mode", False)
+    monkeypatch.setattr(hub, "_unreachable", None)
+    return lambda url: monkeypatch.setattr(constants, "ENDPOINT", url)

@@ -40,6 +40,65 @@ def test_file_builder_empty(tmp_path):
         data.file_builder(str(tmp_path / "empty.csv"))
 
 
+# ---------------------------------------------------------------------------------------------
+# check_file: the cheap pre-read before anything loads a file
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, content, columns", [
+    ("a.jsonl", '{"x": 1, "y": "a"}\n\n{"x": 2, "z": null}\r\n', ["x", "y", "z"]),
+    ("a.json", '[{"x": 1},\n {"y": 2}]', ["x", "y"]),
+    ("a.json", '["one", "two"]', ["text"]),
+    ("a.json", '{\n  "x": [1, 2],\n  "y": ["a", "b"]\n}\n', ["x", "y"]),
+    ("a.csv", '\ufeff"first, col",second\n1,2\n', ["first, col", "second"]),
+    ("a.txt", "caf\u00e9\n", ["text"]),
+])
+def test_check_file_columns(tmp_path, name, content, columns):
+    (tmp_path / name).write_text(content, encoding="utf-8")
+    assert data.check_file(str(tmp_path / name)) == columns
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("a.jsonl", '{"x": 1}\n{"x": 2,}\n', r"a\.jsonl:2 is not valid JSON: .*\(column 9\); each line must be one JSON object"),
+    ("a.jsonl", '{"x": 1}\n[1, 2]\n', r"a\.jsonl:2 is a JSON list, not an object"),
+    ("a.jsonl", '{"x": 1\n', r"a\.jsonl is not valid JSON: Expecting ',' delimiter at line 2 column 1"),
+    ("a.json", '[{"x": 1},\n {"x" 2}]', r"a\.json is not valid JSON: Expecting ':' delimiter at line 2 column 7"),
+    ("a.json", "[1, 2]", r"must hold JSON objects"),
+    ("a.csv", "\nx,y\n", r"a\.csv has no CSV header row"),
+])
+def test_check_file_malformed(tmp_path, name, content, message):
+    (tmp_path / name).write_text(content, encoding="utf-8")
+    with pytest.raises(UsageError, match=message):
+        data.check_file(str(tmp_path / name))
+
+
+def test_check_file_not_utf8_names_offset_and_line_across_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "_CHUNK_BYTES", 4)  # characters split across chunks must still decode
+    path = tmp_path / "a.txt"
+    path.write_bytes("h\u00e9\u20ac\n\u00e9\u00e9\n".encode() + b"ab\xffc\n")
+    with pytest.raises(UsageError, match=r"a\.txt is not UTF-8 text: byte 0xff at offset 14 \(line 3\)"):
+        data.check_file(str(path))
+    path.write_bytes(b"ok\n\xe2\x82")  # truncated at the end of the file
+    with pytest.raises(UsageError, match=r"byte 0xe2 at offset 3 \(line 2\)"):
+        data.check_file(str(path))
+
+
+def test_check_file_parses_only_the_head(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"x": 1}\n{"y": 2}\nnot json\n')
+    assert data.check_file(str(path), limit=12) == ["x"]  # whole lines only: the second is cut off
+    with pytest.raises(UsageError, match=r"a\.jsonl:3 is not valid JSON"):
+        data.check_file(str(path), limit=None)
+    path.write_text('{"x": "' + "a" * 100 + '"}\n')
+    assert data.check_file(str(path), limit=50) is None  # no complete line: columns unknown
+    path.write_text('{\n  "x": ["' + "a" * 100 + '"]\n}\n')
+    assert data.check_file(str(path), limit=50) is None  # a multi-line object, not read whole: left to datasets
+
+
+def test_require_columns():
+    data.require_columns({"train": ["a", "b"], "test": None}, (("text_column", "a"), ("summary_column", "b")))
+    with pytest.raises(UsageError, match=r"--summary_column 'c' is not a column of the test data; its columns: a, b"):
+        data.require_columns({"train": ["a", "c"], "test": ["a", "b"]}, (("summary_column", "c"),))
+
+
 NO_HUB = SimpleNamespace(dataset_name=None, dataset_config_name=None)
 
 
@@ -127,3 +186,20 @@ def test_eval_batch_ranges_cover_every_example_once():
     assert data.eval_batch_ranges(0, 8) == []
     covered = [i for start, stop in data.eval_batch_ranges(1001, 64) for i in range(start, stop)]
     assert covered == list(range(1001))
+
+
+def test_load_splits_error_past_the_pre_read_names_file_and_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"x": "a"}\n' * 3 + '{"x": "a",}\n')
+    with pytest.raises(UsageError, match=r"train\.jsonl:4 is not valid JSON"):
+        data.load_splits(NO_HUB, {"train": str(path)}, cache_dir=str(tmp_path / "cache"))
+
+
+def test_load_splits_unusable_dataset(tmp_path):
+    (tmp_path / "no_data").mkdir()
+    args = SimpleNamespace(dataset_name=str(tmp_path / "no_data"), dataset_config_name=None)
+    with pytest.raises(UsageError, match=r"could not load dataset .*no_data': .*check --dataset_name"):
+        data.load_splits(args, {}, cache_dir=str(tmp_path / "cache"))
+    args.dataset_name = "no-such/dataset"  # conftest: offline
+    with pytest.raises(UsageError, match=r"'no-such/dataset': it is not in the local cache and offline mode is on"):
+        data.load_splits(args, {}, cache_dir=str(tmp_path / "cache"))

@@ -1,8 +1,13 @@
 """utils/errors.py: exit codes and the one-line, traceback-free error report."""
 
-import pytest
+import errno
+import sys
+from types import SimpleNamespace
 
-from utils.errors import RunError, UsageError, debug_enabled, run_main
+import pytest
+from tqdm.auto import tqdm
+
+from utils.errors import RunError, UsageError, debug_enabled, is_disk_full, run_main
 
 
 def raising(error):
@@ -52,3 +57,45 @@ def test_debug_enabled(monkeypatch):
     assert not debug_enabled([])
     monkeypatch.setenv("FLAXTUNE_DEBUG", "yes")
     assert debug_enabled([])
+
+
+@pytest.mark.parametrize("error, full", [
+    (OSError(errno.ENOSPC, "No space left on device"), True),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), True),
+    (ValueError("RESOURCE_EXHAUSTED: Failed to write: No space left on device [os_error_code='28']"), True),
+    (OSError(errno.ENOENT, "No such file or directory"), False),
+    (ValueError("bad value"), False),
+])
+def test_is_disk_full(error, full):
+    assert is_disk_full(error) is full
+    try:
+        raise RuntimeError("wrapped") from error
+    except RuntimeError as wrapped:
+        assert is_disk_full(wrapped) is full  # libraries wrap the OSError
+
+
+def test_disk_full_message(capsys):
+    assert run_main(raising(OSError(errno.ENOSPC, "No space left on device")), argv=[]) == 1
+    assert capsys.readouterr().err.startswith("error: no space left on device ([Errno 28] No space left on device): "
+                                              "free some space, or choose another --output_dir / --cache_dir")
+
+
+def test_open_progress_bar_closed_before_the_error_line(capsys):
+    def main():
+        bar = tqdm(total=10, file=sys.stderr)
+        bar.update(3)
+        raise RunError("boom")
+
+    assert run_main(main, argv=[]) == 1
+    assert capsys.readouterr().err.rstrip().splitlines()[-1] == "error: boom"
+
+
+def test_unraisable_exceptions_quiet_unless_debug(capsys):
+    def main():
+        sys.unraisablehook(SimpleNamespace(exc_value=RuntimeError("Event loop is closed")))
+        raise RunError("boom")
+
+    hook = sys.unraisablehook
+    assert run_main(main, argv=[]) == 1
+    assert capsys.readouterr().err == "error: boom\n"
+    assert sys.unraisablehook is hook

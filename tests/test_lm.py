@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from utils import lm, sharding
-from utils.args import TrainingArguments
+from utils.args import ModelArguments, TrainingArguments
 from utils.errors import UsageError
 from utils.steps import cross_entropy_sums
 
@@ -229,11 +229,15 @@ def test_csv_and_json_inputs(tmp_path, tokenizer):
 
 def test_check_before_work(tmp_path):
     train = write_txt(tmp_path / "train.txt", ["a line"])
-    lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(train_file=train))  # held-out part
+    model = ModelArguments(model_type="gpt2", tokenizer_name=str(tmp_path))
+    lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(train_file=train), model)  # held-out part
     with pytest.raises(UsageError, match="--do_predict"):
-        lm.check_before_work(training_args(tmp_path, do_predict=True), data_args(train_file=train))
+        lm.check_before_work(training_args(tmp_path, do_predict=True), data_args(train_file=train), model)
     with pytest.raises(UsageError, match="--validation_file"):
-        lm.check_before_work(training_args(tmp_path, do_eval=True), data_args())
+        lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(), model)
+    with pytest.raises(UsageError, match=r"--text_column 'body' is not a column of the train data; its columns: text"):
+        lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(train_file=train, text_column="body"),
+                             model)
     with pytest.raises(UsageError, match="validation_split_percentage"):
         data_args(validation_split_percentage=100)
 
@@ -248,6 +252,5 @@ def test_sequence_length_defaults_and_clamps(tokenizer, caplog):
     assert "256 positions" in caplog.text
     assert lm.sequence_length(64, 1024, tokenizer, gpt2, "block_size", logger) == 64
     roberta = AutoConfig.for_model("roberta", max_position_embeddings=514)
-    assert lm.model_max_positions(roberta) == 512  # positions start after the padding index
     assert lm.sequence_length(None, 512, tokenizer, roberta, "max_seq_length", logger) == min(
         512, tokenizer.model_max_length)

@@ -1,5 +1,6 @@
 """utils/models.py: configs from model_type (+ overrides), task checks, vocab fitting, offline failures."""
 
+import logging
 import time
 
 import jax
@@ -12,7 +13,7 @@ from transformers import FlaxAutoModelForSeq2SeqLM, PreTrainedTokenizerFast, T5C
 from utils import compat
 from utils.args import ModelArguments
 from utils.errors import UsageError
-from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
+from utils.models import fit_config_to_tokenizer, fit_length, load_config, load_model, load_tokenizer, max_positions
 
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
 
@@ -108,6 +109,28 @@ def test_load_tokenizer_from_local_dir(tokenizer, tmp_path):
     assert len(loaded) == 11 and loaded("the cat ran")["input_ids"] == [3, 4, 10]
     with pytest.raises(UsageError, match="no tokenizer"):
         load_tokenizer(ModelArguments(model_type="t5"))
+
+
+@pytest.mark.parametrize("model_type, overrides, limit", [
+    ("bart", "max_position_embeddings=128", 128),
+    ("gpt2", "n_positions=64", 64),  # gpt2 calls it n_positions
+    ("roberta", "max_position_embeddings=514,pad_token_id=1", 512),  # positions start after the padding id
+    ("t5", "", None),  # relative positions
+    ("bloom", "", None),  # ALiBi
+])
+def test_max_positions(model_type, overrides, limit):
+    task = "seq2seq" if model_type in ("bart", "t5") else "masked-lm" if model_type == "roberta" else "causal-lm"
+    config = load_config(ModelArguments(model_type=model_type, config_overrides=overrides or None), task)
+    assert max_positions(config) == limit
+
+
+def test_fit_length(caplog):
+    logger = logging.getLogger("flaxtune.test")
+    with caplog.at_level(logging.WARNING):
+        assert fit_length(1024, 128, "max_source_length", logger) == 128
+        assert fit_length(64, 128, "max_target_length", logger) == 64
+        assert fit_length(1024, None, "block_size", logger) == 1024  # no limit
+    assert caplog.messages == ["--max_source_length 1024 is more than the model's 128 positions: using 128"]
 
 
 @pytest.mark.parametrize("dtype, param_dtype", [("float32", "float32"), ("bfloat16", "float32"),

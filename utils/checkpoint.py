@@ -19,6 +19,8 @@ With a single process, `is_main_process=False` opens the checkpoints read-only: 
 
 import logging
 import os
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -192,9 +194,17 @@ def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process
     """
     if not is_main_process:
         return
-    model.save_pretrained(output_dir, params=jax.tree.map(_first_replica, params))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(output_dir)
+    # Written beside and then moved into place, so a failed write (a full disk) leaves the previous
+    # export whole: each file is replaced by a rename, which needs no space.
+    staging = tempfile.mkdtemp(prefix=".export-", dir=output_dir)
+    try:
+        model.save_pretrained(staging, params=jax.tree.map(_first_replica, params))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        for name in os.listdir(staging):
+            os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     logger.info("Exported model to %s", output_dir)
 
 
@@ -222,7 +232,7 @@ class HubPusher:
             folder_path=self.output_dir,
             commit_message=commit_message,
             run_as_future=True,
-            ignore_patterns=[f"{CHECKPOINT_SUBDIR}/*", "*.orbax-checkpoint-tmp*"],
+            ignore_patterns=[f"{CHECKPOINT_SUBDIR}/*", "*.orbax-checkpoint-tmp*", ".export-*"],
         )
         self._futures.append(future)
 

@@ -5,13 +5,22 @@ permutation, so a resumed run sees exactly the remaining batches of the uninterr
 every process of a pod derives the same order and loads only its own slice.
 """
 
+import codecs
+import csv
+import io
+import json
 import os
 
 import numpy as np
 
-from utils.errors import UsageError
+from utils import hub
+from utils.errors import UsageError, is_disk_full
 
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
+# How much of a local file `check_file` parses (JSON lines, CSV header) before anything loads it;
+# its UTF-8 check reads the whole file (about a second per GB).
+PREREAD_BYTES = 16 << 20
+_CHUNK_BYTES = 16 << 20
 
 
 def file_builder(path, allowed=("json", "csv", "text")):
@@ -27,14 +36,131 @@ def file_builder(path, allowed=("json", "csv", "text")):
     return builder
 
 
+def check_file(path, allowed=("json", "csv", "text"), limit=PREREAD_BYTES):
+    """Check a local data file before anything loads it; returns its column names.
+
+    Every byte must be UTF-8 (`datasets` would read some other encodings silently as garbage);
+    JSON must parse (one object per line, or one array or object for the whole file) and a CSV
+    must have a header row, checked on the first `limit` bytes (None: all). The columns are those
+    of that part (None when it holds no complete line).
+    """
+    builder = file_builder(path, allowed)
+    _check_utf8(path)
+    with open(path, "rb") as f:
+        head = f.read() if limit is None else f.read(limit)
+        complete = not f.read(1)
+    if not complete:
+        head = head[: head.rfind(b"\n") + 1]  # whole lines only
+        if not head:
+            return None
+    text = head.decode("utf-8").removeprefix("\ufeff")
+    if builder == "json":
+        return _json_columns(path, text, complete)
+    if builder == "csv":
+        return _csv_columns(path, text)
+    return ["text"]
+
+
+def _check_utf8(path):
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK_BYTES)
+            pending = len(decoder.getstate()[0])  # bytes of a character split across chunks
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                _not_utf8(path, offset - pending + e.start, e.object[e.start])
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
+def _not_utf8(path, offset, byte):
+    with open(path, "rb") as f:
+        line = f.read(offset).count(b"\n") + 1
+    raise UsageError(f"data file {path} is not UTF-8 text: byte 0x{byte:02x} at offset {offset} (line {line}); "
+                     "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+
+
+def _json_columns(path, text, complete):
+    """Columns of JSON lines, or of a whole-file JSON array/object (checked only when read completely)."""
+    if text.lstrip().startswith("["):
+        return _json_document_columns(path, text) if complete else None
+    columns = {}
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if not columns:  # a first line that does not parse: maybe one multi-line object
+                return _json_document_columns(path, text) if complete else None
+            raise UsageError(f"data file {path}:{number} is not valid JSON: {e.msg} (column {e.colno}); "
+                             "each line must be one JSON object") from None
+        if not isinstance(row, dict):
+            raise UsageError(f"data file {path}:{number} is a JSON {type(row).__name__}, not an object: "
+                             'each line must be one JSON object, e.g. {"text": "..."}')
+        columns.update(dict.fromkeys(row))
+    return list(columns)
+
+
+def _json_document_columns(path, text):
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"data file {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if isinstance(document, dict):  # {"column": [values], ...}
+        return list(document)
+    rows = document if isinstance(document, list) else []
+    if rows and all(isinstance(row, str) for row in rows):
+        return ["text"]  # how `datasets` reads a list of strings
+    if not rows or not all(isinstance(row, dict) for row in rows):
+        raise UsageError(f"data file {path} must hold JSON objects (one per line, or a list of them)")
+    return list({key: None for row in rows for key in row})
+
+
+def _csv_columns(path, text):
+    try:
+        header = next(csv.reader(io.StringIO(text)), [])
+    except csv.Error as e:
+        raise UsageError(f"data file {path} has a malformed CSV header: {e}") from None
+    if not any(name.strip() for name in header):
+        raise UsageError(f"data file {path} has no CSV header row: its first line must name the columns")
+    return header
+
+
+def require_columns(columns, needed):
+    """Raise if a column of `needed` ((flag, name) pairs) is missing from `columns` ({split: names}).
+
+    Splits whose columns are unknown (None) are skipped.
+    """
+    for split, names in columns.items():
+        for flag, name in needed:
+            if names is not None and name not in names:
+                raise UsageError(f"--{flag} {name!r} is not a column of the {split} data; "
+                                 f"its columns: {', '.join(names)}")
+
+
 def load_splits(data_args, files, cache_dir=None, allowed=("json", "csv", "text"), **builder_kwargs):
     """Load a hub dataset (`data_args.dataset_name`) or local `files` ({split: path}) as a DatasetDict."""
     import datasets
 
     if data_args.dataset_name:
-        return datasets.load_dataset(
-            data_args.dataset_name, data_args.dataset_config_name, cache_dir=cache_dir, **builder_kwargs
-        )
+        name = data_args.dataset_name
+        try:
+            return datasets.load_dataset(name, data_args.dataset_config_name, cache_dir=cache_dir, **builder_kwargs)
+        except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+            if is_disk_full(e):
+                raise
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            offline = hub.offline_reason(datasets=True)
+            if offline and not os.path.exists(name):
+                raise UsageError(f"could not load dataset {name!r}: it is not in the local cache and {offline}; "
+                                 "pass local files (--train_file, ...) or run where the hub is reachable") from e
+            raise UsageError(f"could not load dataset {name!r}: {first} (check --dataset_name and "
+                             "--dataset_config_name)") from e
     files = {split: path for split, path in files.items() if path}
     if not files:
         raise UsageError("no data: pass --dataset_name or local files (--train_file, --validation_file, ...)")
@@ -43,7 +169,17 @@ def load_splits(data_args, files, cache_dir=None, allowed=("json", "csv", "text"
         raise UsageError(f"data files must share one format, got {', '.join(sorted(set(builders.values())))}")
     builder = next(iter(builders.values()))
     kwargs = builder_kwargs if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files=files, cache_dir=cache_dir, **kwargs)
+    try:
+        return datasets.load_dataset(builder, data_files=files, cache_dir=cache_dir, **kwargs)
+    except datasets.exceptions.DatasetGenerationError as e:
+        if is_disk_full(e):
+            raise
+        # Past the part `check_file` parsed up front: a full check names the file and line.
+        for path in files.values():
+            check_file(path, allowed, limit=None)
+        cause = e.__cause__ or e
+        raise UsageError(f"could not read the data files ({', '.join(files.values())}): "
+                         f"{type(cause).__name__}: {str(cause).strip()}") from e
 
 
 def take(dataset, max_samples):

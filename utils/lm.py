@@ -15,11 +15,9 @@ import numpy as np
 from utils import data, run
 from utils.args import BaseDataArguments
 from utils.errors import UsageError
+from utils.models import fit_length, max_positions
 
 FILE_FORMATS = ("json", "csv", "text")
-# Model types whose position ids start after the padding index (fairseq heritage): they fit
-# `max_position_embeddings - pad_token_id - 1` tokens.
-POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta", "roberta-prelayernorm")
 # Random streams of the masking: training and evaluation masks never coincide.
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 
@@ -46,15 +44,18 @@ class LMDataArguments(BaseDataArguments):
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
-def check_before_work(training_args, data_args):
+def check_before_work(training_args, data_args, model_args):
     """`run.check_before_work` for LM data: a validation file is optional when a train file is given
-    (evaluation then uses the part of the training data `load_splits` holds out)."""
+    (evaluation then uses the part of the training data `load_splits` holds out). An explicit
+    `--text_column` is checked against the local files' columns now, not after loading them."""
     if training_args.do_predict:
         raise UsageError("--do_predict does not apply to language modeling (there is no test split): use --do_eval")
     files = {"train": data_args.train_file}
     if data_args.validation_file or not data_args.train_file:
         files["validation"] = data_args.validation_file
-    run.check_before_work(training_args, data_args, files, allowed=FILE_FORMATS)
+    columns = run.check_before_work(training_args, data_args, files, allowed=FILE_FORMATS, model_args=model_args)
+    if data_args.text_column and not data_args.dataset_name:
+        data.require_columns(columns, (("text_column", data_args.text_column),))
 
 
 def load_splits(data_args, training_args, cache_dir=None):
@@ -101,25 +102,9 @@ def resolve_text_column(text_column, dataset):
 # ----------------------------------------------------------------------------------------------
 # Sequence length
 # ----------------------------------------------------------------------------------------------
-def model_max_positions(config):
-    """How many tokens the model can take at once, or None when the config does not say."""
-    for name in ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            if config.model_type in POSITIONS_AFTER_PADDING:
-                value -= (config.pad_token_id or 0) + 1
-            return value
-    return None
-
-
 def sequence_length(requested, default_cap, tokenizer, config, flag, logger):
     """`--block_size` / `--max_seq_length`: None -> min(default_cap, tokenizer max); at most the model's."""
-    length = requested or min(default_cap, tokenizer.model_max_length)
-    limit = model_max_positions(config)
-    if limit is not None and length > limit:
-        logger.warning("--%s %d is more than the %d positions the model has: using %d", flag, length, limit, limit)
-        length = limit
-    return length
+    return fit_length(requested or min(default_cap, tokenizer.model_max_length), max_positions(config), flag, logger)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,6 +38,15 @@ class _TqdmHandler(pylogging.Handler):
             self.handleError(record)
 
 
+class _NoTracebackFormatter(pylogging.Formatter):
+    """Library errors logged with a traceback (orbax's failed background saves) print as one line;
+    the script's own error line says what to do, and --debug shows the traceback."""
+
+    def format(self, record):
+        return super().format(pylogging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None,
+                                                       "stack_info": None}))
+
+
 def _route_hf_logging(level):
     """transformers and datasets install their own stderr handler and reset their level when imported.
 
@@ -75,7 +84,7 @@ def setup_logging(is_main_process: bool, debug: bool = False) -> pylogging.Logge
     for handler in [h for h in root.handlers if type(h) in (_TqdmHandler, pylogging.StreamHandler)]:
         root.removeHandler(handler)
     handler = _TqdmHandler()
-    handler.setFormatter(pylogging.Formatter(_LOG_FORMAT, _DATE_FORMAT))
+    handler.setFormatter((pylogging.Formatter if debug else _NoTracebackFormatter)(_LOG_FORMAT, _DATE_FORMAT))
     root.addHandler(handler)
     root.setLevel(level)
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.auto import modeling_flax_auto
 
+from utils import hub
 from utils.errors import UsageError
 
 # The model types each Auto class can build, straight from transformers' own registry.
@@ -18,9 +19,15 @@ TASK_MODEL_TYPES = {
 
 
 PAD_STARTS_DECODER = ("t5", "mt5", "longt5")
+# Families whose positions count from pad_token_id + 1, so their table holds that many fewer.
+PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "roberta-prelayernorm")
 
 
 def _hub_error(what, name, error):
+    offline = hub.offline_reason()
+    if offline and not os.path.exists(name):
+        return UsageError(f"could not load {what} {name!r}: it is neither a local path nor in the local cache, and "
+                          f"{offline}; pass a local path or run where the hub is reachable")
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     where = "a local directory" if os.path.isdir(name) else "a local directory or a hub id reachable from here"
     return UsageError(f"could not load {what} {name!r}: {first} (check it is {where}; offline, use a local path)")
@@ -105,6 +112,24 @@ def fit_config_to_tokenizer(config, tokenizer, model_args):
     if config.model_type in PAD_STARTS_DECODER and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = config.pad_token_id
     return config
+
+
+def max_positions(config):
+    """The longest sequence the model's position embeddings cover; None when it has no table of them
+    (relative positions of the T5 family, ALiBi of BLOOM)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and config.model_type in PADDING_OFFSET_POSITIONS:
+        limit -= config.pad_token_id + 1
+    return limit
+
+
+def fit_length(value, limit, flag, logger):
+    """`value`, lowered to `limit` with a warning: JAX does not bounds-check the position lookup, so
+    longer sequences would silently compute with wrong positions."""
+    if limit is not None and value is not None and value > limit:
+        logger.warning("--%s %d is more than the model's %d positions: using %d", flag, value, limit, limit)
+        return limit
+    return value
 
 
 def load_tokenizer(model_args):

@@ -1,0 +1,492 @@
+"""Bad input never crashes: every mistake ends in one `error: ...` line naming the problem and the fix,
+exit code 2 (usage) or 1 (runtime), no traceback, and an output directory exactly as it was.
+
+Most cases call the script's `main` through `run_main` in this process (no start-up cost) with model
+loading replaced by a tripwire: they must fail before any model is built. A few run the real script
+as a subprocess.
+"""
+
+import errno
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+from huggingface_hub import constants
+
+import run_clm_flax as clm
+import run_mlm_flax as mlm
+import run_summarization_flax as summarization
+from script_runner import ROOT, run_script, script_env
+from utils import hub
+from utils.args import TrainingArguments
+from utils.errors import RunError, run_main
+from utils.run import Outputs
+
+DATA = os.path.join(ROOT, "data", "summarization")
+TOKENIZER = os.path.join(DATA, "tokenizer")
+LM_TOKENIZER = os.path.join(ROOT, "data", "lm", "tokenizer")
+LM_TRAIN = os.path.join(ROOT, "data", "lm", "train.txt")
+TINY_T5 = "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.0"
+# A port nothing listens on: "connection refused" at once, like a machine without a network.
+UNREACHABLE = "http://127.0.0.1:9"
+
+
+def rows(n, **extra):
+    return [{"document": f"Ann met Bob in Rome on day {i}.", "summary": f"Ann met Bob {i}.", **extra}
+            for i in range(n)]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Good and bad data files, by name."""
+    d = tmp_path_factory.mktemp("data")
+    out = {"train": write_jsonl(d / "train.jsonl", rows(40)), "valid": write_jsonl(d / "valid.jsonl", rows(5))}
+    (d / "empty.jsonl").write_text("")
+    (d / "train.parquet").write_bytes(b"PAR1")
+    (d / "latin1.jsonl").write_bytes(b'{"document": "a", "summary": "b"}\n{"document": "caf\xe9", "summary": "b"}\n')
+    (d / "broken.jsonl").write_text('{"document": "a", "summary": "b"}\n{"document": "a", "summary" "b"}\n')
+    (d / "titles.csv").write_text("text,title\nAnn met Bob.,Meeting\n")
+    out["no_summary_valid"] = write_jsonl(d / "no_summary_valid.jsonl", [{"document": "a", "abstract": "b"}])
+    out["all_empty"] = write_jsonl(d / "all_empty.jsonl", rows(4, summary=" "))
+    out["one_column"] = write_jsonl(d / "one_column.jsonl", [{"document": "a"}])
+    for name in ("empty.jsonl", "train.parquet", "latin1.jsonl", "broken.jsonl", "titles.csv"):
+        out[name] = str(d / name)
+    # A dataset directory (what --dataset_name also accepts) with a train split only.
+    (d / "train_only").mkdir()
+    write_jsonl(d / "train_only" / "train.jsonl", rows(20))
+    out["train_only"] = str(d / "train_only")
+    return out
+
+
+def snapshot(path):
+    """Every file under `path` with its size and modification time (None if `path` does not exist)."""
+    if not os.path.exists(path):
+        return None
+    if os.path.isfile(path):
+        return os.stat(path).st_mtime_ns
+    return {os.path.relpath(os.path.join(root, name), path): (os.path.getsize(os.path.join(root, name)),
+                                                               os.stat(os.path.join(root, name)).st_mtime_ns)
+            for root, _, names in os.walk(path) for name in names}
+
+
+def check_failure(code, returncode, stderr, pattern):
+    assert returncode == code, stderr[-2000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and re.search(pattern, last), last
+
+
+def stop_at_model(monkeypatch, error):
+    def load_model(*args, **kwargs):
+        raise error
+
+    for script in (summarization, clm, mlm):
+        monkeypatch.setattr(script, "load_model", load_model)
+
+
+def run_in_process(script, argv, tmp_path):
+    """(exit code, stderr is read by the caller) of `script.main(argv)` under `run_main`, as the script runs it."""
+    argv = [str(a) for a in argv] + ["--compilation_cache_dir", "none", "--cache_dir", str(tmp_path / "cache")]
+    return run_main(lambda: script.main(argv), argv)
+
+
+@pytest.fixture
+def fails(monkeypatch, capsys, tmp_path):
+    """fails(argv, pattern, code=2, out=..., script=...): run main in-process; check the error and the output dir."""
+    stop_at_model(monkeypatch, AssertionError("the model was built before the error was found"))
+
+    def run(argv, pattern, code=2, out=None, script=summarization):
+        out = str(out or tmp_path / "out")
+        before = snapshot(out)
+        returncode = run_in_process(script, [*argv, "--output_dir", out], tmp_path)
+        check_failure(code, returncode, capsys.readouterr().err, pattern)
+        assert snapshot(out) == before
+
+    return run
+
+
+def scratch(files, *args, train=None, phases=("--do_train",)):
+    """Flags for a tiny T5 from scratch on `train` (default: the good training file)."""
+    return ["--model_type", "t5", "--config_overrides", TINY_T5, "--tokenizer_name", TOKENIZER,
+            "--train_file", train or files["train"], "--per_device_train_batch_size", 1, *phases, *args]
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments and config file
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("content, pattern", [
+    (None, r"config file .*config\.json not found: check the path"),
+    ('{\n  "do_train": true,,\n}', r"not valid JSON: .* at line 2 column 20"),
+    ('{"learnig_rate": 0.1}', r"unknown key 'learnig_rate' .*did you mean 'learning_rate'"),
+    ('{"learning_rate": "fast"}', r"'learning_rate' in config file .* must be float, got \"fast\""),
+])
+def test_config_file_errors(fails, tmp_path, content, pattern):
+    path = tmp_path / "config.json"
+    if content is not None:
+        path.write_text(content)
+    fails([path], pattern)
+
+
+def test_unknown_flag_suggests_closest(fails, files):
+    fails(scratch(files, "--learnin_rate", "1e-3"), r"unknown argument --learnin_rate; did you mean '--learning_rate'")
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--per_device_train_batch_size", 0), ("--per_device_eval_batch_size", -2), ("--learning_rate", 0),
+    ("--learning_rate", -0.1), ("--num_train_epochs", 0), ("--max_train_samples", 0), ("--max_eval_samples", -1),
+    ("--max_predict_samples", 0), ("--max_source_length", 0),
+])
+def test_non_positive_values(fails, files, flag, value):
+    fails(scratch(files, flag, value), rf"{flag} must be (positive|a positive number)")
+
+
+def test_no_phase(fails, files):
+    fails(scratch(files, phases=()), r"nothing to do: pass at least one of --do_train, --do_eval, --do_predict")
+
+
+# ---------------------------------------------------------------------------------------------
+# Data files and columns: found by the pre-read, before the hub, the tokenizer or the model
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, pattern", [
+    ("missing.jsonl", r"data file .*missing\.jsonl not found: check the path"),
+    ("train.parquet", r"data file .*train\.parquet has an unsupported extension: use one of \.csv, \.json, \.jsonl"),
+    ("empty.jsonl", r"data file .*empty\.jsonl is empty"),
+    ("latin1.jsonl", r"latin1\.jsonl is not UTF-8 text: byte 0xe9 at offset 51 \(line 2\); convert it to UTF-8"),
+    ("broken.jsonl", r"broken\.jsonl:2 is not valid JSON: Expecting ':' delimiter \(column 29\)"),
+])
+def test_bad_data_file(fails, files, name, pattern):
+    fails(scratch(files, train=files.get(name, os.path.join(os.path.dirname(files["train"]), name))), pattern)
+
+
+def test_csv_without_the_columns_lists_them(fails, files):
+    fails(scratch(files, "--text_column", "document", train=files["titles.csv"]),
+          r"--text_column 'document' is not a column of the train data; its columns: text, title")
+
+
+def test_summary_column_missing_from_one_split(fails, files):
+    fails(scratch(files, "--do_eval", "--validation_file", files["no_summary_valid"]),
+          r"--summary_column 'summary' is not a column of the validation data; its columns: document, abstract")
+
+
+def test_data_with_one_column(fails, files):
+    fails(scratch(files, train=files["one_column"]), r"only the column 'document': summarization needs a document "
+                                                      r"column and a summary column")
+
+
+def test_do_eval_without_validation_data(fails, files):
+    fails(scratch(files, "--do_eval"), r"--do_eval needs validation data: pass --validation_file or --dataset_name")
+
+
+def test_dataset_without_the_split(fails, files):
+    args = ["--model_type", "t5", "--config_overrides", TINY_T5, "--tokenizer_name", TOKENIZER,
+            "--dataset_name", files["train_only"], "--do_predict"]
+    fails(args, r"--do_predict needs a 'test' split, but dataset .*train_only' has only train: drop --do_predict")
+
+
+def test_all_examples_empty(fails, files):
+    fails(scratch(files, train=files["all_empty"]), r"the train data has no usable examples \(all documents or "
+                                                     r"summaries are empty\)")
+
+
+def test_fewer_examples_than_one_global_batch(fails, files):
+    fails(scratch(files, "--max_train_samples", 5),
+          r"5 training examples are fewer than one global batch of 8 .*lower the batch size or add data")
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--model_name_or_path", "--tokenizer_name", "--dataset_name"])
+def test_local_path_not_found(fails, files, flag):
+    fails([*scratch(files), flag, "./models/no-such"], rf"{flag} ./models/no-such not found: check the path")
+
+
+def test_unknown_model_type_lists_valid_ones(fails, files):
+    fails(["--model_type", "t6", *scratch(files)[2:]], r"unknown --model_type 't6': use one of .*\bbart\b.*\bt5\b")
+
+
+def test_model_type_the_script_cannot_train(fails, files):
+    fails(["--model_type", "bert", *scratch(files)[4:]],
+          r"model type 'bert' cannot be trained by this script \(seq2seq\): use one of")
+
+
+# ---------------------------------------------------------------------------------------------
+# Output directory and hub settings
+# ---------------------------------------------------------------------------------------------
+def test_output_dir_is_a_file(fails, files, tmp_path):
+    path = tmp_path / "taken"
+    path.write_text("keep me")
+    fails(scratch(files), r"--output_dir .*taken is a file, not a directory", out=path)
+    assert path.read_text() == "keep me"
+
+
+def test_output_dir_not_writable(fails, files, tmp_path, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    access = os.access  # root may write anywhere: report this one directory as read-only instead of chmod
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(locked) else access(p, mode))
+    fails(scratch(files), r"--output_dir .*locked/run is not writable", out=locked / "run")
+    assert os.listdir(locked) == []
+
+
+def test_non_empty_output_dir(fails, files, tmp_path):
+    out = tmp_path / "finished"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "eval_results.json").write_text("{}")
+    fails(scratch(files), r"already exists and is not empty: use --resume_from_checkpoint latest to continue it, "
+                          r"or --overwrite_output_dir", out=out)
+
+
+def test_push_to_hub_without_token(fails, files, monkeypatch):
+    monkeypatch.setattr("utils.run.get_token", lambda: None)  # no saved login either
+    fails(scratch(files, "--push_to_hub"), r"--push_to_hub needs --hub_token")
+
+
+# ---------------------------------------------------------------------------------------------
+# No network: one short probe, then offline mode; seconds instead of ~24 s of retries
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("what, args, pattern", [
+    ("model", ["--model_name_or_path", "t5-small", "--train_file", "{train}"],
+     r"could not load tokenizer 't5-small': it is neither a local path nor in the local cache, and the hub at "
+     r"http://127\.0\.0\.1:9 is unreachable \(.*\); pass a local path"),
+    ("dataset", ["--model_type", "t5", "--tokenizer_name", TOKENIZER, "--dataset_name", "no-such/dataset"],
+     r"could not load dataset 'no-such/dataset': it is not in the local cache and the hub at http://127\.0\.0\.1:9 "
+     r"is unreachable"),
+])
+def test_hub_name_without_network_fails_fast(fails, files, hub_online, what, args, pattern):
+    hub_online(UNREACHABLE)
+    start = time.time()
+    fails([a.format(train=files["train"]) for a in args] + ["--do_train"], pattern)
+    assert time.time() - start < 10  # the libraries' own retries take ~24 s
+
+
+def test_push_to_hub_without_network(fails, files, hub_online):
+    hub_online(UNREACHABLE)
+    fails(scratch(files, "--push_to_hub", "--hub_token", "hf_x"),
+          r"--push_to_hub needs the hub, but the hub at http://127\.0\.0\.1:9 is unreachable")
+
+
+class _FakeHub(http.server.BaseHTTPRequestHandler):
+    """Answers the reachability probe, and rejects every token."""
+
+    def do_HEAD(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def do_GET(self):
+        body = json.dumps({"error": "Invalid credentials in Authorization header"}).encode()
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_hub():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_push_to_hub_with_a_rejected_token(fails, files, hub_online, fake_hub):
+    hub_online(fake_hub)
+    fails(scratch(files, "--push_to_hub", "--hub_token", "hf_bad"),
+          r"the hub at http://127\.0\.0\.1:\d+ does not accept the token for --push_to_hub: Invalid user token")
+    assert hub.offline_reason() is None and not constants.HF_HUB_OFFLINE  # a reachable hub stays online
+
+
+# ---------------------------------------------------------------------------------------------
+# The real script: exit codes, stderr, --debug
+# ---------------------------------------------------------------------------------------------
+def test_script_usage_error(files, tmp_path):
+    out = tmp_path / "out"
+    result = run_script("run_summarization_flax.py", scratch(files, "--validation_file", files["broken.jsonl"],
+                                                             "--output_dir", out))
+    check_failure(2, result.returncode, result.stderr, r"broken\.jsonl:2 is not valid JSON")
+    assert result.stderr.strip().count("\n") == 0 and not out.exists()  # the one line is all there is
+
+
+def test_long_inputs_clamped_and_empty_examples_dropped(tmp_path, capsys, monkeypatch):
+    """Lengths beyond BART's 64 positions are clamped with a warning, and empty examples dropped with a
+    count, all before the model is built; the 5 usable examples, fewer than one global batch of 8, are
+    fine for evaluation (padded, see test_run_summarization)."""
+    stop_at_model(monkeypatch, RunError("stopped where the model would be built"))
+    bart = ("d_model=16,encoder_layers=1,decoder_layers=1,encoder_attention_heads=2,decoder_attention_heads=2,"
+            "encoder_ffn_dim=32,decoder_ffn_dim=32,max_position_embeddings=64")
+    valid = write_jsonl(tmp_path / "valid.jsonl", rows(5) + rows(2, document=""))
+    assert run_in_process(summarization, [
+        "--model_type", "bart", "--config_overrides", bart, "--tokenizer_name", LM_TOKENIZER, "--validation_file",
+        valid, "--do_eval", "--max_source_length", 512, "--max_target_length", 100, "--output_dir", tmp_path / "out"],
+        tmp_path) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "error: stopped where the model would be built"
+    for name, value in (("max_source_length", 512), ("max_target_length", 100), ("val_max_target_length", 100)):
+        assert f"--{name} {value} is more than the model's 64 positions: using 64" in err
+    assert "validation: dropped 2 examples with an empty document or summary" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Language modeling scripts: the same checks
+# ---------------------------------------------------------------------------------------------
+LM_SCRIPTS = {
+    "clm": (clm, ["--model_type", "gpt2", "--config_overrides", "n_embd=32,n_layer=1,n_head=2,n_positions=64",
+                  "--block_size", 32], "block_size", 64),
+    "mlm": (mlm, ["--model_type", "roberta", "--config_overrides", "hidden_size=32,num_hidden_layers=1,"
+                  "num_attention_heads=2,intermediate_size=64,max_position_embeddings=34", "--max_seq_length", 32],
+            "max_seq_length", 32),
+}
+
+
+@pytest.fixture(scope="module")
+def lm_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lm")
+    (d / "latin1.txt").write_bytes(b"one line\nna\xefve\n")
+    (d / "broken.jsonl").write_text('{"text": "a b"}\n{"text": "a b"\n')
+    (d / "titles.csv").write_text("text,title\nAnn met Bob.,Meeting\n")
+    return {name: str(d / name) for name in ("latin1.txt", "broken.jsonl", "titles.csv")}
+
+
+def lm_args(name, *args, train=LM_TRAIN):
+    script, model, _, _ = LM_SCRIPTS[name]
+    return script, [*model, "--tokenizer_name", LM_TOKENIZER, "--train_file", train, "--do_train",
+                    "--per_device_train_batch_size", 1, *args]
+
+
+@pytest.mark.parametrize("name", LM_SCRIPTS)
+@pytest.mark.parametrize("file, args, pattern", [
+    ("latin1.txt", [], r"latin1\.txt is not UTF-8 text: byte 0xef at offset 11 \(line 2\)"),
+    ("broken.jsonl", [], r"broken\.jsonl:2 is not valid JSON"),
+    ("titles.csv", ["--text_column", "body"], r"--text_column 'body' is not a column of the train data; its "
+                                               r"columns: text, title"),
+    (None, ["--learnin_rate", 1], r"unknown argument --learnin_rate; did you mean '--learning_rate'"),
+    (None, ["--max_train_samples", 0], r"--max_train_samples must be a positive number"),
+    (None, ["--do_predict"], r"--do_predict does not apply to language modeling"),
+    (None, ["--max_train_samples", 3], r"3 training examples are fewer than one global batch of 8"),
+    (None, ["--tokenizer_name", "./no/such/tokenizer"], r"--tokenizer_name ./no/such/tokenizer not found"),
+])
+def test_lm_scripts(fails, lm_files, name, file, args, pattern):
+    script, argv = lm_args(name, *args, train=lm_files[file] if file else LM_TRAIN)
+    fails(argv, pattern, script=script)
+
+
+@pytest.mark.parametrize("name, model_type, task", [("clm", "t5", "causal-lm"), ("mlm", "gpt2", "masked-lm")])
+def test_lm_model_type_the_script_cannot_train(fails, name, model_type, task):
+    script, argv = lm_args(name)
+    fails(["--model_type", model_type, *argv[4:]], rf"model type '{model_type}' cannot be trained by this script "
+                                                  rf"\({task}\)", script=script)
+
+
+@pytest.mark.parametrize("name", LM_SCRIPTS)
+def test_lm_hub_model_without_network(fails, hub_online, name):
+    hub_online(UNREACHABLE)
+    script, argv = lm_args(name)
+    fails(["--model_name_or_path", "gpt2", *argv[4:]], r"could not load model config 'gpt2': .* the hub at "
+                                                       r"http://127\.0\.0\.1:9 is unreachable", script=script)
+
+
+@pytest.mark.parametrize("name", LM_SCRIPTS)
+def test_lm_length_clamped_before_the_model(tmp_path, capsys, monkeypatch, name):
+    stop_at_model(monkeypatch, RunError("stopped where the model would be built"))
+    script, argv = lm_args(name, "--max_train_samples", 64)
+    _, _, flag, limit = LM_SCRIPTS[name]
+    argv[argv.index(f"--{flag}") + 1] = 512
+    assert run_in_process(script, [*argv, "--output_dir", tmp_path / "out"], tmp_path) == 1
+    err = capsys.readouterr().err
+    assert f"--{flag} 512 is more than the model's {limit} positions: using {limit}" in err
+    assert err.strip().splitlines()[-1] == "error: stopped where the model would be built"
+
+
+# ---------------------------------------------------------------------------------------------
+# Disk full while saving (a real full disk: a small tmpfs, where this machine lets us mount one)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if shutil.which("mount") is None or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1100k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root); the tests below simulate a full disk")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(small_disk):
+    """A checkpoint of the tiny T5 takes ~600 kB: the one of step 4 fits, the one of step 8 does not."""
+    out = small_disk / "run"
+    result = run_script("run_summarization_flax.py", scratch(
+        {"train": os.path.join(DATA, "train.jsonl")}, "--max_train_samples", 64, "--max_source_length", 32,
+        "--max_target_length", 8, "--max_steps", 8, "--save_steps", 4, "--logging_steps", 4,
+        "--output_dir", out, "--compilation_cache_dir", "none"), env=script_env())
+    check_failure(1, result.returncode, result.stderr,
+                  r"no space left on device while saving to .*run: free some space or choose another --output_dir; "
+                  r"the checkpoint of step 4 is intact \(resume with --resume_from_checkpoint latest\)")
+    assert "4" in os.listdir(out / "checkpoints")
+    assert (out / "flax_model.msgpack").stat().st_size > 100_000  # the export of step 4, whole
+
+
+DISK_FULL = ValueError("RESOURCE_EXHAUSTED: Error writing \"params\": No space left on device [os_error_code='28']")
+
+
+class FakeModel:
+    """Writes a 'weights' file like save_pretrained; with `fail`, runs out of space half-way."""
+
+    fail = False
+
+    def save_pretrained(self, directory, params):
+        with open(os.path.join(directory, "flax_model.msgpack"), "wb") as f:
+            f.write(b"new" * 1000)
+            if self.fail:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.fixture
+def outputs(tmp_path):
+    from test_checkpoint import fresh_state, replicated_state
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
+    outputs = Outputs(args, (args,), FakeModel(), None, total_steps=10, is_main=True)
+    state = replicated_state(fresh_state())
+    outputs.save(1, state, {"epoch": 0})
+    outputs.checkpointer.wait()
+    yield outputs, state, fresh_state()
+    outputs.checkpointer.close()
+
+
+def test_disk_full_simulated_checkpoint(outputs, monkeypatch):
+    outputs, state, template = outputs
+
+    def full(*args, **kwargs):
+        raise DISK_FULL
+
+    monkeypatch.setattr(outputs.checkpointer._manager, "save", full)
+    with pytest.raises(RunError, match=r"no space left on device while saving to .*out: free some space or choose "
+                                       r"another --output_dir; the checkpoint of step 1 is intact"):
+        outputs.save(2, state, {"epoch": 0})
+    assert outputs.checkpointer.restore(None, template)[1]["step"] == 1
+
+
+def test_disk_full_simulated_export_keeps_the_previous_one(outputs):
+    outputs, state, _ = outputs
+    out = outputs.args.output_dir
+    before = open(os.path.join(out, "flax_model.msgpack"), "rb").read()
+    outputs.model.fail = True
+    with pytest.raises(RunError, match=r"no space left on device while saving .* is intact"):
+        outputs.save(2, state, {"epoch": 0})
+    assert open(os.path.join(out, "flax_model.msgpack"), "rb").read() == before
+    assert not [name for name in os.listdir(out) if name.startswith(".export-")]
