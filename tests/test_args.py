@@ -137,10 +137,28 @@ def test_zero_epochs_allowed_with_max_steps():
 
 
 @pytest.mark.parametrize("flag, value", [("--lr_scheduler_type", "exp"), ("--dtype", "int8"),
-                                         ("--label_smoothing_factor", "1.0")])
+                                         ("--param_dtype", "float16"), ("--label_smoothing_factor", "1.0")])
 def test_bad_choices_rejected(flag, value):
     with pytest.raises(UsageError, match=flag):
         parse(["--output_dir", "a", flag, value])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--coordinator_address", "10.0.0.1"], "must be host:port"),
+    (["--coordinator_address", "10.0.0.1:http"], "must be host:port"),
+    (["--num_processes", "0"], "--num_processes must be positive"),
+    (["--process_id", "-1"], "--process_id must be in"),
+    (["--num_processes", "2", "--process_id", "2"], "--process_id must be in"),
+])
+def test_bad_multi_host_settings_rejected(argv, message):
+    with pytest.raises(UsageError, match=message):
+        parse(["--output_dir", "a", *argv])
+
+
+def test_multi_host_settings_parsed():
+    _, _, train = parse(["--output_dir", "a", "--coordinator_address", "[::1]:1234", "--num_processes", "2",
+                         "--process_id", "1"])
+    assert (train.coordinator_address, train.num_processes, train.process_id) == ("[::1]:1234", 2, 1)
 
 
 def test_output_dir_expands_user(monkeypatch, tmp_path):

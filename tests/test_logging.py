@@ -5,6 +5,7 @@ import logging as pylogging
 import time
 from types import SimpleNamespace
 
+import datasets
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,7 +144,10 @@ def restore_logging():
     root = pylogging.getLogger()
     loggers = [root] + [pylogging.getLogger(name) for name in ("flaxtune", *_QUIET_LIBRARIES)]
     saved = [(logger, logger.level, list(logger.handlers), logger.propagate) for logger in loggers]
+    bars = datasets.is_progress_bar_enabled()
     yield
+    if bars:
+        datasets.enable_progress_bars()
     for logger, level, handlers, propagate in saved:
         logger.setLevel(level)  # setLevel, not .level =, so the loggers' level cache is cleared
         logger.propagate = propagate
@@ -176,6 +180,7 @@ def test_setup_logging_other_process(restore_logging, capsys):
     err = capsys.readouterr().err
     assert "ERROR boom" in err
     assert "hello" not in err and "careful" not in err and "hf warning" not in err
+    assert not datasets.is_progress_bar_enabled()
 
 
 def test_setup_logging_debug(restore_logging, capsys):

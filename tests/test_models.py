@@ -3,13 +3,17 @@
 import logging
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, T5Config
+from transformers import FlaxAutoModelForSeq2SeqLM, PreTrainedTokenizerFast, T5Config
 
+from utils import compat
 from utils.args import ModelArguments
 from utils.errors import UsageError
-from utils.models import fit_config_to_tokenizer, fit_length, load_config, load_tokenizer, max_positions
+from utils.models import fit_config_to_tokenizer, fit_length, load_config, load_model, load_tokenizer, max_positions
 
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
 
@@ -127,3 +131,17 @@ def test_fit_length(caplog):
         assert fit_length(64, 128, "max_target_length", logger) == 64
         assert fit_length(1024, None, "block_size", logger) == 1024  # no limit
     assert caplog.messages == ["--max_source_length 1024 is more than the model's 128 positions: using 128"]
+
+
+@pytest.mark.parametrize("dtype, param_dtype", [("float32", "float32"), ("bfloat16", "float32"),
+                                                ("bfloat16", "bfloat16")])
+def test_load_model_compute_and_parameter_dtypes(tokenizer, dtype, param_dtype):
+    compat.apply()  # the T5 clip shim
+    args = ModelArguments(model_type="t5", config_overrides="d_model=16,d_ff=32,num_layers=1,num_heads=2,d_kv=8",
+                          dtype=dtype, param_dtype=param_dtype)
+    config = fit_config_to_tokenizer(load_config(args, "seq2seq"), tokenizer, args)
+    model = load_model(FlaxAutoModelForSeq2SeqLM, args, config, dtype=jnp.dtype(dtype), seed=0)
+    assert {x.dtype for x in jax.tree_util.tree_leaves(model.params)} == {jnp.dtype(param_dtype)}
+    ids = np.ones((1, 4), np.int32)
+    logits = model(ids, decoder_input_ids=ids).logits
+    assert logits.dtype == jnp.dtype(dtype) and bool(jnp.isfinite(logits).all())

@@ -8,6 +8,7 @@ import pytest
 from flax import jax_utils
 
 from utils import sharding
+from utils.errors import RunError, UsageError
 from utils.state import create_train_state
 
 N = 8
@@ -159,3 +160,64 @@ def test_no_recompile_at_step_two():
     with CompileCounter() as compiles:
         p_step(jax_utils.replicate(sharding.unreplicate(state)), batch)
     assert compiles.count >= 1
+
+
+# --- multi-host start-up (jax.distributed itself is exercised end to end by test_multihost.py) ---------
+
+
+@pytest.fixture
+def fake_initialize(monkeypatch):
+    """Record `jax.distributed.initialize` calls instead of joining a cluster."""
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(sharding, "_on_cloud_tpu_vm", lambda: False)
+    return calls
+
+
+def test_single_host_by_default(fake_initialize):
+    sharding.initialize_processes(environ={})
+    sharding.initialize_processes(num_processes=1, environ={})
+    assert fake_initialize == []
+
+
+def test_explicit_settings_start_jax_distributed(fake_initialize):
+    sharding.initialize_processes("10.0.0.1:1234", 2, 1, environ={})
+    assert fake_initialize == [{"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}]
+
+
+def test_environment_fills_in_missing_flags(fake_initialize):
+    environ = {"JAX_COORDINATOR_ADDRESS": "head:99", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    sharding.initialize_processes(process_id=2, environ=environ)  # a flag beats its variable
+    assert fake_initialize == [{"coordinator_address": "head:99", "num_processes": 4, "process_id": 2}]
+    with pytest.raises(UsageError, match=r"\$JAX_PROCESS_ID must be a non-negative integer"):
+        sharding.initialize_processes(environ={**environ, "JAX_PROCESS_ID": "one"})
+    with pytest.raises(UsageError, match="--process_id must be in"):
+        sharding.initialize_processes(environ={**environ, "JAX_PROCESS_ID": "4"})
+
+
+def test_incomplete_settings_name_the_missing_ones(fake_initialize):
+    with pytest.raises(UsageError, match=r"also pass --num_processes \(\$JAX_NUM_PROCESSES\), --process_id"):
+        sharding.initialize_processes("10.0.0.1:1234", environ={})
+    assert fake_initialize == []
+
+
+def test_cloud_tpu_vm_lets_jax_find_the_pod(fake_initialize, monkeypatch):
+    monkeypatch.setattr(sharding, "_on_cloud_tpu_vm", lambda: True)
+    sharding.initialize_processes(environ={})
+    sharding.initialize_processes(process_id=0, environ={})
+    assert fake_initialize == [{}, {"process_id": 0}]
+    sharding.initialize_processes(num_processes=1, environ={})  # opting out
+    assert len(fake_initialize) == 2
+
+
+def test_failure_to_join_is_a_run_error(monkeypatch):
+    def refuse(**kwargs):
+        raise RuntimeError("DEADLINE_EXCEEDED: barrier timed out")
+
+    monkeypatch.setattr(jax.distributed, "initialize", refuse)
+    with pytest.raises(RunError, match="could not join the other processes via 10.0.0.1:1234: DEADLINE"):
+        sharding.initialize_processes("10.0.0.1:1234", 2, 0, environ={})
+
+
+def test_not_a_cloud_tpu_vm_here():
+    assert sharding._on_cloud_tpu_vm() is False

@@ -18,6 +18,7 @@ from utils.errors import UsageError
 
 SECRET_FIELDS = ("hub_token", "token")
 DTYPES = ("float32", "float16", "bfloat16")
+PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine", "constant")
 
 
@@ -37,7 +38,12 @@ class ModelArguments:
     cache_dir: Optional[str] = _help("Where to store downloaded models and datasets.", default=None)
     use_fast_tokenizer: bool = _help("Use a fast (Rust) tokenizer.", default=True)
     dtype: str = _help(
-        "Compute dtype: float32, float16 or bfloat16. Parameters stay float32 (master weights).",
+        "Compute dtype: float32, float16 or bfloat16. Parameters stay float32 (master weights) unless --param_dtype.",
+        default="float32",
+    )
+    param_dtype: str = _help(
+        "Storage dtype of parameters and optimizer state: float32, or bfloat16 to halve their memory "
+        "(updates smaller than bf16's precision are lost).",
         default="float32",
     )
     token: Optional[str] = _help("Hugging Face token for private models (never logged or saved).", default=None)
@@ -46,6 +52,8 @@ class ModelArguments:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype {self.dtype!r} is not supported: use one of {', '.join(DTYPES)}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise UsageError(f"--param_dtype {self.param_dtype!r} is not supported: use one of {', '.join(PARAM_DTYPES)}")
 
 
 @dataclass
@@ -108,6 +116,15 @@ class TrainingArguments:
         "JAX persistent compilation cache directory; 'none' turns it off.", default="~/.cache/flaxtune/jax"
     )
     debug: bool = _help("Show full tracebacks on errors.", default=False)
+    coordinator_address: Optional[str] = _help(
+        "Multi-host: host:port of process 0, the same on every process (default: $JAX_COORDINATOR_ADDRESS; "
+        "found automatically on TPU pods).", default=None
+    )
+    num_processes: Optional[int] = _help(
+        "Multi-host: number of processes (default: $JAX_NUM_PROCESSES; 1 turns multi-host set-up off).", default=None
+    )
+    process_id: Optional[int] = _help("Multi-host: this process's index, 0 to num_processes - 1 "
+                                      "(default: $JAX_PROCESS_ID).", default=None)
 
     def __post_init__(self):
         positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -125,6 +142,7 @@ class TrainingArguments:
         if self.lr_scheduler_type not in SCHEDULES:
             raise UsageError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown: use one of {', '.join(SCHEDULES)}")
         self.output_dir = os.path.expanduser(self.output_dir)
+        check_distributed(self.coordinator_address, self.num_processes, self.process_id)
 
 
 class ArgumentParser(HfArgumentParser):
@@ -241,6 +259,19 @@ def check_output_dir(training_args, has_checkpoint: bool):
             f"output directory {out} already exists and is not empty: use {hint}--overwrite_output_dir to "
             "overwrite it, or choose another --output_dir"
         )
+
+
+def check_distributed(coordinator_address, num_processes, process_id):
+    """Check the multi-host settings given; `sharding.initialize_processes` checks them again once the
+    environment has filled in the missing ones."""
+    if coordinator_address is not None:
+        host, _, port = coordinator_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise UsageError(f"--coordinator_address {coordinator_address!r} must be host:port, e.g. 10.0.0.1:1234")
+    if num_processes is not None and num_processes < 1:
+        raise UsageError(f"--num_processes must be positive, got {num_processes}")
+    if process_id is not None and (process_id < 0 or (num_processes is not None and process_id >= num_processes)):
+        raise UsageError(f"--process_id must be in 0..num_processes - 1, got {process_id}")
 
 
 def check_phases(training_args):

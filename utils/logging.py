@@ -92,6 +92,10 @@ def setup_logging(is_main_process: bool, debug: bool = False) -> pylogging.Logge
     for name in _QUIET_LIBRARIES:  # before the imports below, whose import-time messages they hold back
         pylogging.getLogger(name).setLevel(library_level)
     _route_hf_logging(library_level)
+    if not is_main_process:
+        import datasets
+
+        datasets.disable_progress_bars()  # tqdm bars, not log records: every host would draw its own
     return pylogging.getLogger("flaxtune")
 
 

@@ -2,6 +2,8 @@
 
 import os
 
+import jax
+import jax.numpy as jnp
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.auto import modeling_flax_auto
 
@@ -144,13 +146,23 @@ def load_tokenizer(model_args):
 
 
 def load_model(auto_class, model_args, config, dtype, seed):
-    """Pretrained weights, or fresh ones from `config`; `dtype` is the compute dtype (params stay float32)."""
+    """Pretrained weights, or fresh ones from `config`.
+
+    `dtype` is the compute dtype (activations); the weights are stored in `--param_dtype`, float32
+    master weights by default whatever the checkpoint holds (hub Flax weights are sometimes bf16).
+    """
     if model_args.model_name_or_path:
         try:
-            return auto_class.from_pretrained(
+            model = auto_class.from_pretrained(
                 model_args.model_name_or_path, config=config, seed=seed, dtype=dtype,
                 cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
             )
         except (OSError, ValueError) as e:
             raise _hub_error("model", model_args.model_name_or_path, e)
-    return auto_class.from_config(config, seed=seed, dtype=dtype, trust_remote_code=model_args.trust_remote_code)
+    else:
+        model = auto_class.from_config(config, seed=seed, dtype=dtype, trust_remote_code=model_args.trust_remote_code)
+    param_dtype = jnp.dtype(model_args.param_dtype)
+    floats = [x.dtype for x in jax.tree_util.tree_leaves(model.params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if any(d != param_dtype for d in floats):
+        model.params = (model.to_bf16 if param_dtype == jnp.bfloat16 else model.to_fp32)(model.params)
+    return model

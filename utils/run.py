@@ -70,7 +70,9 @@ def needed_splits(training_args, splits=("train", "validation", "test")):
 
 
 def set_up(training_args):
-    """Version shims, compilation cache, logging; returns (logger, is_main_process)."""
+    """Multi-host start-up, version shims, compilation cache, logging; returns (logger, is_main_process)."""
+    sharding.initialize_processes(training_args.coordinator_address, training_args.num_processes,
+                                  training_args.process_id)
     compat.apply()
     sharding.enable_compilation_cache(training_args.compilation_cache_dir)
     is_main = jax.process_index() == 0
@@ -177,6 +179,8 @@ class Outputs:
             shutil.rmtree(checkpoint_dir, ignore_errors=True)
             if os.path.exists(os.path.join(out, "metrics.jsonl")):
                 os.remove(os.path.join(out, "metrics.jsonl"))
+        # No process may list the checkpoints before process 0 has removed an overwritten run's.
+        sharding.sync_processes("flaxtune: output_dir ready")
         self.checkpointer = Checkpointer(checkpoint_dir, max_to_keep=training_args.save_total_limit,
                                          is_main_process=is_main)
         # Checked before anything is written: a resume that cannot work leaves the output dir as it was.

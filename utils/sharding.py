@@ -14,7 +14,72 @@ import numpy as np
 from flax import jax_utils
 from jax.experimental import multihost_utils
 
+from utils.args import check_distributed
+from utils.errors import RunError, UsageError
+
 AXIS = "batch"
+# Where the multi-host settings come from when their flags are not given.
+DISTRIBUTED_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+                   "process_id": "JAX_PROCESS_ID"}
+
+
+def _on_cloud_tpu_vm():
+    # JAX's own test, made when jax was imported: libtpu installed and TPU chips on the PCI bus.
+    try:
+        from jax._src import cloud_tpu_init
+    except ImportError:
+        return False
+    return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
+
+
+def _distributed_settings(coordinator_address=None, num_processes=None, process_id=None, environ=None):
+    """{name: value} of the multi-host settings given by flags or, failing those, `JAX_*` variables."""
+    environ = os.environ if environ is None else environ
+    settings = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
+    for name, variable in DISTRIBUTED_ENV.items():
+        if settings[name] is None and environ.get(variable):
+            value = environ[variable]
+            if name != "coordinator_address":
+                if not value.strip().isdigit():
+                    raise UsageError(f"${variable} must be a non-negative integer, got {value!r}")
+                value = int(value)
+            settings[name] = value
+    check_distributed(**settings)
+    return settings
+
+
+def initialize_processes(coordinator_address=None, num_processes=None, process_id=None, environ=None):
+    """Join the other processes of a multi-host run; must come before any JAX computation.
+
+    Explicit settings (flags or `JAX_*` variables, all three) start `jax.distributed`; on a Cloud TPU
+    VM the missing ones are found by JAX from the TPU metadata, so a pod slice needs none. Anywhere
+    else, and with `num_processes` 1, the run stays single-process.
+    """
+    settings = _distributed_settings(coordinator_address, num_processes, process_id, environ)
+    if settings["num_processes"] == 1:
+        return
+    missing = [name for name, value in settings.items() if value is None]
+    if missing and not _on_cloud_tpu_vm():
+        if len(missing) == len(settings):
+            return
+        flags = ", ".join(f"--{name} (${DISTRIBUTED_ENV[name]})" for name in missing)
+        raise UsageError(f"a multi-host run needs --coordinator_address, --num_processes and --process_id: "
+                         f"also pass {flags}")
+    if jax.distributed.is_initialized():  # by a launcher that wraps the script
+        return
+    try:
+        jax.distributed.initialize(**{name: value for name, value in settings.items() if value is not None})
+    except (RuntimeError, ValueError) as error:
+        where = settings["coordinator_address"] or "the coordinator"
+        raise RunError(f"could not join the other processes via {where}: {error} (check that every process got "
+                       "the same address and process count, and distinct process ids; --num_processes 1 runs "
+                       "this host alone)") from error
+
+
+def sync_processes(name):
+    """Wait until every process gets here (a no-op with one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def _mesh_sharding():

@@ -1,0 +1,178 @@
+"""Scaling end to end through run_summarization_flax.py: multi-host, gradient accumulation, bf16.
+
+Runs, all on the tiny T5 and shapes of test_run_summarization.py (20 optimizer steps, global batch 64):
+- reference: 1 process x 8 virtual devices, per-device batch 2 x 4 accumulated micro-batches;
+- multihost: the same config on 2 processes x 4 devices (loopback coordinator, gloo collectives).
+  Process 1 gets its own output_dir, as a second host has its own disk: it must stay empty;
+- big_batch: per-device batch 8 x 1 (the same global batch without accumulation);
+- bf16: bfloat16 computation and parameters (10 steps).
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import serialization
+
+from script_runner import ROOT, read_json, read_metrics, script_env
+from test_run_summarization import SCRIPT, T5_CONFIG
+
+# 160 examples / global batch 64 (2 per device x 8 devices x 4) = 2 steps per epoch: 20 steps. A higher
+# learning rate makes training chaotic enough to amplify a float32 rounding to 1e-4 within 20 steps.
+CONFIG = {**T5_CONFIG, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "num_train_epochs": 10,
+          "learning_rate": 0.003, "logging_steps": 1, "eval_steps": 10, "save_steps": 10, "num_beams": 1}
+TRAIN_ONLY = {"do_eval": False, "do_predict": False}
+TIMEOUT = 600  # seconds for a whole run (shared CPUs are slow); then the watchdog kills its processes
+SAME_FILES = ("eval_results.json", "test_results.json", "generated_predictions.txt")
+
+
+def flags(config):
+    return [item for key, value in config.items() for item in (f"--{key}", str(value))]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(commands, logs, envs):
+    """Run the commands side by side; fail (and kill the rest) as soon as one fails or the time is up.
+
+    A dead process would leave its peers blocked in a collective: nothing here waits on them.
+    """
+    handles = [open(log, "w") for log in logs]
+    procs = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+             for command, env, f in zip(commands, envs, handles)]
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while True:
+            codes = [p.poll() for p in procs]  # every process, every time: a failure must not wait its turn
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                why, culprit = f"exited with {codes[failed[0]]}", failed[0]
+            elif None not in codes:
+                return
+            elif time.monotonic() > deadline:
+                why, culprit = f"still running after {TIMEOUT} s", codes.index(None)
+            else:
+                time.sleep(0.2)
+                continue
+            pytest.fail(f"{logs[culprit]}: {why}:\n" + open(logs[culprit]).read()[-3000:])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in handles:
+            f.close()
+
+
+def command(config):
+    return [sys.executable, os.path.join(ROOT, SCRIPT), *flags(config)]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The single-process runs, side by side (independent: two cores do them in about half the time)."""
+    tmp = tmp_path_factory.mktemp("single")
+    runs = {"reference": {}, "big_batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
+                                           **TRAIN_ONLY},
+            # bf16 matmuls are emulated on CPUs, twice as slow: 10 steps show the loss falling.
+            "bf16": {"dtype": "bfloat16", "param_dtype": "bfloat16", "learning_rate": 0.01, "max_steps": 10,
+                     **TRAIN_ONLY}}
+    commands = [command({**CONFIG, **overrides, "output_dir": tmp / name}) for name, overrides in runs.items()]
+    run_processes(commands, [tmp / f"{name}.log" for name in runs], [script_env()] * len(runs))
+    return {name: tmp / name for name in runs}
+
+
+@pytest.fixture(scope="module")
+def multihost(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multihost")
+    outs, port = [tmp / "host0", tmp / "host1"], free_port()
+    commands = [command({**CONFIG, "output_dir": outs[i], "coordinator_address": f"127.0.0.1:{port}",
+                         "num_processes": 2, "process_id": i}) for i in range(2)]
+    logs = [tmp / "process0.log", tmp / "process1.log"]
+    run_processes(commands, logs, [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
+    return outs, logs
+
+
+def losses(out, split="train"):
+    return [(row["step"], row["loss"]) for row in read_metrics(out, split)]
+
+
+def saved_params(out):
+    with open(out / "flax_model.msgpack", "rb") as f:
+        return serialization.msgpack_restore(f.read())
+
+
+def test_two_processes_match_one(single, multihost):
+    reference = single["reference"]
+    (out, _), _ = multihost
+    single, multi = losses(reference), losses(out)
+    assert [step for step, _ in multi] == [step for step, _ in single] == list(range(1, 21))
+    # Only the order of the cross-device sums differs: at most a float32 rounding of the loss.
+    assert [loss for _, loss in multi] == pytest.approx([loss for _, loss in single], rel=1e-6)
+    assert [loss for _, loss in losses(out, "eval")] == pytest.approx([loss for _, loss in losses(reference, "eval")],
+                                                                      rel=1e-6)
+    for name in SAME_FILES:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    assert len((out / "generated_predictions.txt").read_text().splitlines()) == 21
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5),
+                           saved_params(out), saved_params(reference))
+
+
+def test_only_process_zero_writes(single, multihost):
+    reference = single["reference"]
+    (out, other), logs = multihost
+    assert sorted(os.listdir(other)) == []
+    def names(directory):
+        return sorted("events" if name.startswith("events.out.tfevents") else name for name in os.listdir(directory))
+
+    assert names(out) == names(reference) and names(out).count("events") == 1
+    assert sorted(os.listdir(out / "checkpoints")) == ["10", "20"]
+    quiet, main = logs[1].read_text(), logs[0].read_text()
+    assert "process 0 of 2" in main and "INFO" not in quiet and "step/s" not in quiet
+
+
+def test_accumulation_matches_one_big_batch(single):
+    reference, big_batch = single["reference"], single["big_batch"]
+    accumulated, big = read_metrics(reference), read_metrics(big_batch)
+    # Schedules and logs count optimizer steps, not micro-batches.
+    assert [row["step"] for row in accumulated] == [row["step"] for row in big] == list(range(1, 21))
+    assert [row["learning_rate"] for row in accumulated] == [row["learning_rate"] for row in big]
+    assert [row["loss"] for row in accumulated] == pytest.approx([row["loss"] for row in big], rel=1e-5)
+    assert read_json(reference / "all_results.json")["train_samples"] == 160
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5),
+                           saved_params(reference), saved_params(big_batch))
+
+
+def test_bf16_trains(single):
+    bf16 = single["bf16"]
+    train = [loss for _, loss in losses(bf16)]
+    assert np.all(np.isfinite(train)) and train[-1] < 0.8 * train[0]
+    dtypes = {leaf.dtype for leaf in jax.tree_util.tree_leaves(saved_params(bf16))}
+    assert dtypes == {np.dtype(jax.numpy.bfloat16)}
+
+
+def test_watchdog_kills_the_peers_of_a_failed_process(tmp_path):
+    sleeper = [sys.executable, "-c", f"import os, time; open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()));"
+                                     " time.sleep(600)"]
+    failing = [sys.executable, "-c", "import time; time.sleep(1); raise SystemExit(3)"]
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="b.log: exited with 3"):
+        run_processes([sleeper, failing], [tmp_path / "a.log", tmp_path / "b.log"], [None, None])
+    assert time.monotonic() - start < 60
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "pid").read_text()), 0)
+
+
+def test_watchdog_kills_a_straggler(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "TIMEOUT", 1)
+    with pytest.raises(pytest.fail.Exception, match="still running after 1 s"):
+        run_processes([[sys.executable, "-c", "import time; time.sleep(600)"]], [tmp_path / "a.log"], [None])
