@@ -1,6 +1,7 @@
 """End to end: run_mlm_flax.py on a tiny RoBERTa over 8 virtual devices, as a user would run it."""
 
 import os
+import shutil
 
 import pytest
 
@@ -56,6 +57,21 @@ def test_result_files(trained):
         assert os.path.isfile(os.path.join(trained, name)), name
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(trained))
     assert sorted(os.listdir(os.path.join(trained, "checkpoints"))) == ["20", "40"]
+
+
+def test_resumed_run_sees_the_same_masks(trained, tmp_path, cache_dir):
+    # Masks are a function of (seed, step): resuming at step 20 must retrace the second half exactly.
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(trained, resumed)
+    run(MODEL + DATA + TRAIN + ["--do_train", "--do_eval", "--output_dir", resumed, "--max_steps", MAX_STEPS,
+                                "--resume_from_checkpoint", "20"], cache_dir)
+    # The resumed run rewinds metrics.jsonl to step 20 and logs the rest again.
+    original, again = read_metrics(trained), read_metrics(resumed)
+    assert [row["step"] for row in again] == [row["step"] for row in original]
+    for before, after in zip(original, again):
+        assert after["loss"] == pytest.approx(before["loss"], rel=1e-5), after["step"]
+    results = [read_json(os.path.join(d, "eval_results.json")) for d in (trained, resumed)]
+    assert results[0] == results[1]
 
 
 def test_eval_only_from_the_saved_model(trained, tmp_path, cache_dir):
