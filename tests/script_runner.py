@@ -23,10 +23,15 @@ def script_env(**extra):
     return env
 
 
-def run_script(script, args, timeout=600, env=None, cwd=ROOT):
-    """Run `python script *args`; returns the CompletedProcess (stdout/stderr as text)."""
+def run_script(script, args, timeout=600, env=None, cwd=ROOT, steps_report=None):
+    """Run `python script *args`; returns the CompletedProcess (stdout/stderr as text).
+
+    With `steps_report`, the script runs under `python -m utils.perf`, which writes there which calls
+    of each pmap'd step compiled (`utils.perf.step_report`).
+    """
+    recorder = ["-m", "utils.perf", str(steps_report)] if steps_report else []
     return subprocess.run(
-        [sys.executable, os.path.join(ROOT, script), *map(str, args)],
+        [sys.executable, *recorder, os.path.join(ROOT, script), *map(str, args)],
         cwd=cwd, env=env or script_env(), capture_output=True, text=True, timeout=timeout,
     )
 
@@ -40,3 +45,4 @@ def read_metrics(output_dir, split="train"):
     """The lines of `metrics.jsonl` for one split."""
     with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as f:
         return [row for row in map(json.loads, f) if row["split"] == split]
+

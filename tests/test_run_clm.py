@@ -28,9 +28,16 @@ def trained(tmp_path_factory, cache_dir):
         "--output_dir", out, "--overwrite_output_dir", "--do_train", "--do_eval", "--max_steps", MAX_STEPS,
         "--num_train_epochs", "100", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "2",
         "--learning_rate", "5e-3", "--warmup_steps", "5", "--logging_steps", "5", "--eval_steps", "30",
-        "--save_steps", "30", "--compilation_cache_dir", cache_dir])
+        "--save_steps", "30", "--compilation_cache_dir", cache_dir], steps_report=out + "_steps.json")
     assert result.returncode == 0, result.stderr[-3000:]
     return out
+
+
+def test_each_step_compiles_once(trained):
+    """Train steps 2..N and every eval batch (the last one padded) reuse the first call's program."""
+    report = read_json(trained + "_steps.json")
+    assert report["train_step"]["calls"] == MAX_STEPS and report["eval_step"]["calls"] > 2
+    assert all(step["calls_that_compiled"] == [1] for step in report.values()), report
 
 
 def test_loss_falls_and_max_steps_is_honoured(trained):

@@ -26,8 +26,8 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("jax_cache"))
 
 
-def run(args, cache_dir):
-    result = run_script(SCRIPT, args + ["--compilation_cache_dir", cache_dir])
+def run(args, cache_dir, **kwargs):
+    result = run_script(SCRIPT, args + ["--compilation_cache_dir", cache_dir], **kwargs)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -35,8 +35,16 @@ def run(args, cache_dir):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, cache_dir):
     out = str(tmp_path_factory.mktemp("mlm"))
-    run(MODEL + DATA + TRAIN + ["--do_train", "--do_eval", "--output_dir", out, "--max_steps", MAX_STEPS], cache_dir)
+    run(MODEL + DATA + TRAIN + ["--do_train", "--do_eval", "--output_dir", out, "--max_steps", MAX_STEPS], cache_dir,
+        steps_report=out + "_steps.json")
     return out
+
+
+def test_each_step_compiles_once(trained):
+    """Train steps 2..N and every eval batch (the last one padded) reuse the first call's program."""
+    report = read_json(trained + "_steps.json")
+    assert report["train_step"]["calls"] == MAX_STEPS and report["eval_step"]["calls"] > 2
+    assert all(step["calls_that_compiled"] == [1] for step in report.values()), report
 
 
 def test_loss_falls_and_max_steps_is_honoured(trained):

@@ -42,8 +42,8 @@ T5_CONFIG = {
 RESULT_KEYS = ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum", "gen_len")
 
 
-def run_ok(args):
-    result = run_script(SCRIPT, args)
+def run_ok(args, **kwargs):
+    result = run_script(SCRIPT, args, **kwargs)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -54,8 +54,17 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("t5")
     config = tmp / "config.json"
     config.write_text(json.dumps({**T5_CONFIG, "output_dir": str(tmp / "out")}))
-    run_ok([config, "--learning_rate", "1e-2"])
+    run_ok([config, "--learning_rate", "1e-2"], steps_report=tmp / "steps.json")
     return tmp / "out"
+
+
+def test_each_step_compiles_once(trained):
+    """Train steps 2..N, every eval and every generate batch (the last one padded) reuse the first
+    call's program: 30 train steps, 3 evaluations of 3 batches and a 2-batch test set."""
+    report = read_json(trained.parent / "steps.json")
+    assert {name: step["calls"] for name, step in report.items()} == {
+        "train_step": 30, "eval_step": 3 * 3 + 2, "generate_step": 3 * 3 + 2}
+    assert all(step["calls_that_compiled"] == [1] for step in report.values()), report
 
 
 def test_result_files_and_keys(trained):

@@ -6,19 +6,24 @@ The scripts keep the loop itself (`for step, batch in ...: state, sums = p_train
 """
 
 import json
+import logging
 import os
 
 import jax
 import numpy as np
 
-from utils import data, preemption, sharding
+from utils import data, perf, preemption, sharding
 from utils.errors import RunError
 from utils.metrics import token_weighted_means
+
+logger = logging.getLogger(__name__)
 
 
 def host_means(device_sums):
     """Token-weighted means of a list of psum'd per-step sums (device 0's copy of each)."""
-    return token_weighted_means(jax.device_get([{k: v[0] for k, v in sums.items()} for sums in device_sums]))
+    # Fetched whole, indexed on the host: indexing a device array would compile a gather.
+    host = jax.device_get(device_sums)
+    return token_weighted_means([{k: np.asarray(v)[0] for k, v in sums.items()} for sums in host])
 
 
 def train_batches(arrays, num_examples, global_batch_size, seed, steps_per_epoch, start_step, total_steps,
@@ -62,7 +67,9 @@ class TrainLoop:
                  tokens_per_step, examples_per_step):
         self.args = training_args
         self.steps_per_epoch, self.total_steps, self.start_step = steps_per_epoch, total_steps, start_step
-        self.schedule, self.writer, self.throughput = schedule, writer, throughput
+        self.writer, self.throughput = writer, throughput
+        # All learning rates at once: calling the schedule at each log would compile its ops mid-run.
+        self.learning_rates = np.asarray(schedule(np.arange(max(total_steps, 1))), np.float64)
         self.tokens_per_step, self.examples_per_step = tokens_per_step, examples_per_step
         self.window = []
 
@@ -73,6 +80,9 @@ class TrainLoop:
             # The first step includes compilation: time only what follows it.
             jax.block_until_ready(sums)
             self.throughput.start()
+            started = perf.seconds_since_start()
+            if started is not None:
+                logger.info("first step done %.1f s after start (compilation included)", started)
         else:
             self.throughput.update(self.tokens_per_step, self.examples_per_step)
         self.writer.advance(step)
@@ -96,7 +106,7 @@ class TrainLoop:
     def log(self, step):
         metrics = host_means(self._finite_window(step))
         self.window = []
-        metrics["learning_rate"] = float(self.schedule(step - 1))
+        metrics["learning_rate"] = float(self.learning_rates[step - 1])
         if step > self.start_step + 1:  # fetching the window above waited for the device
             metrics.update(self.throughput.rates())
         self.writer.log(step, metrics)

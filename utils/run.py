@@ -18,6 +18,7 @@ from utils.checkpoint import (Checkpointer, HubPusher, all_finite, checkpoint_st
 from utils.errors import RunError, Stopped, UsageError, at_exit, is_disk_full
 from utils.logging import MetricsLogger, setup_logging
 from utils.loop import write_results
+from utils.perf import memory_report
 
 logger = logging.getLogger(__name__)
 
@@ -326,3 +327,4 @@ class Outputs:
         if self.pusher:
             self.pusher.push("end of training")
             self.pusher.wait()
+        logger.info("%s", memory_report())

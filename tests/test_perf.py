@@ -1,0 +1,86 @@
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+from script_runner import ROOT, script_env
+from utils import perf, sharding
+
+
+def test_compile_count_sees_each_new_program_once():
+    double = jax.jit(lambda x: 2 * x)
+    three, five = np.ones(3), np.ones(5)
+    before = perf.compile_count()
+    double(three)
+    double(three)
+    assert perf.compiled_since(before) == ["jit(<lambda>)"]
+    middle = perf.compile_count()
+    double(five)  # a new shape is a new program
+    assert perf.compiled_since(middle) == ["jit(<lambda>)"]
+
+
+def sharded(rows):
+    return sharding.shard(np.ones((jax.local_device_count() * rows,), np.float32))
+
+
+def test_recorder_tells_which_calls_compiled_and_forgets_donated_inputs():
+    original = jax.pmap
+    recorder = perf.StepRecorder(keep_inputs=2)
+    with recorder.active():
+        def add_step(state, batch):
+            return state + batch.sum()
+        step = jax.pmap(add_step, sharding.AXIS, donate_argnums=(0,))
+    assert jax.pmap is original
+    state = sharding.replicate(np.float32(0))  # as the scripts place it: no new program at call 2
+    for rows in (2, 2, 3, 2):
+        state = step(state, sharded(rows))
+    recorded = recorder.steps["add_step"]
+    assert recorded.calls == 4 and recorded.calls_that_compiled() == [1, 3]
+    assert len(recorded.inputs) == 2 and all(args[0] is None for args in recorded.inputs)
+    assert recorded.inputs[-1][1].shape == (jax.local_device_count(), 2)
+    np.testing.assert_allclose(recorded.outputs, 9.0)
+    assert perf.step_report(recorder)["add_step"] == {
+        "calls": 4, "calls_that_compiled": [1, 3], "compiled": [["jit(_fun)"], ["jit(_fun)"]]}
+
+
+SCRIPT = '''
+import sys
+import jax
+import numpy as np
+
+def main():
+    double = jax.pmap(lambda x: x * 2)
+    for rows in map(int, sys.argv[1:]):
+        double(np.ones((jax.local_device_count(), rows)))
+'''
+
+
+def test_module_entry_point_writes_the_report_of_a_script(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    report = tmp_path / "steps.json"
+    result = subprocess.run([sys.executable, "-m", "utils.perf", str(report), str(script), "1", "1", "2"],
+                            cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    steps = json.loads(report.read_text())
+    assert steps["<lambda>"]["calls"] == 3 and steps["<lambda>"]["calls_that_compiled"] == [1, 3]
+
+
+def test_module_entry_point_without_arguments_says_how_to_use_it():
+    result = subprocess.run([sys.executable, "-m", "utils.perf"], cwd=ROOT, env=script_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.strip().startswith("usage: python -m utils.perf")
+
+
+def test_memory_figures():
+    assert 50 * 2**20 < perf.peak_host_memory() < 64 * 2**30  # jax alone takes well over 50 MiB
+    assert perf.peak_device_memory() is None  # CPU devices keep no statistics
+    assert perf.memory_report().startswith("peak memory: host ") and "device" not in perf.memory_report()
+
+
+def test_seconds_since_start_counts_from_process_start(tmp_path):
+    code = "import time; time.sleep(1.5); from utils import perf; print(perf.seconds_since_start())"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert 1.5 <= float(result.stdout) < 30

@@ -1,0 +1,167 @@
+"""Performance instruments: which programs JAX compiles and when, what each pmap'd step costs, peak memory.
+
+The scripts only report memory (`memory_report`). `StepRecorder` is for tests, benchmarks and anyone
+chasing a slow run: it watches every step a script builds, without changing the script:
+
+    python -m utils.perf steps.json run_clm_flax.py config.json   # which steps compiled on which call
+"""
+
+import contextlib
+import json
+import os
+import resource
+import runpy
+import sys
+import threading
+
+import jax
+
+from utils.errors import run_main
+
+# Emitted once per program JAX lowers (a trace-cache miss), whether or not the persistent
+# compilation cache then spares the backend compile: one event per "compilation" in the sense
+# that matters for a training loop.
+_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_compiled = []  # names of the programs lowered so far in this process
+_lock = threading.Lock()
+_listening = False
+
+
+def _on_event(event, duration, **kwargs):
+    if event == _LOWERING_EVENT:
+        with _lock:
+            _compiled.append(kwargs.get("fun_name", "?"))
+
+
+def compile_count():
+    """Programs lowered so far in this process (counting starts at the first call of this function)."""
+    global _listening
+    if not _listening:
+        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        _listening = True
+    return len(_compiled)
+
+
+def compiled_since(count):
+    """Names of the programs lowered since `compile_count()` returned `count`."""
+    with _lock:
+        return list(_compiled[count:])
+
+
+class RecordedStep:
+    """A pmap'd function that remembers its calls: the programs lowered during each, its last inputs
+    (donated arguments left out: they are deleted by the call) and its last outputs."""
+
+    def __init__(self, function, name, donated=(), keep_inputs=4):
+        self.function, self.name, self.donated, self.keep_inputs = function, name, donated, keep_inputs
+        self.compiles = []  # per call: names of the programs lowered during that call
+        self.inputs = []
+        self.outputs = None
+
+    def __call__(self, *args):
+        before = compile_count()
+        self.outputs = self.function(*args)
+        self.compiles.append(compiled_since(before))
+        kept = tuple(None if i in self.donated else arg for i, arg in enumerate(args))
+        self.inputs = (self.inputs + [kept])[-self.keep_inputs:]
+        return self.outputs
+
+    @property
+    def calls(self):
+        return len(self.compiles)
+
+    def calls_that_compiled(self):
+        """1-based numbers of the calls that lowered a program."""
+        return [number for number, names in enumerate(self.compiles, start=1) if names]
+
+
+class StepRecorder:
+    """While `active()`, every `jax.pmap` returns a `RecordedStep`, kept in `steps` by function name."""
+
+    def __init__(self, keep_inputs=4):
+        self.keep_inputs = keep_inputs
+        self.steps = {}
+
+    @contextlib.contextmanager
+    def active(self):
+        original = jax.pmap
+
+        def recording_pmap(function, *args, **kwargs):
+            donated = kwargs.get("donate_argnums", ())
+            step = RecordedStep(original(function, *args, **kwargs), function.__name__,
+                                (donated,) if isinstance(donated, int) else tuple(donated), self.keep_inputs)
+            self.steps[step.name] = step
+            return step
+
+        compile_count()
+        jax.pmap = recording_pmap
+        try:
+            yield self
+        finally:
+            jax.pmap = original
+
+
+def seconds_since_start():
+    """Wall-clock seconds since this process started (from Linux's /proc), or None elsewhere."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the name
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def peak_host_memory():
+    """Peak resident memory of this process in bytes (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def peak_device_memory():
+    """Largest peak bytes in use over the local devices, or None where the backend does not say (CPU)."""
+    peaks = []
+    for device in jax.local_devices():
+        try:
+            stats = device.memory_stats()
+        except Exception:  # backends without memory statistics raise rather than return None
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(stats["peak_bytes_in_use"])
+    return max(peaks) if peaks else None
+
+
+def memory_report():
+    """One line for the log: peak host memory and, where known, peak device memory."""
+    line = f"peak memory: host {peak_host_memory() / 2**30:.2f} GiB"
+    device = peak_device_memory()
+    if device is not None:
+        line += f", device {device / 2**30:.2f} GiB (largest of {jax.local_device_count()})"
+    return line
+
+
+def run_script(path, argv, recorder):
+    """Run the script at `path` with `argv` in this process, `recorder` active; returns its exit code."""
+    main = runpy.run_path(path, run_name="flaxtune_script")["main"]
+    sys.argv = [path, *map(str, argv)]
+    with recorder.active():
+        return run_main(main)
+
+
+def step_report(recorder):
+    """{step name: calls, the calls that compiled, and what they compiled} as plain JSON data."""
+    return {name: {"calls": step.calls, "calls_that_compiled": step.calls_that_compiled(),
+                   "compiled": [names for names in step.compiles if names]}
+            for name, step in recorder.steps.items()}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit("usage: python -m utils.perf REPORT.json SCRIPT [ARGS...]")
+    report_path, script, *script_args = sys.argv[1:]
+    recorder = StepRecorder(keep_inputs=0)
+    code = run_script(script, script_args, recorder)
+    with open(report_path, "w", encoding="utf-8") as f:
+        json.dump(step_report(recorder), f, indent=2)
+    sys.exit(code)
