@@ -145,6 +145,15 @@ def test_take_and_to_arrays():
     assert arrays["ids"].shape == (4, 2) and arrays["ids"].dtype.kind == "i"
     np.testing.assert_array_equal(arrays["label"], [0, 1, 2, 3])
     np.testing.assert_array_equal(data.gather(arrays, np.array([3, 0]))["ids"], [[3, 4], [0, 1]])
+    assert arrays["ids"].dtype == np.int32  # what JAX computes with: half the bytes of int64 to move
+
+
+def test_to_arrays_refuses_ragged_sequences():
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"ids": [[1, 2], [3]]})
+    with pytest.raises(ValueError, match="sequences of 1 to 2 items"):
+        data.to_arrays(ds, ["ids"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -145,6 +145,20 @@ def load_tokenizer(model_args):
         raise _hub_error("tokenizer", name, e)
 
 
+def _initialized_from_config(auto_class, config, seed, dtype, trust_remote_code):
+    """A model with fresh weights from one compiled init program.
+
+    transformers initializes op by op: a hundred or so small programs, each compiled (or fetched from
+    the persistent cache) on every start. One jitted init is a single cache entry; same weights.
+    """
+    model = auto_class.from_config(config, seed=seed, dtype=dtype, _do_init=False,
+                                   trust_remote_code=trust_remote_code)
+    params = jax.jit(model.init_weights, static_argnums=1)(model.key, model.input_shape)
+    model._is_initialized = True  # what `_do_init=True` would have set; the params setter requires it
+    model.params = params
+    return model
+
+
 def load_model(auto_class, model_args, config, dtype, seed):
     """Pretrained weights, or fresh ones from `config`.
 
@@ -160,7 +174,7 @@ def load_model(auto_class, model_args, config, dtype, seed):
         except (OSError, ValueError) as e:
             raise _hub_error("model", model_args.model_name_or_path, e)
     else:
-        model = auto_class.from_config(config, seed=seed, dtype=dtype, trust_remote_code=model_args.trust_remote_code)
+        model = _initialized_from_config(auto_class, config, seed, dtype, model_args.trust_remote_code)
     param_dtype = jnp.dtype(model_args.param_dtype)
     floats = [x.dtype for x in jax.tree_util.tree_leaves(model.params) if jnp.issubdtype(x.dtype, jnp.floating)]
     if any(d != param_dtype for d in floats):

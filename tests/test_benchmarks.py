@@ -1,0 +1,77 @@
+"""The benchmark's own arithmetic, and one real (small) run of its documented command.
+
+Figures are only checked for sense here (positive, consistent); the targets are read off the
+benchmark's output, never asserted on timings.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from script_runner import ROOT, script_env
+
+_spec = importlib.util.spec_from_file_location("benchmark_run", os.path.join(ROOT, "benchmarks", "run.py"))
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_script_rate_weighs_each_window_by_its_steps(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    # Windows: steps 2-4 (3 steps at 100 tok/s), 5-8 (4 steps at 200 tok/s); an eval row in between.
+    write_rows(metrics, [{"step": 4, "split": "train", "tokens_per_second": 100.0, "mfu": 0.2},
+                         {"step": 4, "split": "eval", "loss": 1.0},
+                         {"step": 8, "split": "train", "tokens_per_second": 200.0, "mfu": 0.4}])
+    rate, mfu, steps = bench.script_tokens_per_second(metrics)
+    assert steps == 7
+    assert rate == pytest.approx(7 / (3 / 100 + 4 / 200))
+    assert mfu == pytest.approx(0.3)
+
+
+def test_script_rate_without_mfu(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    write_rows(metrics, [{"step": 5, "split": "train", "tokens_per_second": 50.0}])
+    assert bench.script_tokens_per_second(metrics) == (50.0, None, 4)
+
+
+def test_table_leaves_missing_figures_as_dashes():
+    text = bench.table([{"task": "clm", "size": "tiny", "limit_tokens_per_second": 1234.5,
+                         "script_tokens_per_second": 1200.0, "script_vs_limit": 0.972}])
+    header, rule, row = text.splitlines()
+    assert header.startswith("task") and set(rule) <= {"-", "|"}
+    cells = [cell.strip() for cell in row.split("|")]
+    assert cells[:5] == ["clm", "tiny", "1,234", "1,200", "97.2%"] and set(cells[5:]) == {"-"}
+
+
+def test_too_few_steps_for_two_windows_is_refused():
+    result = subprocess.run([sys.executable, "benchmarks/run.py", "--steps", "5", "--logging_steps", "4"], cwd=ROOT,
+                            env=script_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--steps must cover at least two logging windows" in result.stderr
+
+
+def test_documented_command_on_one_small_row(tmp_path):
+    output = tmp_path / "results.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--tasks", "clm", "--sizes", "tiny", "--steps", "6",
+         "--logging_steps", "3", "--repeats", "2", "--output", str(output)],
+        cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = json.loads(output.read_text())
+    assert (record["task"], record["size"], record["device_kind"], record["device_count"]) == ("clm", "tiny", "cpu", 8)
+    assert record["script_timed_steps"] == 5  # steps 2..6: the compiling first step is left out
+    assert record["train_step_compiled_at_calls"] == [1] and record["eval_step_compiled_at_calls"] == [1]
+    for key in ("limit_tokens_per_second", "script_tokens_per_second", "eval_examples_per_second",
+                "startup_cold_seconds", "startup_compile_cache_seconds", "startup_compile_and_datasets_cache_seconds",
+                "peak_host_memory_gib"):
+        assert record[key] > 0, key
+    assert record["script_vs_limit"] == pytest.approx(
+        record["script_tokens_per_second"] / record["limit_tokens_per_second"])
+    assert record["peak_device_memory_gib"] is None and record["script_mfu"] is None  # CPU: unknown peak
+    assert "clm  | tiny" in result.stdout
