@@ -5,8 +5,8 @@
     python benchmarks/run.py --tasks clm --sizes tiny         # one row
     python benchmarks/run.py --dtype bfloat16 --output gpu.json   # on an accelerator
 
-For each script and size (the shipped tiny config; medium: the same data, a model and batch about
-ten times the work per step):
+For each script and size (tiny: the shipped config; medium: the same data, a model with ~8x the
+FLOPs per token and longer sequences):
   limit     tokens/s of the script's compiled train step in a tight loop on pre-sharded device batches
   script    steady-state tokens/s of the real run, from its metrics.jsonl (the compiling first step
             excluded); target: >= 95% of the limit
