@@ -43,7 +43,7 @@ SIZES = {
         "summarization": ["--config_overrides", "d_model=256,d_ff=1024,num_layers=4,num_decoder_layers=4,num_heads=4,"
                           "d_kv=64,dropout_rate=0.0", "--max_source_length", "192", "--max_target_length", "32",
                           "--per_device_train_batch_size", "4", "--max_eval_samples", "100",
-                          "--max_predict_samples", "37"],
+                          "--max_predict_samples", "77"],
         "clm": ["--config_overrides", "n_embd=256,n_layer=4,n_head=4,n_positions=256", "--block_size", "256",
                 "--per_device_train_batch_size", "4", "--max_eval_samples", "100"],
         "mlm": ["--config_overrides", "hidden_size=256,num_hidden_layers=4,num_attention_heads=4,intermediate_size=1024,"
