@@ -41,6 +41,9 @@ def test_recorder_tells_which_calls_compiled_and_forgets_donated_inputs():
     assert len(recorded.inputs) == 2 and all(args[0] is None for args in recorded.inputs)
     assert recorded.inputs[-1][1].shape == (jax.local_device_count(), 2)
     np.testing.assert_allclose(recorded.outputs, 9.0)
+    forgetful = perf.RecordedStep(step.function, "add_step", keep_inputs=0)
+    forgetful(recorder.steps["add_step"].outputs, sharded(2))
+    assert forgetful.calls == 1 and forgetful.inputs == []  # keeps no batch alive
     assert perf.step_report(recorder)["add_step"] == {
         "calls": 4, "calls_that_compiled": [1, 3], "compiled": [["jit(_fun)"], ["jit(_fun)"]]}
 

@@ -1,7 +1,7 @@
 """Performance instruments: which programs JAX compiles and when, what each pmap'd step costs, peak memory.
 
-The scripts only report memory (`memory_report`). `StepRecorder` is for tests, benchmarks and anyone
-chasing a slow run: it watches every step a script builds, without changing the script:
+The scripts log with `seconds_since_start` and `memory_report`. `StepRecorder` is for tests, benchmarks
+and anyone chasing a slow run: it watches every step a script builds, without changing the script:
 
     python -m utils.perf steps.json run_clm_flax.py config.json   # which steps compiled on which call
 """
@@ -62,8 +62,9 @@ class RecordedStep:
         before = compile_count()
         self.outputs = self.function(*args)
         self.compiles.append(compiled_since(before))
-        kept = tuple(None if i in self.donated else arg for i, arg in enumerate(args))
-        self.inputs = (self.inputs + [kept])[-self.keep_inputs:]
+        if self.keep_inputs:
+            kept = tuple(None if i in self.donated else arg for i, arg in enumerate(args))
+            self.inputs = (self.inputs + [kept])[-self.keep_inputs:]
         return self.outputs
 
     @property
