@@ -147,18 +147,20 @@ class Bench:
 
 
 def table(records):
-    columns = [("task", "{}"), ("size", "{}"), ("limit tok/s", "{:,.0f}"), ("script tok/s", "{:,.0f}"),
-               ("script/limit", "{:.1%}"), ("cold s", "{:.1f}"), ("warm s", "{:.1f}"), ("warm/cold", "{:.0%}"),
-               ("eval ex/s", "{:,.1f}"), ("greedy ex/s", "{:,.1f}"), ("beam4 ex/s", "{:,.1f}"),
-               ("host GiB", "{:.2f}")]
-    keys = ["task", "size", "limit_tokens_per_second", "script_tokens_per_second", "script_vs_limit",
-            "startup_cold_seconds", "startup_compile_cache_seconds", "startup_warm_vs_cold",
-            "eval_examples_per_second", "generate_beams1_examples_per_second", "generate_beams4_examples_per_second",
-            "peak_host_memory_gib"]
-    rows = [[fmt.format(r[k]) if r.get(k) is not None else "-" for (_, fmt), k in zip(columns, keys)]
-            for r in records]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, (h, _) in enumerate(columns)]
-    lines = [" | ".join(h.ljust(w) for (h, _), w in zip(columns, widths))]
+    columns = [("task", "task", "{}"), ("size", "size", "{}"),
+               ("limit tok/s", "limit_tokens_per_second", "{:,.0f}"),
+               ("script tok/s", "script_tokens_per_second", "{:,.0f}"),
+               ("script/limit", "script_vs_limit", "{:.1%}"),
+               ("cold s", "startup_cold_seconds", "{:.1f}"),
+               ("warm s", "startup_compile_cache_seconds", "{:.1f}"),
+               ("warm/cold", "startup_warm_vs_cold", "{:.0%}"),
+               ("eval ex/s", "eval_examples_per_second", "{:,.1f}"),
+               ("greedy ex/s", "generate_beams1_examples_per_second", "{:,.1f}"),
+               ("beam4 ex/s", "generate_beams4_examples_per_second", "{:,.1f}"),
+               ("host GiB", "peak_host_memory_gib", "{:.2f}")]
+    rows = [[fmt.format(r[key]) if r.get(key) is not None else "-" for _, key, fmt in columns] for r in records]
+    widths = [max(len(header), *(len(row[i]) for row in rows)) for i, (header, _, _) in enumerate(columns)]
+    lines = [" | ".join(header.ljust(w) for (header, _, _), w in zip(columns, widths))]
     lines.append("-|-".join("-" * w for w in widths))
     lines += [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     return "\n".join(lines)

@@ -46,3 +46,10 @@ def read_metrics(output_dir, split="train"):
     with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as f:
         return [row for row in map(json.loads, f) if row["split"] == split]
 
+
+def calls_of_steps_compiled_once(steps_report):
+    """{step name: calls} from a `steps_report` file, after checking that each step compiled on its
+    first call only (steps 2..N reused its program)."""
+    report = read_json(steps_report)
+    assert all(step["calls_that_compiled"] == [1] for step in report.values()), report
+    return {name: step["calls"] for name, step in report.items()}
