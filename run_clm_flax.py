@@ -27,7 +27,10 @@ from utils.loop import TrainLoop, eval_batches, host_means, train_batches
 from utils.metrics import perplexity
 from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
 from utils.optim import create_optimizer, learning_rate_schedule
-from utils.run import Outputs, needed_splits, set_up, training_plan
+from utils.resume import resume_or_start, run_fingerprint
+from utils.run import needed_splits, set_up, training_plan
+from utils.rundir import RunDirectory
+from utils.saving import Saver
 from utils.state import create_train_state
 from utils.steps import cross_entropy_sums, token_weighted_grads
 
@@ -52,7 +55,7 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    lm.check_before_work(training_args, data_args, model_args)
+    preflight = lm.check_before_work(training_args, data_args, model_args)
     logger, is_main = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
@@ -120,11 +123,15 @@ def main(argv=None):
     p_eval_step = jax.pmap(eval_step, sharding.AXIS)
 
     # ------------------------------------------------------------------------------------------
-    # Outputs, resume
+    # Resume, run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    outputs = Outputs(training_args, (model_args, data_args, training_args), model, tokenizer, total_steps, is_main,
-                      train_examples=sizes.get("train"))
-    state, start_step = outputs.restore_or_start(state, logger)
+    fingerprint = run_fingerprint(config, training_args, sizes.get("train"))
+    state, start_step = resume_or_start(preflight.resume, fingerprint, state, total_steps)  # the last check
+    # Nothing has been written so far: a run that stops on a check leaves --output_dir as it was.
+    run_dir = RunDirectory(training_args, (model_args, data_args, training_args), model, tokenizer, is_main,
+                           total_steps, preflight.resume)
+    if training_args.do_train:
+        saver = Saver(training_args, run_dir, fingerprint, steps_per_epoch, total_steps, start_step, is_main)
 
     def evaluate():
         """Token-weighted next-token loss over the validation blocks, and its perplexity."""
@@ -141,7 +148,7 @@ def main(argv=None):
         logger.info("training: %d steps (%d per epoch), global batch %d = %d per device x %d devices x %d",
                     total_steps, steps_per_epoch, train_batch_size, training_args.per_device_train_batch_size,
                     jax.device_count(), accumulation)
-        loop = TrainLoop(training_args, steps_per_epoch, total_steps, start_step, schedule, outputs.writer,
+        loop = TrainLoop(training_args, steps_per_epoch, total_steps, start_step, schedule, run_dir,
                          throughput_meter(config, block_size), tokens_per_step=train_batch_size * block_size,
                          examples_per_step=train_batch_size)
         batches = train_batches(arrays["train"], sizes["train"], train_batch_size, training_args.seed,
@@ -151,19 +158,22 @@ def main(argv=None):
             state, sums = p_train_step(state, batch)
             loop.after_step(step, sums)
             if loop.eval_due(step):
-                logger.info("%s", outputs.report("eval", evaluate(), step))
+                run_dir.report("eval", evaluate(), step)
                 last_eval_step = step
-            if loop.save_due(step):
-                outputs.save(step, state)
-        outputs.results.update(train_runtime=round(time.time() - train_start, 2), train_samples=sizes["train"])
+            reason = loop.save_reason(step)
+            if reason:
+                saver.save(step, state, reason)
+        run_dir.add_results(train_runtime=round(time.time() - train_start, 2), train_samples=sizes["train"])
 
     # ------------------------------------------------------------------------------------------
     # Final evaluation, result files
     # ------------------------------------------------------------------------------------------
     final_step = int(jax.device_get(state.step[0]))
     if training_args.do_eval and last_eval_step != final_step:
-        logger.info("%s", outputs.report("eval", evaluate(), final_step))
-    outputs.finish()
+        run_dir.report("eval", evaluate(), final_step)
+    if training_args.do_train:
+        saver.close()  # the last checkpoint is complete before the results say the run is done
+    run_dir.finish()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,10 @@ from utils.metrics import rouge
 from utils.models import (fit_config_to_tokenizer, fit_length, load_config, load_model, load_tokenizer,
                           max_positions)
 from utils.optim import create_optimizer, learning_rate_schedule
-from utils.run import SPLIT_FLAGS, Outputs, check_before_work, needed_splits, set_up, training_plan
+from utils.resume import resume_or_start, run_fingerprint
+from utils.run import SPLIT_FLAGS, check_before_work, needed_splits, set_up, training_plan
+from utils.rundir import RunDirectory
+from utils.saving import Saver
 from utils.state import create_train_state
 from utils.steps import cross_entropy_sums, token_weighted_grads
 
@@ -140,10 +143,10 @@ def main(argv=None):
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-    local_columns = check_before_work(training_args, data_args, files, allowed=("json", "csv"), model_args=model_args)
+    preflight = check_before_work(training_args, data_args, files, allowed=("json", "csv"), model_args=model_args)
     splits = needed_splits(training_args)
-    if not data_args.dataset_name and all(split in local_columns for split in splits):
-        resolve_columns(data_args, {split: local_columns[split] for split in splits})  # a wrong column fails now
+    if not data_args.dataset_name and all(split in preflight.columns for split in splits):
+        resolve_columns(data_args, {split: preflight.columns[split] for split in splits})  # a wrong column fails now
     logger, is_main = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
@@ -238,11 +241,15 @@ def main(argv=None):
     p_generate_step = jax.pmap(generate_step, sharding.AXIS)
 
     # ------------------------------------------------------------------------------------------
-    # Outputs, resume
+    # Resume, run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    outputs = Outputs(training_args, (model_args, data_args, training_args), model, tokenizer, total_steps, is_main,
-                      train_examples=sizes.get("train"))
-    state, start_step = outputs.restore_or_start(state, logger)
+    fingerprint = run_fingerprint(config, training_args, sizes.get("train"))
+    state, start_step = resume_or_start(preflight.resume, fingerprint, state, total_steps)  # the last check
+    # Nothing has been written so far: a run that stops on a check leaves --output_dir as it was.
+    run_dir = RunDirectory(training_args, (model_args, data_args, training_args), model, tokenizer, is_main,
+                           total_steps, preflight.resume)
+    if training_args.do_train:
+        saver = Saver(training_args, run_dir, fingerprint, steps_per_epoch, total_steps, start_step, is_main)
 
     def evaluate(split):
         """Token-weighted loss, and with `predict_with_generate` ROUGE, gen_len and the texts."""
@@ -270,7 +277,7 @@ def main(argv=None):
                     total_steps, steps_per_epoch, train_batch_size, training_args.per_device_train_batch_size,
                     jax.device_count(), accumulation)
         # Throughput counts source tokens; flops_per_token charges the decoder's work to them.
-        loop = TrainLoop(training_args, steps_per_epoch, total_steps, start_step, schedule, outputs.writer,
+        loop = TrainLoop(training_args, steps_per_epoch, total_steps, start_step, schedule, run_dir,
                          throughput_meter(config, data_args.max_source_length, data_args.max_target_length),
                          tokens_per_step=train_batch_size * data_args.max_source_length,
                          examples_per_step=train_batch_size)
@@ -281,24 +288,27 @@ def main(argv=None):
             state, sums = p_train_step(state, batch)
             loop.after_step(step, sums)
             if loop.eval_due(step):
-                logger.info("%s", outputs.report("eval", evaluate("validation")[0], step))
+                run_dir.report("eval", evaluate("validation")[0], step)
                 last_eval_step = step
-            if loop.save_due(step):
-                outputs.save(step, state)
-        outputs.results.update(train_runtime=round(time.time() - train_start, 2), train_samples=sizes["train"])
+            reason = loop.save_reason(step)
+            if reason:
+                saver.save(step, state, reason)
+        run_dir.add_results(train_runtime=round(time.time() - train_start, 2), train_samples=sizes["train"])
 
     # ------------------------------------------------------------------------------------------
     # Final evaluation, prediction, result files
     # ------------------------------------------------------------------------------------------
     final_step = int(jax.device_get(state.step[0]))
     if training_args.do_eval and last_eval_step != final_step:
-        logger.info("%s", outputs.report("eval", evaluate("validation")[0], final_step))
+        run_dir.report("eval", evaluate("validation")[0], final_step)
     if training_args.do_predict:
         metrics, texts = evaluate("test")
-        logger.info("%s", outputs.report("test", metrics, final_step))
+        run_dir.report("test", metrics, final_step)
         if texts is not None:
-            outputs.write_text("generated_predictions.txt", texts)
-    outputs.finish()
+            run_dir.write_text("generated_predictions.txt", texts)
+    if training_args.do_train:
+        saver.close()  # the last checkpoint is complete before the results say the run is done
+    run_dir.finish()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Checkpoint save/restore of a pmap-replicated TrainState, HF export, and hub push (no network)."""
+"""Checkpoint save/restore of a pmap-replicated TrainState, and finding checkpoints on disk."""
 
 import concurrent.futures
 import logging
@@ -12,8 +12,7 @@ import pytest
 from flax import linen as nn
 from flax.jax_utils import replicate
 
-from utils.checkpoint import (Checkpointer, HubPusher, all_finite, checkpoint_steps, export_pretrained,
-                              find_checkpoint_dir, locate_checkpoint)
+from utils.checkpoint import Checkpointer, all_finite, checkpoint_steps, find_checkpoint_dir, locate_checkpoint
 from utils.errors import UsageError
 from utils.state import TrainState, create_train_state
 
@@ -239,8 +238,10 @@ def test_locate_checkpoint_accepts_every_form(tmp_path):
     assert locate_checkpoint(str(out), "elsewhere") == (here, None)
     with pytest.raises(UsageError, match="is an incomplete checkpoint"):
         locate_checkpoint(str(checkpoints / "12.orbax-checkpoint-tmp"), "elsewhere")
-    with pytest.raises(UsageError, match="no checkpoint there; pass 'latest', a step number, a step directory"):
+    with pytest.raises(UsageError, match="no complete checkpoint there; if it is the output directory of a run"):
         locate_checkpoint(str(tmp_path), "elsewhere")
+    with pytest.raises(UsageError, match="missing not found: pass 'latest', a step number, a step directory"):
+        locate_checkpoint(str(tmp_path / "missing"), "elsewhere")
 
 
 def test_all_finite(trained_state):
@@ -252,102 +253,3 @@ def test_all_finite(trained_state):
 
 def test_find_checkpoint_dir():
     assert find_checkpoint_dir("/runs/t5") == os.path.join("/runs/t5", "checkpoints")
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, "hello": 3, "world": 4}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-
-
-def test_export_pretrained_round_trip(tmp_path):
-    from transformers import FlaxT5ForConditionalGeneration, PreTrainedTokenizerFast, T5Config
-
-    from utils import compat
-
-    compat.apply()
-    config = T5Config(
-        vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2
-    )
-    model = FlaxT5ForConditionalGeneration(config, seed=0)
-    replicated = replicate(model.params, axis_name="batch")  # as the pmap loop holds them
-
-    export_pretrained(model, replicated, tiny_tokenizer(), str(tmp_path))
-    loaded = FlaxT5ForConditionalGeneration.from_pretrained(str(tmp_path))
-    assert_bitwise_equal(loaded.params, jax.device_get(model.params))
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
-    assert tokenizer("hello world").input_ids == [3, 4]
-
-    skipped = tmp_path / "not_main"
-    export_pretrained(model, replicated, None, str(skipped), is_main_process=False)
-    assert not skipped.exists()
-
-
-class FakeHfApi:
-    """Records calls instead of talking to the hub."""
-
-    instances = []
-
-    def __init__(self, token=None):
-        self.token = token
-        self.calls = []
-        FakeHfApi.instances.append(self)
-
-    def create_repo(self, repo_id, **kwargs):
-        self.calls.append(("create_repo", repo_id, kwargs))
-
-    def upload_folder(self, **kwargs):
-        self.calls.append(("upload_folder", kwargs))
-        future = concurrent.futures.Future()
-        future.set_result("commit-url")
-        return future
-
-
-def test_hub_pusher_with_fake_api(tmp_path, monkeypatch, caplog):
-    import huggingface_hub
-
-    token = "hf_secretTOKEN123"
-    FakeHfApi.instances.clear()
-    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHfApi)
-    caplog.set_level(logging.DEBUG)
-
-    pusher = HubPusher("me/tiny-t5", token, str(tmp_path), private=True)
-    api = FakeHfApi.instances[0]
-    assert api.token == token
-    assert api.calls == [("create_repo", "me/tiny-t5", {"private": True, "exist_ok": True})]
-
-    pusher.push("Step 100")
-    pusher.push("End of training")
-    pusher.wait()
-    uploads = [call[1] for call in api.calls[1:]]
-    assert [u["commit_message"] for u in uploads] == ["Step 100", "End of training"]
-    for upload in uploads:
-        assert upload["repo_id"] == "me/tiny-t5"
-        assert upload["folder_path"] == str(tmp_path)
-        assert upload["run_as_future"] is True
-        assert "checkpoints/*" in upload["ignore_patterns"]
-        assert "*.orbax-checkpoint-tmp*" in upload["ignore_patterns"]
-    assert "me/tiny-t5" in caplog.text
-    assert token not in caplog.text
-    assert token not in repr(vars(pusher))  # kept by HfApi only, not as an attribute here
-
-
-def test_hub_pusher_wait_reraises_upload_errors(tmp_path, monkeypatch):
-    import huggingface_hub
-
-    class FailingApi(FakeHfApi):
-        def upload_folder(self, **kwargs):
-            future = concurrent.futures.Future()
-            future.set_exception(RuntimeError("403 Forbidden"))
-            return future
-
-    monkeypatch.setattr(huggingface_hub, "HfApi", FailingApi)
-    pusher = HubPusher("me/tiny-t5", "hf_x", str(tmp_path))
-    pusher.push("Step 1")
-    with pytest.raises(RuntimeError, match="403"):
-        pusher.wait()
-

@@ -26,8 +26,10 @@ import run_summarization_flax as summarization
 from script_runner import ROOT, run_script, script_env
 from utils import hub
 from utils.args import TrainingArguments
+from utils.checkpoint import Checkpointer
 from utils.errors import RunError, run_main
-from utils.run import Outputs
+from utils.rundir import RunDirectory
+from utils.saving import Saver
 
 DATA = os.path.join(ROOT, "data", "summarization")
 TOKENIZER = os.path.join(DATA, "tokenizer")
@@ -463,38 +465,41 @@ class FakeModel:
 
 
 @pytest.fixture
-def outputs(tmp_path, monkeypatch):
+def saver(tmp_path, monkeypatch):
     from test_checkpoint import fresh_state, replicated_state
+    from utils import rundir, saving
 
-    monkeypatch.setattr("utils.run.at_exit", lambda callback: None)  # run_main's list, which nothing here drains
+    for module in (rundir, saving):  # run_main's list, which nothing here drains
+        monkeypatch.setattr(module, "at_exit", lambda callback: None)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
-    outputs = Outputs(args, (args,), FakeModel(), None, total_steps=10, is_main=True, train_examples=640)
+    run_dir = RunDirectory(args, (args,), FakeModel(), None, is_main=True, total_steps=10)
+    saver = Saver(args, run_dir, {}, steps_per_epoch=10, total_steps=10, start_step=0, is_main=True)
     state = replicated_state(fresh_state())
-    outputs.save(1, state)
-    outputs.checkpointer.wait()
-    yield outputs, state, fresh_state()
-    outputs.checkpointer.close()
+    saver.save(1, state, "save_steps")
+    saver.checkpointer.wait()
+    yield saver, state, fresh_state()
+    saver.close()
 
 
-def test_disk_full_simulated_checkpoint(outputs, monkeypatch):
-    outputs, state, template = outputs
+def test_disk_full_simulated_checkpoint(saver, monkeypatch):
+    saver, state, template = saver
 
     def full(*args, **kwargs):
         raise DISK_FULL
 
-    monkeypatch.setattr(outputs.checkpointer._manager, "save", full)
+    monkeypatch.setattr(saver.checkpointer._manager, "save", full)
     with pytest.raises(RunError, match=r"no space left on device while saving to .*out: free some space or choose "
                                        r"another --output_dir; the checkpoint of step 1 is intact"):
-        outputs.save(2, state)
-    assert outputs.checkpointer.restore(None, template)[1]["step"] == 1
+        saver.save(2, state, "save_steps")
+    assert Checkpointer(saver.checkpointer.directory, read_only=True).restore(None, template)[1]["step"] == 1
 
 
-def test_disk_full_simulated_export_keeps_the_previous_one(outputs):
-    outputs, state, _ = outputs
-    out = outputs.args.output_dir
+def test_disk_full_simulated_export_keeps_the_previous_one(saver):
+    saver, state, _ = saver
+    out = saver.output_dir
     before = open(os.path.join(out, "flax_model.msgpack"), "rb").read()
-    outputs.model.fail = True
+    saver.run_dir.model.fail = True
     with pytest.raises(RunError, match=r"no space left on device while saving .* is intact"):
-        outputs.save(2, state)
+        saver.save(2, state, "save_steps")
     assert open(os.path.join(out, "flax_model.msgpack"), "rb").read() == before
     assert not [name for name in os.listdir(out) if name.startswith(".export-")]

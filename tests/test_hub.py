@@ -1,6 +1,8 @@
-"""utils/hub.py: one short probe of the hub, offline mode when it does not answer, nothing otherwise."""
+"""utils/hub.py: one short probe of the hub, offline mode when it does not answer, nothing otherwise; pushes."""
 
+import concurrent.futures
 import http.server
+import logging
 import os
 import threading
 import time
@@ -90,3 +92,72 @@ def test_datasets_offline_flag_only_concerns_datasets(hub_online, monkeypatch):
                                         ("./t5", True), ("~/t5", True), ("runs/t5/final", True)])
 def test_looks_like_path(name, path):
     assert hub.looks_like_path(name) is path
+
+
+# ---------------------------------------------------------------------------------------------
+# HubPusher (a fake HfApi: no network)
+# ---------------------------------------------------------------------------------------------
+class FakeHfApi:
+    """Records calls instead of talking to the hub."""
+
+    instances = []
+
+    def __init__(self, token=None):
+        self.token = token
+        self.calls = []
+        FakeHfApi.instances.append(self)
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+
+    def upload_folder(self, **kwargs):
+        self.calls.append(("upload_folder", kwargs))
+        future = concurrent.futures.Future()
+        future.set_result("commit-url")
+        return future
+
+
+def test_hub_pusher_with_fake_api(tmp_path, monkeypatch, caplog):
+    import huggingface_hub
+
+    token = "hf_secretTOKEN123"
+    FakeHfApi.instances.clear()
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHfApi)
+    caplog.set_level(logging.DEBUG)
+
+    pusher = hub.HubPusher("me/tiny-t5", token, str(tmp_path), private=True)
+    api = FakeHfApi.instances[0]
+    assert api.token == token
+    assert api.calls == [("create_repo", "me/tiny-t5", {"private": True, "exist_ok": True})]
+
+    pusher.push("Step 100")
+    pusher.push("End of training")
+    pusher.wait()
+    uploads = [call[1] for call in api.calls[1:]]
+    assert [u["commit_message"] for u in uploads] == ["Step 100", "End of training"]
+    for upload in uploads:
+        assert upload["repo_id"] == "me/tiny-t5"
+        assert upload["folder_path"] == str(tmp_path)
+        assert upload["run_as_future"] is True
+        assert "checkpoints/*" in upload["ignore_patterns"]
+        assert "*.orbax-checkpoint-tmp*" in upload["ignore_patterns"]
+    assert "me/tiny-t5" in caplog.text
+    assert token not in caplog.text
+    assert token not in repr(vars(pusher))  # kept by HfApi only, not as an attribute here
+
+
+def test_hub_pusher_wait_reraises_upload_errors(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    class FailingApi(FakeHfApi):
+        def upload_folder(self, **kwargs):
+            future = concurrent.futures.Future()
+            future.set_exception(RuntimeError("403 Forbidden"))
+            return future
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FailingApi)
+    pusher = hub.HubPusher("me/tiny-t5", "hf_x", str(tmp_path))
+    pusher.push("Step 1")
+    with pytest.raises(RuntimeError, match="403"):
+        pusher.wait()
+

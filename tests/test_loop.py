@@ -1,6 +1,5 @@
-"""utils/loop.py: when to evaluate / save, token-weighted host means, non-finite loss, results, eval batches."""
+"""utils/loop.py: when to evaluate / save, token-weighted host means, non-finite loss, eval batches."""
 
-import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,7 +8,7 @@ import pytest
 from utils import sharding
 from utils.errors import RunError
 from utils.logging import Throughput
-from utils.loop import TrainLoop, eval_batches, host_means, train_batches, write_results
+from utils.loop import TrainLoop, eval_batches, host_means, train_batches
 
 N = 8
 
@@ -36,6 +35,11 @@ def due(loop, method, total=10):
     return [step for step in range(1, total + 1) if getattr(loop, method)(step)]
 
 
+def test_save_reason_names_the_policy_reason():
+    loop = make_loop(save_on_epoch_end=True)
+    assert [loop.save_reason(step) for step in (1, 3, 4, 10)] == [None, "save_steps", "end of epoch", "last step"]
+
+
 def test_eval_at_epoch_ends_and_last_step():
     assert due(make_loop(), "eval_due") == [4, 8, 10]
 
@@ -49,18 +53,18 @@ def test_no_eval_without_do_eval():
     assert due(make_loop(do_eval=False), "eval_due") == []
 
 
-def test_save_due():
-    assert due(make_loop(), "save_due") == [3, 6, 9, 10]
-    assert due(make_loop(save_steps=100), "save_due") == [10]
-    assert due(make_loop(save_steps=100, save_on_epoch_end=True), "save_due") == [4, 8, 10]
+def test_save_reason():
+    assert due(make_loop(), "save_reason") == [3, 6, 9, 10]
+    assert due(make_loop(save_steps=100), "save_reason") == [10]
+    assert due(make_loop(save_steps=100, save_on_epoch_end=True), "save_reason") == [4, 8, 10]
 
 
-def test_save_due_on_a_stop_request(monkeypatch):
+def test_save_reason_on_a_stop_request(monkeypatch):
     from utils import preemption
 
     loop = make_loop(save_steps=100)
     monkeypatch.setattr(preemption, "stop_due", lambda step: step == 5)
-    assert due(loop, "save_due") == [5, 10]
+    assert due(loop, "save_reason") == [5, 10]
 
 
 def test_save_refused_after_a_non_finite_loss():
@@ -69,7 +73,7 @@ def test_save_refused_after_a_non_finite_loss():
     for step, loss in enumerate([1.0, np.nan, 1.0], start=1):
         loop.after_step(step, device_sums(loss, 1))
     with pytest.raises(RunError, match="training loss became nan at step 2"):
-        loop.save_due(3)
+        loop.save_reason(3)
 
 
 def device_sums(loss, tokens):
@@ -109,14 +113,6 @@ def test_non_finite_loss_raises_naming_the_first_bad_step(bad):
     loop.after_step(3, device_sums(bad, 1))
     with pytest.raises(RunError, match=rf"training loss became {bad} at step 2: .*--learning_rate"):
         loop.after_step(4, device_sums(1.0, 1))
-
-
-def test_write_results(tmp_path):
-    results = write_results(str(tmp_path), "eval", {"loss": 1.234567, "rouge1": np.float32(41.23456)}, True)
-    assert results == {"eval_loss": 1.2346, "eval_rouge1": 41.2346}
-    assert json.loads((tmp_path / "eval_results.json").read_text()) == results
-    assert write_results(str(tmp_path), "test", {"loss": 2.0}, False) == {"test_loss": 2.0}
-    assert not (tmp_path / "test_results.json").exists()  # only the main process writes
 
 
 def test_eval_batches_fixed_shapes_and_weights():

@@ -1,4 +1,4 @@
-"""Full-state checkpoints (save / restore / resume), Hugging Face export, and hub push.
+"""Full-state checkpoints: save, restore, and finding them on disk.
 
 A checkpoint step directory holds two orbax items:
 - "state": the TrainState as host numpy arrays, stored device-independently: params, opt_state and
@@ -20,8 +20,6 @@ With a single process, `is_main_process=False` opens the checkpoints read-only: 
 
 import logging
 import os
-import shutil
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +70,12 @@ def locate_checkpoint(resume: str, output_dir: str) -> tuple[str, int | None]:
     for directory in (path, find_checkpoint_dir(path)):
         if checkpoint_steps(directory):
             return directory, None
-    raise UsageError(f"--resume_from_checkpoint {resume}: no checkpoint there; pass 'latest', a step number, a step "
+    if os.path.isdir(path):
+        raise UsageError(f"--resume_from_checkpoint {resume}: no complete checkpoint there; if it is the output "
+                         "directory of a run, that run stopped before its first checkpoint: start it again without "
+                         "--resume_from_checkpoint (add --overwrite_output_dir), or with --resume_from_checkpoint "
+                         "latest, which starts afresh while there is no checkpoint")
+    raise UsageError(f"--resume_from_checkpoint {resume} not found: pass 'latest', a step number, a step "
                      "directory (OUTPUT_DIR/checkpoints/120), a checkpoints directory or an output directory")
 
 
@@ -87,7 +90,7 @@ def all_finite(tree) -> bool:
     return bool(_leaves_finite(leaves)) if leaves else True
 
 
-def _first_replica(x):
+def host_copy(x):
     """The first local device's copy of a pmap-replicated array, on the host.
 
     Replicated arrays carry a leading device axis and live on several devices (a NamedSharding even
@@ -103,7 +106,7 @@ def _host_state(state):
     # `tiled` concatenates each process's local keys: one row per device of the whole run.
     keys = multihost_utils.process_allgather(state.dropout_rng, tiled=True)
     # Copies are made now, not in the async writer: the next pmap step may donate the device buffers.
-    return jax.tree.map(_first_replica, state.replace(dropout_rng=None)).replace(dropout_rng=keys)
+    return jax.tree.map(host_copy, state.replace(dropout_rng=None)).replace(dropout_rng=keys)
 
 
 def _shape_dtypes(tree) -> dict:
@@ -145,9 +148,10 @@ class Checkpointer:
         max_to_keep: int | None = 2,
         async_save: bool = True,
         is_main_process: bool = True,
+        read_only: bool = False,
     ):
         self.directory = os.path.abspath(directory)
-        read_only = not is_main_process and jax.process_count() == 1
+        read_only = read_only or (not is_main_process and jax.process_count() == 1)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else max_to_keep,
             create=not read_only,
@@ -157,6 +161,7 @@ class Checkpointer:
         # Handlers named up front: without them a fresh manager cannot read an item's metadata.
         handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._closed = False
 
     def save(self, step: int, state, meta: dict, force: bool = False) -> bool:
         """Save the replicated `state` and `meta` at `step`; returns whether a save happened.
@@ -198,16 +203,8 @@ class Checkpointer:
         returned state has numpy leaves and dropout_rng of shape [local devices, ...], ready to be
         replicated.
         """
-        step = self._resolve_step(step)
+        step = self.check_compatible(step, template_state)
         target = self._abstract_target(template_state)
-        saved = _shape_dtypes(self._manager.item_metadata(step)["state"].tree)
-        saved_devices = saved["dropout_rng"][0][0]
-        if saved_devices != jax.device_count():
-            raise ValueError(
-                f"checkpoint at step {step} was saved by a run on {saved_devices} devices, this run has "
-                f"{jax.device_count()}: its per-device dropout keys cannot resume exactly"
-            )
-        _check_compatible(step, saved, _shape_dtypes(target))
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
         restored = self._manager.restore(
             step,
@@ -221,6 +218,21 @@ class Checkpointer:
         first = jax.process_index() * n_local
         logger.info("Restored checkpoint at step %d from %s", step, self.directory)
         return state.replace(dropout_rng=state.dropout_rng[first : first + n_local]), restored["meta"]
+
+    def check_compatible(self, step: int | None, template_state) -> int:
+        """Check, from the checkpoint's metadata alone, that `template_state` can restore `step` (None:
+        the latest): the same tree, shapes, dtypes and number of devices. Returns the step; ValueError
+        names the first difference."""
+        step = self._resolve_step(step)
+        saved = _shape_dtypes(self._manager.item_metadata(step)["state"].tree)
+        saved_devices = saved["dropout_rng"][0][0]
+        if saved_devices != jax.device_count():
+            raise ValueError(
+                f"checkpoint at step {step} was saved by a run on {saved_devices} devices, this run has "
+                f"{jax.device_count()}: its per-device dropout keys cannot resume exactly"
+            )
+        _check_compatible(step, saved, _shape_dtypes(self._abstract_target(template_state)))
+        return step
 
     def _resolve_step(self, step: int | None) -> int:
         steps = self.all_steps()
@@ -244,61 +256,16 @@ class Checkpointer:
         """Block until pending async saves are written (and old steps pruned)."""
         self._manager.wait_until_finished()
 
-    def close(self):
-        self._manager.close()
-
-
-def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process: bool = True):
-    """Write what `from_pretrained(output_dir)` loads: config, weights, and the tokenizer if given.
-
-    `params` may be the pmap-replicated ones; the first device's copy is written.
-    """
-    if not is_main_process:
-        return
-    # Written beside and then moved into place, so a failed write (a full disk) leaves the previous
-    # export whole: each file is replaced by a rename, which needs no space.
-    staging = tempfile.mkdtemp(prefix=".export-", dir=output_dir)
-    try:
-        model.save_pretrained(staging, params=jax.tree.map(_first_replica, params))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        for name in os.listdir(staging):
-            os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    logger.info("Exported model to %s", output_dir)
-
-
-class HubPusher:
-    """Uploads `output_dir` (minus checkpoints) to a hub repo in the background.
-
-    The repo is created up front so a bad token or name fails before training. The token goes to
-    `HfApi` only: it is never logged or kept as an attribute here.
-    """
-
-    def __init__(self, repo_id: str, token: str, output_dir: str, private: bool | None = None):
-        from huggingface_hub import HfApi
-
-        self.repo_id = repo_id
-        self.output_dir = output_dir
-        self._api = HfApi(token=token)
-        self._api.create_repo(repo_id, private=private, exist_ok=True)
-        self._futures = []
-
-    def push(self, commit_message: str):
-        """Start an upload of the current contents of `output_dir`; returns without waiting."""
-        logger.info("Pushing %s to the hub repo %s", self.output_dir, self.repo_id)
-        future = self._api.upload_folder(
-            repo_id=self.repo_id,
-            folder_path=self.output_dir,
-            commit_message=commit_message,
-            run_as_future=True,
-            ignore_patterns=[f"{CHECKPOINT_SUBDIR}/*", "*.orbax-checkpoint-tmp*", ".export-*"],
-        )
-        self._futures.append(future)
-
-    def wait(self):
-        """Wait for every pending upload; re-raises the first upload error."""
-        futures, self._futures = self._futures, []
-        for future in futures:
-            future.result()
+    def close(self, raise_errors: bool = True):
+        """Wait for the saves still being written, then stop orbax's threads, after a failed save too
+        (left running, they print tracebacks after the run's last line). Safe to call again."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._manager.wait_until_finished()  # raises the error of a failed background write, once
+        except Exception:
+            if raise_errors:
+                raise
+        finally:
+            self._manager.close()

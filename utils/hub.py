@@ -1,4 +1,4 @@
-"""Is the Hugging Face hub reachable? Fail in seconds, not after ~24 s of retries, when it is not.
+"""The Hugging Face hub: is it reachable (fail in seconds, not after ~24 s of retries), and pushing a run to it.
 
 Without a network, transformers and datasets retry every hub request for about 24 s before they
 fail. `check_access` probes the endpoint (`HF_ENDPOINT`) once, with a short timeout, when a name is
@@ -7,6 +7,7 @@ the local cache still load and the others fail at once (`offline_reason` then ex
 reachable hub, or a run with only local paths, is left exactly as it is.
 """
 
+import logging
 import os
 import threading
 import urllib.error
@@ -14,7 +15,10 @@ import urllib.request
 
 from huggingface_hub import constants
 
+from utils.checkpoint import CHECKPOINT_SUBDIR
 from utils.errors import UsageError
+
+logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 5.0
 _TRUE = ("1", "ON", "YES", "TRUE")
@@ -100,3 +104,38 @@ def check_token(token):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UsageError(f"the hub at {endpoint()} does not accept the token for --push_to_hub: {first}; "
                          "pass a valid --hub_token (with write access) or log in with huggingface-cli login") from e
+
+
+class HubPusher:
+    """Uploads `output_dir` (minus checkpoints) to a hub repo in the background.
+
+    The repo is created up front so a bad token or name fails before training. The token goes to
+    `HfApi` only: it is never logged or kept as an attribute here.
+    """
+
+    def __init__(self, repo_id: str, token: str, output_dir: str, private: bool | None = None):
+        from huggingface_hub import HfApi
+
+        self.repo_id = repo_id
+        self.output_dir = output_dir
+        self._api = HfApi(token=token)
+        self._api.create_repo(repo_id, private=private, exist_ok=True)
+        self._futures = []
+
+    def push(self, commit_message: str):
+        """Start an upload of the current contents of `output_dir`; returns without waiting."""
+        logger.info("Pushing %s to the hub repo %s", self.output_dir, self.repo_id)
+        future = self._api.upload_folder(
+            repo_id=self.repo_id,
+            folder_path=self.output_dir,
+            commit_message=commit_message,
+            run_as_future=True,
+            ignore_patterns=[f"{CHECKPOINT_SUBDIR}/*", "*.orbax-checkpoint-tmp*", ".export-*"],
+        )
+        self._futures.append(future)
+
+    def wait(self):
+        """Wait for every pending upload; re-raises the first upload error."""
+        futures, self._futures = self._futures, []
+        for future in futures:
+            future.result()

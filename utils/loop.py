@@ -1,20 +1,20 @@
 """The mechanical parts of a training loop that every script shares.
 
 The scripts keep the loop itself (`for step, batch in ...: state, sums = p_train_step(...)`);
-`TrainLoop` decides *when* to log, evaluate and save and does the bookkeeping in between, and
+`TrainLoop` decides *when* to log, evaluate and save (asking `SavePolicy`) and does the bookkeeping
+in between, and
 `eval_batches` feeds eval/predict with fixed shapes so no example is dropped or counted twice.
 """
 
-import json
 import logging
-import os
 
 import jax
 import numpy as np
 
-from utils import data, perf, preemption, sharding
+from utils import data, perf, sharding
 from utils.errors import RunError
 from utils.metrics import token_weighted_means
+from utils.saving import SavePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,11 @@ def eval_batches(arrays, num_examples, global_batch_size, transform=None):
 
 
 class TrainLoop:
-    """When to log / evaluate / save, plus the metrics window and throughput between logs."""
+    """When to log / evaluate / save, plus the metrics window and throughput between logs.
+
+    `writer` takes the logged metrics (`log(step, metrics)`) and moves the progress bar
+    (`advance(step)`): a `RunDirectory`.
+    """
 
     def __init__(self, training_args, steps_per_epoch, total_steps, start_step, schedule, writer, throughput,
                  tokens_per_step, examples_per_step):
@@ -72,6 +76,7 @@ class TrainLoop:
         self.learning_rates = np.asarray(schedule(np.arange(max(total_steps, 1))), np.float64)
         self.tokens_per_step, self.examples_per_step = tokens_per_step, examples_per_step
         self.window = []
+        self.save_policy = SavePolicy(training_args, steps_per_epoch, total_steps)
 
     def after_step(self, step, sums):
         """Record one finished step; logs every `logging_steps` and at the last step."""
@@ -121,21 +126,12 @@ class TrainLoop:
         due = step % self.args.eval_steps == 0 if self.args.eval_steps else self.epoch_end(step)
         return due or step == self.total_steps
 
-    def save_due(self, step):
-        """Every `save_steps`, at the last step, at epoch ends with `save_on_epoch_end`, and when a
-        stop was requested (SIGTERM / SIGINT). Never for a state reached through a non-finite loss."""
-        stop = preemption.stop_due(step)  # first: multi-host agreement needs a call at every step
-        due = (stop or step % self.args.save_steps == 0 or step == self.total_steps
-               or (self.args.save_on_epoch_end and self.epoch_end(step)))
-        if due:
+    def save_reason(self, step):
+        """Why `step` is to be saved (`SavePolicy.reason`), or None. Call it once after every step.
+
+        A save checks the losses since the last log first: a state reached through a non-finite loss
+        is never saved."""
+        reason = self.save_policy.reason(step)
+        if reason:
             self._finite_window(step)
-        return due
-
-
-def write_results(output_dir, prefix, metrics, is_main_process):
-    """`{prefix}_results.json` with prefixed keys (`eval_loss`, `test_rouge1`, ...); returns them."""
-    results = {f"{prefix}_{key}": round(float(value), 4) for key, value in metrics.items()}
-    if is_main_process:
-        with open(os.path.join(output_dir, f"{prefix}_results.json"), "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
-    return results
+        return reason

@@ -1,0 +1,141 @@
+"""utils/rundir.py: what a run writes into its output directory, what an overwriting run removes, the export."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax.jax_utils import replicate
+
+from test_checkpoint import assert_bitwise_equal
+from utils.args import TrainingArguments
+from utils.resume import ResumePoint
+from utils.rundir import RunDirectory, export_pretrained, foreign_files, write_results
+
+
+@pytest.fixture(autouse=True)
+def no_exit_callbacks(monkeypatch):
+    from utils import rundir
+
+    monkeypatch.setattr(rundir, "at_exit", lambda callback: None)  # run_main's list, which nothing here drains
+
+
+def open_run(out, is_main=True, resume=None, **training):
+    args = TrainingArguments(output_dir=str(out), **training)
+    return RunDirectory(args, (args,), model=None, tokenizer=None, is_main=is_main, total_steps=10, resume=resume)
+
+
+def previous_run(out):
+    """What an earlier training run leaves behind."""
+    os.makedirs(out / "checkpoints" / "8")
+    os.makedirs(out / ".export-abc")
+    for name in ("metrics.jsonl", "run_args.json", "eval_results.json", "test_results.json", "all_results.json",
+                 "generated_predictions.txt", "events.out.tfevents.1.old", "config.json", "generation_config.json",
+                 "flax_model.msgpack", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "spiece.model", "vocab.json", "merges.txt"):
+        (out / name).write_text('{"step": 1, "split": "train", "time": 0, "loss": 1.0}\n')
+
+
+def test_foreign_files(tmp_path):
+    previous_run(tmp_path)
+    assert foreign_files(tmp_path) == []
+    for name in ("train.py", "data.jsonl", "notes.txt"):
+        (tmp_path / name).write_text("mine")
+    (tmp_path / "src").mkdir()
+    assert foreign_files(tmp_path) == ["data.jsonl", "notes.txt", "src", "train.py"]
+
+
+def test_a_fresh_training_run_starts_from_an_empty_directory(tmp_path):
+    previous_run(tmp_path)
+    run = open_run(tmp_path, do_train=True, overwrite_output_dir=True)
+    run.close()
+    names = sorted(os.listdir(tmp_path))
+    assert [n for n in names if not n.startswith("events.out.tfevents")] == ["metrics.jsonl", "run_args.json"]
+    assert "events.out.tfevents.1.old" not in names and (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_resumed_run_keeps_its_files_and_rewinds_the_metrics(tmp_path):
+    previous_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "split": "train", "time": 0, "loss": 1.0})
+                                                    + "\n" for s in range(1, 13)))
+    run = open_run(tmp_path, do_train=True, resume=ResumePoint(str(tmp_path / "checkpoints"), 8),
+                   resume_from_checkpoint="latest")
+    run.close()
+    assert (tmp_path / "checkpoints" / "8").is_dir() and (tmp_path / "eval_results.json").exists()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
+
+
+def test_evaluation_removes_nothing(tmp_path):
+    previous_run(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    open_run(tmp_path, do_eval=True, overwrite_output_dir=True).close()
+    assert set(before) <= set(os.listdir(tmp_path))
+
+
+def test_results_and_texts(tmp_path):
+    run = open_run(tmp_path / "out", do_train=True, do_predict=True)
+    assert run.report("test", {"loss": 1.23456, "rouge1": np.float32(40.0)}, step=3) == {
+        "test_loss": 1.2346, "test_rouge1": 40.0}
+    run.add_results(train_runtime=12.5, train_samples=160)
+    run.write_text("generated_predictions.txt", ["a  summary\nover lines", "two"])
+    run.finish()
+    out = tmp_path / "out"
+    assert json.loads((out / "all_results.json").read_text()) == {
+        "test_loss": 1.2346, "test_rouge1": 40.0, "train_runtime": 12.5, "train_samples": 160}
+    assert (out / "generated_predictions.txt").read_text() == "a summary over lines\ntwo\n"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["split"], row["loss"]) for row in rows] == [(3, "test", pytest.approx(1.23456))]
+    assert not (out / "checkpoints").exists()  # checkpoints belong to training (utils/saving.py)
+
+
+def test_other_processes_write_nothing(tmp_path):
+    run = open_run(tmp_path / "out", is_main=False, do_train=True)
+    run.report("eval", {"loss": 1.0}, step=1)
+    run.write_text("generated_predictions.txt", ["x"])
+    run.finish()
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_write_results(tmp_path):
+    results = write_results(str(tmp_path), "eval", {"loss": 1.234567, "rouge1": np.float32(41.23456)}, True)
+    assert results == {"eval_loss": 1.2346, "eval_rouge1": 41.2346}
+    assert json.loads((tmp_path / "eval_results.json").read_text()) == results
+    assert write_results(str(tmp_path), "test", {"loss": 2.0}, False) == {"test_loss": 2.0}
+    assert not (tmp_path / "test_results.json").exists()  # only the main process writes
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, "hello": 3, "world": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_export_pretrained_round_trip(tmp_path):
+    from transformers import FlaxT5ForConditionalGeneration, PreTrainedTokenizerFast, T5Config
+
+    from utils import compat
+
+    compat.apply()
+    config = T5Config(
+        vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2
+    )
+    model = FlaxT5ForConditionalGeneration(config, seed=0)
+    replicated = replicate(model.params, axis_name="batch")  # as the pmap loop holds them
+
+    export_pretrained(model, replicated, tiny_tokenizer(), str(tmp_path))
+    loaded = FlaxT5ForConditionalGeneration.from_pretrained(str(tmp_path))
+    assert_bitwise_equal(loaded.params, jax.device_get(model.params))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    assert tokenizer("hello world").input_ids == [3, 4]
+
+    skipped = tmp_path / "not_main"
+    export_pretrained(model, replicated, None, str(skipped), is_main_process=False)
+    assert not skipped.exists()
+
+

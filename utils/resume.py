@@ -1,0 +1,124 @@
+"""Resuming a run from a checkpoint: which one, whether this run may continue it, and the restore.
+
+Every check happens before the run writes anything: `find_checkpoint` (with the other start-up
+checks, before data or model are touched) says which checkpoint `--resume_from_checkpoint` names;
+`resume_or_start` (once the model and the training plan are known) checks that this run can continue
+it, then restores it.
+"""
+
+import json
+import logging
+import os
+from typing import NamedTuple
+
+import jax
+
+from utils import sharding
+from utils.checkpoint import Checkpointer, checkpoint_steps, locate_checkpoint
+from utils.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+
+class ResumePoint(NamedTuple):
+    directory: str  # a checkpoints directory
+    step: int
+
+
+def find_checkpoint(training_args):
+    """The checkpoint `--resume_from_checkpoint` names, or None to start afresh (no flag, or `latest`
+    before the first checkpoint: one command both starts a job and restarts it)."""
+    resume = training_args.resume_from_checkpoint
+    if not resume:
+        return None
+    directory, step = locate_checkpoint(resume, training_args.output_dir)
+    steps = checkpoint_steps(directory)  # a listing: nothing is opened, nothing created
+    if step is None:
+        if not steps:
+            return None
+        step = steps[-1]
+    elif step not in steps:
+        raise UsageError(f"--resume_from_checkpoint {resume}: no checkpoint of step {step} in {directory} "
+                         f"(its steps: {', '.join(map(str, steps)) or 'none'})")
+    return ResumePoint(os.path.abspath(directory), step)
+
+
+# Config entries that say where a model came from, not what it computes.
+_CONFIG_METADATA = ("_name_or_path", "_commit_hash", "transformers_version", "architectures", "dtype", "torch_dtype")
+# How to get each fingerprint entry back to the checkpoint's value.
+_FINGERPRINT_HINTS = {
+    "model config": "the model config (--model_name_or_path, --config_name, --config_overrides)",
+    "global batch size": "per_device_train_batch_size x devices x gradient_accumulation_steps",
+    "training examples": "the training data and --max_train_samples",
+    "seed": "--seed",
+    "optimizer": "--adafactor",
+    "devices": "the machine: every device has its own dropout key",
+}
+
+
+def run_fingerprint(config, training_args, train_examples=None):
+    """The settings a resumed run must share with the checkpoint it continues, by name.
+
+    The model config (shapes and everything the model computes with); when training also the
+    global batch size, the number of training examples and the seed (together they fix the examples
+    of every step), the optimizer (the structure of its state) and the number of devices (one dropout
+    key each). Anything else may change.
+    """
+    config = json.loads(config.to_json_string(use_diff=False))
+    fingerprint = {"model config": {k: v for k, v in config.items() if k not in _CONFIG_METADATA}}
+    if train_examples is not None:
+        fingerprint.update({
+            "global batch size": sharding.global_batch_size(training_args.per_device_train_batch_size,
+                                                            training_args.gradient_accumulation_steps),
+            "training examples": train_examples,
+            "seed": training_args.seed,
+            "optimizer": "adafactor" if training_args.adafactor else "adamw",
+            "devices": jax.device_count(),
+        })
+    return fingerprint
+
+
+def fingerprint_difference(saved, current):
+    """The first difference between two fingerprints as a phrase, or None (entries only one has are skipped)."""
+    for name, value in current.items():
+        if name not in saved or saved[name] == value:
+            continue
+        what, saved_value = name, saved[name]
+        if name == "model config":
+            key = next(k for k in sorted(set(value) | set(saved_value)) if value.get(k) != saved_value.get(k))
+            what, saved_value, value = f"model config {key!r}", saved_value.get(key), value.get(key)
+        return (f"{what} is {saved_value!r} in the checkpoint but {value!r} in this run "
+                f"(set by {_FINGERPRINT_HINTS[name]})")
+    return None
+
+
+def resume_or_start(resume, fingerprint, template_state, total_steps):
+    """The state on the devices and the step to start from: the checkpoint's, or `template_state`
+    (the fresh host state) at step 0 when `resume` is None.
+
+    The last check of a run, before it writes anything: the checkpoint must have this run's
+    `fingerprint`, parameter shapes and dtypes (those of `template_state`), and, when training
+    (`total_steps`, the run's last step; 0 when not training), a step that is not past the last one.
+    """
+    if resume is None:
+        return sharding.replicate_state(template_state), 0
+    where = f"{resume.directory}/{resume.step}"
+    reader = Checkpointer(resume.directory, read_only=True)
+    try:
+        saved = reader.read_meta(resume.step).get("fingerprint", {})
+        difference = fingerprint_difference(saved, fingerprint)
+        if difference:
+            raise UsageError(f"cannot resume from {where}: {difference}; resume with the same settings, or start a "
+                             "new run with --overwrite_output_dir or another --output_dir")
+        try:
+            reader.check_compatible(resume.step, template_state)
+        except ValueError as error:  # shapes, dtypes (e.g. --param_dtype) or device count differ
+            raise UsageError(f"cannot resume from {where}: {error}") from error
+        if total_steps and resume.step > total_steps:
+            raise UsageError(f"the checkpoint {where} is at step {resume.step}, past the {total_steps} steps of this "
+                             "run: raise --max_steps or --num_train_epochs")
+        state, meta = reader.restore(resume.step, template_state)
+    finally:
+        reader.close()
+    logger.info("resumed from the checkpoint of step %d in %s", resume.step, resume.directory)
+    return sharding.replicate_state(state), int(meta["step"])

@@ -1,0 +1,178 @@
+"""The run directory: every file a run writes into --output_dir (process 0 only), and nothing else.
+
+It is opened once every check has passed, so a run that stops on a bad input leaves --output_dir
+byte for byte as it was. A training run that starts afresh where an earlier run wrote its outputs
+(--overwrite_output_dir, or --resume_from_checkpoint latest before the first checkpoint) first
+removes all of them: no old TensorBoard curve, result file or export can pass for the new run's. A
+directory that holds anything a run does not write (source code, data) is never emptied.
+"""
+
+import fnmatch
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+import jax
+
+from utils import sharding
+from utils.args import public_args, save_args
+from utils.checkpoint import CHECKPOINT_SUBDIR, host_copy
+from utils.errors import UsageError, at_exit
+from utils.hub import HubPusher
+from utils.logging import MetricsLogger
+from utils.perf import memory_report
+
+logger = logging.getLogger(__name__)
+
+# Names (glob patterns) of everything a run writes into its output directory.
+RUN_OUTPUTS = (
+    CHECKPOINT_SUBDIR, "run_args.json", "metrics.jsonl", "metrics.jsonl.tmp", "events.out.tfevents.*",
+    "*_results.json", "generated_predictions.txt", ".export-*",
+    # The Hugging Face export: model (one file, or shards with an index) and tokenizer.
+    "config.json", "generation_config.json", "flax_model.msgpack", "flax_model-*.msgpack",
+    "flax_model.msgpack.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.*", "vocab.*", "merges.txt", "*.model", "*.spm",
+)
+
+
+def foreign_files(output_dir):
+    """The entries of `output_dir` that no run writes, sorted."""
+    return sorted(name for name in os.listdir(output_dir)
+                  if not any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_OUTPUTS))
+
+
+def check_replaceable(output_dir):
+    """A new training run here removes the previous run's outputs: refuse if it would remove more."""
+    if not os.path.isdir(output_dir):
+        return
+    foreign = foreign_files(output_dir)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise UsageError(f"a new run in {output_dir} first removes the previous run's outputs, but the directory "
+                         f"also holds files no run writes ({shown}): move them away or choose another --output_dir")
+
+
+def remove_run_outputs(output_dir):
+    """Delete everything an earlier run wrote into `output_dir`."""
+    for name in set(os.listdir(output_dir)) - set(foreign_files(output_dir)):
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process: bool = True):
+    """Write what `from_pretrained(output_dir)` loads: config, weights, and the tokenizer if given.
+
+    `params` may be the pmap-replicated ones; the first device's copy is written.
+    """
+    if not is_main_process:
+        return
+    # Written beside and then moved into place, so a failed write (a full disk) leaves the previous
+    # export whole: each file is replaced by a rename, which needs no space.
+    staging = tempfile.mkdtemp(prefix=".export-", dir=output_dir)
+    try:
+        model.save_pretrained(staging, params=jax.tree.map(host_copy, params))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        for name in os.listdir(staging):
+            os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("Exported model to %s", output_dir)
+
+
+def write_results(output_dir, prefix, metrics, is_main_process):
+    """`{prefix}_results.json` with prefixed keys (`eval_loss`, `test_rouge1`, ...); returns them."""
+    results = {f"{prefix}_{key}": round(float(value), 4) for key, value in metrics.items()}
+    if is_main_process:
+        with open(os.path.join(output_dir, f"{prefix}_results.json"), "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+class RunDirectory:
+    """What a run leaves in --output_dir: its arguments, metrics (metrics.jsonl, TensorBoard), result
+    files, texts, the Hugging Face export, and hub pushes of all of it.
+
+    `resume` is the `utils.resume.ResumePoint` the run continues (a resumed training run drops the
+    metrics logged after its step, so the files read like one uninterrupted run); a training run
+    that is not resumed starts from an empty directory. Every process makes one; only process 0 writes.
+    """
+
+    def __init__(self, training_args, all_args, model, tokenizer, is_main, total_steps=None, resume=None):
+        out = self.output_dir = training_args.output_dir
+        self.model, self.tokenizer, self.is_main = model, tokenizer, is_main
+        self.pusher = None
+        if training_args.push_to_hub and is_main:  # first: a bad token or name leaves the output dir as it was
+            repo_id = training_args.hub_model_id or os.path.basename(os.path.abspath(out))
+            try:
+                self.pusher = HubPusher(repo_id, training_args.hub_token, out)
+            except OSError as e:  # requests' HTTP and connection errors
+                raise UsageError(f"could not create the hub repository {repo_id!r}: {e}; check --hub_token "
+                                 "(it needs write access) and --hub_model_id") from e
+        if training_args.do_train and resume is None:
+            if training_args.resume_from_checkpoint:
+                logger.warning("no checkpoint to resume from in %s yet: starting from scratch", out)
+            if is_main and os.path.isdir(out):
+                remove_run_outputs(out)
+        # No process may look at the checkpoints before process 0 has removed an earlier run's.
+        sharding.sync_processes("flaxtune: output_dir ready")
+        os.makedirs(out, exist_ok=True)
+        if is_main:
+            save_args(out, *all_args)
+        self._metrics = MetricsLogger(out, is_main_process=is_main, total_steps=total_steps)
+        self._metrics.hparams(public_args(*all_args))
+        if training_args.do_train and resume is not None:
+            self._metrics.rewind(resume.step)
+        self._results = {}
+        at_exit(self.close)
+
+    def log(self, step, metrics, split="train"):
+        self._metrics.log(step, metrics, split=split)
+
+    def advance(self, step):
+        """Move the progress bar to `step`."""
+        self._metrics.advance(step)
+
+    def report(self, prefix, metrics, step):
+        """Log `metrics` at `step` and write `{prefix}_results.json`; they also go into all_results.json."""
+        self.log(step, metrics, split=prefix)
+        results = write_results(self.output_dir, prefix, metrics, self.is_main)
+        self._results.update(results)
+        logger.info("%s", results)
+        return results
+
+    def add_results(self, **values):
+        """Entries of all_results.json that no results file holds (train_runtime, train_samples)."""
+        self._results.update(values)
+
+    def write_text(self, name, lines):
+        """One line per item, inner whitespace collapsed (generated texts may hold newlines)."""
+        if self.is_main:
+            with open(os.path.join(self.output_dir, name), "w", encoding="utf-8") as f:
+                f.writelines(" ".join(line.split()) + "\n" for line in lines)
+
+    def export(self, params, commit_message):
+        """The Hugging Face export of `params` (a full disk keeps the previous one), then a hub push."""
+        export_pretrained(self.model, params, self.tokenizer, self.output_dir, is_main_process=self.is_main)
+        if self.pusher:
+            self.pusher.push(commit_message)
+
+    def close(self):
+        """Flush and close the metrics files. Safe to call more than once."""
+        self._metrics.close()
+
+    def finish(self):
+        """all_results.json, the last hub push (waited for), and the peak memory in the log."""
+        if self.is_main:
+            with open(os.path.join(self.output_dir, "all_results.json"), "w", encoding="utf-8") as f:
+                json.dump(self._results, f, indent=2)
+        self.close()
+        if self.pusher:
+            self.pusher.push("end of training")
+            self.pusher.wait()
+        logger.info("%s", memory_report())

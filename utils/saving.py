@@ -1,0 +1,112 @@
+"""When a training run saves, and the save itself.
+
+`SavePolicy` answers the one question the loop asks after every step: should this step be saved,
+and why. `Saver` writes the checkpoint (full state, data position, fingerprint), then the Hugging
+Face export beside it and a hub push; it never saves a non-finite state, and after a stop request
+(SIGTERM / SIGINT) it writes the checkpoint only and ends the run with `Stopped`. A full disk is one
+`RunError` that names the newest checkpoint still intact.
+"""
+
+import contextlib
+import logging
+
+from utils import preemption
+from utils.checkpoint import Checkpointer, all_finite, checkpoint_steps, find_checkpoint_dir
+from utils.errors import RunError, Stopped, at_exit, is_disk_full
+
+logger = logging.getLogger(__name__)
+
+STOP = "stop requested"
+
+
+class SavePolicy:
+    """Every `save_steps`, at the last step, at epoch ends with `save_on_epoch_end`, and when a stop
+    was requested."""
+
+    def __init__(self, training_args, steps_per_epoch, total_steps):
+        self.save_steps, self.save_on_epoch_end = training_args.save_steps, training_args.save_on_epoch_end
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+
+    def reason(self, step):
+        """Why `step` is to be saved, or None. Call it once after every step, on every process."""
+        if preemption.stop_due(step):  # first: processes agree on a stop step only if all ask at every step
+            return STOP
+        if step == self.total_steps:
+            return "last step"
+        if step % self.save_steps == 0:
+            return "save_steps"
+        if self.save_on_epoch_end and step % self.steps_per_epoch == 0:
+            return "end of epoch"
+        return None
+
+
+class Saver:
+    """The checkpoints of a training run in `output_dir/checkpoints`, and the exports beside them.
+
+    Created when training starts (at `start_step`): a resumed run first drops the checkpoints after
+    the step it continues from, and from here on SIGTERM / SIGINT stop the run cleanly after the
+    current step. Every process makes one (checkpoint saves are collective); only process 0 writes.
+    """
+
+    def __init__(self, training_args, run_dir, fingerprint, steps_per_epoch, total_steps, start_step, is_main):
+        self.output_dir, self.run_dir, self.fingerprint = training_args.output_dir, run_dir, fingerprint
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        self.checkpointer = Checkpointer(find_checkpoint_dir(self.output_dir),
+                                         max_to_keep=training_args.save_total_limit, is_main_process=is_main)
+        self._closed = False
+        if start_step:
+            dropped = self.checkpointer.delete_after(start_step)
+            if dropped:
+                logger.warning("deleted the checkpoints of steps %s: this run continues from step %d instead",
+                               dropped, start_step)
+        preemption.install()
+        # However the run ends (an error included), checkpoints being written are finished first.
+        at_exit(self.close)
+
+    def save(self, step, state, reason):
+        """Checkpoint `state` at `step` for `reason` (`SavePolicy.reason`), export and push it."""
+        if not all_finite((state.params, state.opt_state)):
+            raise RunError(f"the parameters became non-finite in step {step} (its loss was still finite): lower "
+                           "--learning_rate; the checkpoints saved before that step are kept")
+        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
+        meta = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "fingerprint": self.fingerprint}
+        with self._disk_full_is_fatal():
+            self.checkpointer.save(step, state, meta)
+            if reason == STOP:  # the grace period before a machine goes is short: the checkpoint only
+                self.close()
+                signal = preemption.stop_signal()
+                raise Stopped(f"{signal.name} received: saved the checkpoint of step {step} in "
+                              f"{self.checkpointer.directory}. To resume, rerun the same command with "
+                              f"--resume_from_checkpoint latest: {preemption.resume_command()}", signal)
+            self.run_dir.export(state.params, f"step {step}")
+        if step == self.total_steps:
+            preemption.uninstall()  # training is over: nothing left to stop cleanly
+
+    def close(self):
+        """Wait for the checkpoints being written, then stop the checkpointer. Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        preemption.uninstall()
+        with self._disk_full_is_fatal():
+            self.checkpointer.close()
+
+    @contextlib.contextmanager
+    def _disk_full_is_fatal(self):
+        """A full disk becomes a RunError that names the newest complete checkpoint.
+
+        Saves are asynchronous: a write that failed shows at the next save or at `close`, and the
+        writes still going fail the same way, so they are waited for before the checkpoints are listed.
+        """
+        try:
+            yield
+        except Exception as error:
+            if not is_disk_full(error):
+                raise
+            self._closed = True
+            self.checkpointer.close(raise_errors=False)
+            steps = checkpoint_steps(self.checkpointer.directory)
+            kept = (f"the checkpoint of step {steps[-1]} is intact (resume with --resume_from_checkpoint latest)"
+                    if steps else "no checkpoint was completed")
+            raise RunError(f"no space left on device while saving to {self.output_dir}: free some space or "
+                           f"choose another --output_dir; {kept}") from error
