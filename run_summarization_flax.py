@@ -56,7 +56,8 @@ SUMMARIZATION_COLUMNS = {
 class DataTrainingArguments(BaseDataArguments):
     text_column: Optional[str] = field(default=None, metadata={"help": "Column with the documents."})
     summary_column: Optional[str] = field(default=None, metadata={"help": "Column with the summaries."})
-    test_file: Optional[str] = field(default=None, metadata={"help": "Local test file (json, jsonl or csv)."})
+    test_file: Optional[str] = field(
+        default=None, metadata={"help": "Local test file (json, jsonl or csv), also compressed (.gz, .bz2, .xz)."})
     max_source_length: int = field(default=1024, metadata={"help": "Max document tokens (longer are truncated)."})
     max_target_length: int = field(default=128, metadata={"help": "Max summary tokens for training."})
     val_max_target_length: Optional[int] = field(

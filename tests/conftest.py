@@ -40,3 +40,16 @@ def hub_online(monkeypatch):
     monkeypatch.setattr(transformers.utils.hub, "_is_offline_mode", False)
     monkeypatch.setattr(hub, "_unreachable", None)
     return lambda url: monkeypatch.setattr(constants, "ENDPOINT", url)
+
+
+@pytest.fixture
+def jax_platforms():
+    """A setter for `jax.config.jax_platforms` (what $JAX_PLATFORMS fills in when jax is imported),
+    restored afterwards. The backends are opened first, as $JAX_PLATFORMS says: the setter changes
+    what code reads, never which devices the tests run on."""
+    import jax
+
+    jax.devices()
+    saved = jax.config.jax_platforms
+    yield lambda value: jax.config.update("jax_platforms", value)
+    jax.config.update("jax_platforms", saved)

@@ -1,6 +1,10 @@
 """utils/data.py: local files, seeded per-process training batches, eval ranges."""
 
+import bz2
+import gzip
 import json
+import lzma
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,8 +17,20 @@ from utils.errors import UsageError
 # ---------------------------------------------------------------------------------------------
 # Files
 # ---------------------------------------------------------------------------------------------
+COMPRESS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}
+
+
+def write(path, content, compression=""):
+    """Write `content` (str: UTF-8) to `path` + `compression`, compressed accordingly; returns the path."""
+    raw = content.encode("utf-8") if isinstance(content, str) else content
+    path = path.with_name(path.name + compression)
+    path.write_bytes(COMPRESS[compression](raw) if compression else raw)
+    return str(path)
+
+
 def test_file_builder(tmp_path):
-    for name, builder in (("a.json", "json"), ("a.JSONL", "json"), ("a.csv", "csv"), ("a.txt", "text")):
+    for name, builder in (("a.json", "json"), ("a.JSONL", "json"), ("a.csv", "csv"), ("a.txt", "text"),
+                          ("a.jsonl.gz", "json"), ("a.JSON.GZ", "json"), ("a.csv.bz2", "csv"), ("a.txt.xz", "text")):
         (tmp_path / name).write_text("x")
         assert data.file_builder(str(tmp_path / name)) == builder
 
@@ -25,13 +41,17 @@ def test_file_builder_missing(tmp_path):
 
 
 def test_file_builder_unsupported_extension(tmp_path):
-    cases = (("a.parquet", ("json", "csv", "text"), ".csv, .json, .jsonl, .txt"),
-             ("a.txt", ("json", "csv"), ".csv, .json, .jsonl"))
+    everything, no_text = ("json", "csv", "text"), ("json", "csv")
+    cases = (("a.parquet", everything, ".csv, .json, .jsonl, .txt"), ("a.txt", no_text, ".csv, .json, .jsonl"),
+             ("a.txt.gz", no_text, ".csv, .json, .jsonl"), ("a.gz", everything, ".csv, .json, .jsonl, .txt"),
+             ("a.tar.gz", everything, ".csv, .json, .jsonl, .txt"),
+             ("a.jsonl.zst", everything, ".csv, .json, .jsonl, .txt"))
     for name, allowed, names in cases:
         (tmp_path / name).write_text("x")
         with pytest.raises(UsageError, match="unsupported extension") as info:
             data.file_builder(str(tmp_path / name), allowed=allowed)
-        assert str(info.value).endswith(f"use one of {names}")
+        assert str(info.value).endswith(f"use one of {names}, or one of them compressed as .gz, .bz2, .xz "
+                                        "(e.g. .csv.gz)")
 
 
 def test_file_builder_empty(tmp_path):
@@ -41,8 +61,10 @@ def test_file_builder_empty(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# check_file: the cheap pre-read before anything loads a file
+# check_file: the cheap pre-read before anything loads a file (of the decompressed content, for a
+# compressed one)
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("compression", ["", *COMPRESS])
 @pytest.mark.parametrize("name, content, columns", [
     ("a.jsonl", '{"x": 1, "y": "a"}\n\n{"x": 2, "z": null}\r\n', ["x", "y", "z"]),
     ("a.json", '[{"x": 1},\n {"y": 2}]', ["x", "y"]),
@@ -51,34 +73,55 @@ def test_file_builder_empty(tmp_path):
     ("a.csv", '\ufeff"first, col",second\n1,2\n', ["first, col", "second"]),
     ("a.txt", "caf\u00e9\n", ["text"]),
 ])
-def test_check_file_columns(tmp_path, name, content, columns):
-    (tmp_path / name).write_text(content, encoding="utf-8")
-    assert data.check_file(str(tmp_path / name)) == columns
+def test_check_file_columns(tmp_path, name, content, columns, compression):
+    assert data.check_file(write(tmp_path / name, content, compression)) == columns
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("a.jsonl", '{"x": 1}\n{"x": 2,}\n', r"a\.jsonl:2 is not valid JSON: .*\(column 9\); each line must be one JSON object"),
-    ("a.jsonl", '{"x": 1}\n[1, 2]\n', r"a\.jsonl:2 is a JSON list, not an object"),
-    ("a.jsonl", '{"x": 1\n', r"a\.jsonl is not valid JSON: Expecting ',' delimiter at line 2 column 1"),
-    ("a.json", '[{"x": 1},\n {"x" 2}]', r"a\.json is not valid JSON: Expecting ':' delimiter at line 2 column 7"),
-    ("a.json", "[1, 2]", r"must hold JSON objects"),
-    ("a.csv", "\nx,y\n", r"a\.csv has no CSV header row"),
+@pytest.mark.parametrize("compression", ["", ".gz"])
+@pytest.mark.parametrize("name, content, message", [  # the message after the file's name
+    ("a.jsonl", '{"x": 1}\n{"x": 2,}\n', r":2 is not valid JSON: .*\(column 9\); each line must be one JSON object"),
+    ("a.jsonl", '{"x": 1}\n[1, 2]\n', r":2 is a JSON list, not an object"),
+    ("a.jsonl", '{"x": 1\n', r" is not valid JSON: Expecting ',' delimiter at line 2 column 1"),
+    ("a.json", '[{"x": 1},\n {"x" 2}]', r" is not valid JSON: Expecting ':' delimiter at line 2 column 7"),
+    ("a.json", "[1, 2]", r" must hold JSON objects"),
+    ("a.csv", "\nx,y\n", r" has no CSV header row"),
 ])
-def test_check_file_malformed(tmp_path, name, content, message):
-    (tmp_path / name).write_text(content, encoding="utf-8")
-    with pytest.raises(UsageError, match=message):
-        data.check_file(str(tmp_path / name))
+def test_check_file_malformed(tmp_path, name, content, message, compression):
+    path = write(tmp_path / name, content, compression)
+    with pytest.raises(UsageError, match=re.escape(path) + message):
+        data.check_file(path)
 
 
-def test_check_file_not_utf8_names_offset_and_line_across_chunks(tmp_path, monkeypatch):
+@pytest.mark.parametrize("compression", ["", *COMPRESS])
+def test_check_file_not_utf8_names_offset_and_line_across_chunks(tmp_path, monkeypatch, compression):
     monkeypatch.setattr(data, "_CHUNK_BYTES", 4)  # characters split across chunks must still decode
-    path = tmp_path / "a.txt"
-    path.write_bytes("h\u00e9\u20ac\n\u00e9\u00e9\n".encode() + b"ab\xffc\n")
-    with pytest.raises(UsageError, match=r"a\.txt is not UTF-8 text: byte 0xff at offset 14 \(line 3\)"):
-        data.check_file(str(path))
-    path.write_bytes(b"ok\n\xe2\x82")  # truncated at the end of the file
+    path = write(tmp_path / "a.txt", "h\u00e9\u20ac\n\u00e9\u00e9\n".encode() + b"ab\xffc\n", compression)
+    with pytest.raises(UsageError, match=r"a\.txt\S* is not UTF-8 text: byte 0xff at offset 14 \(line 3\)"):
+        data.check_file(path)
+    path = write(tmp_path / "b.txt", b"ok\n\xe2\x82", compression)  # truncated at the end of the file
     with pytest.raises(UsageError, match=r"byte 0xe2 at offset 3 \(line 2\)"):
-        data.check_file(str(path))
+        data.check_file(path)
+
+
+def test_check_file_corrupt_or_truncated_compression(tmp_path):
+    content = "".join(json.dumps({"text": f"line {i} " * 20}) + "\n" for i in range(200)).encode()
+    packed = gzip.compress(content)
+    middle = len(packed) // 2
+    cases = (("cut.jsonl.gz", packed[:middle], r"gzip file \(Compressed file ended before the end-of-stream marker"),
+             ("flipped.jsonl.gz", packed[:middle] + bytes([packed[middle] ^ 0xFF]) + packed[middle + 1:], "gzip file"),
+             ("plain.jsonl.gz", content, r"gzip file \(Not a gzipped file"),
+             ("cut.csv.bz2", bz2.compress(b"a,b\n" + content)[:-10], "bzip2 file"),
+             ("cut.txt.xz", lzma.compress(content)[:-10], "xz file"))
+    for name, raw, kind in cases:
+        (tmp_path / name).write_bytes(raw)
+        with pytest.raises(UsageError, match=rf"^data file \S*/{name} is not a valid {kind}.*\): it is corrupt "
+                                             r"or truncated; compress or download it again$"):
+            data.check_file(str(tmp_path / name))
+
+
+def test_check_file_compressed_but_empty(tmp_path):
+    with pytest.raises(UsageError, match=r"a\.jsonl\.gz is empty"):
+        data.check_file(write(tmp_path / "a.jsonl", "", ".gz"))
 
 
 def test_check_file_parses_only_the_head(tmp_path):
@@ -121,6 +164,27 @@ def test_load_splits_text(tmp_path):
     (tmp_path / "train.txt").write_text("first line\nsecond line\nthird\n")
     splits = data.load_splits(NO_HUB, {"train": str(tmp_path / "train.txt")}, cache_dir=str(tmp_path / "cache"))
     assert list(splits["train"]["text"]) == ["first line", "second line", "third"]
+
+
+def test_load_splits_compressed_and_mixed_with_plain(tmp_path):
+    rows = [{"document": f"doc {i}", "summary": f"sum {i}"} for i in range(5)]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    files = {"train": write(tmp_path / "train.jsonl", lines, ".gz"),
+             "validation": write(tmp_path / "valid.jsonl", lines)}
+    splits = data.load_splits(NO_HUB, files, cache_dir=str(tmp_path / "cache"))  # one format: json
+    assert list(splits["train"]) == rows and list(splits["validation"]) == rows
+    text = data.load_splits(NO_HUB, {"train": write(tmp_path / "train.txt", "first\nsecond\n", ".xz")},
+                            cache_dir=str(tmp_path / "cache"))
+    assert list(text["train"]["text"]) == ["first", "second"]
+
+
+@pytest.mark.parametrize("compression", ["", ".gz"])
+def test_load_splits_csv_with_a_byte_order_mark(tmp_path, compression):
+    """An Excel export ("CSV UTF-8") starts with a BOM: it must not become part of the first column's name."""
+    path = write(tmp_path / "excel.csv", "\ufeffdocument,summary\nd0,s0\n", compression)
+    assert data.check_file(path) == ["document", "summary"]
+    splits = data.load_splits(NO_HUB, {"train": path}, cache_dir=str(tmp_path / "cache"))
+    assert list(splits["train"]) == [{"document": "d0", "summary": "s0"}]
 
 
 def test_load_splits_errors(tmp_path):

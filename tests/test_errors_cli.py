@@ -256,6 +256,15 @@ def test_push_to_hub_without_token(fails, files, monkeypatch):
     fails(scratch(files, "--push_to_hub"), r"--push_to_hub needs --hub_token")
 
 
+def test_busy_tpu_stops_the_run_before_anything_is_written(fails, files, monkeypatch, jax_platforms):
+    """A Cloud TPU VM whose TPU another process holds: JAX opened the CPU (as it does here)."""
+    monkeypatch.setattr("utils.sharding._on_cloud_tpu_vm", lambda: True)
+    monkeypatch.setattr("jax.distributed.initialize", lambda **settings: None)  # one VM: nothing to join
+    jax_platforms(None)
+    fails(scratch(files), r"this is a Cloud TPU VM, but JAX opened the CPU instead of the TPU.*: another process "
+                          r"probably holds the TPU; .* or set JAX_PLATFORMS=cpu to run on the CPU on purpose$")
+
+
 # ---------------------------------------------------------------------------------------------
 # No network: one short probe, then offline mode; seconds instead of ~24 s of retries
 # ---------------------------------------------------------------------------------------------

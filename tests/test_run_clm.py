@@ -77,3 +77,28 @@ def test_usage_errors_are_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "error: --do_predict does not apply to language modeling (there is no test split): use --do_eval")
+
+
+@pytest.mark.slow
+def test_trains_from_gzipped_json_lines(tmp_path):
+    """A `.jsonl.gz` training file: checked, loaded and trained on (in this process, a tiny model, 2 steps)."""
+    import gzip
+    import json
+
+    import run_clm_flax
+    from utils.errors import run_main
+
+    with open("data/lm/train.txt", encoding="utf-8") as f:
+        lines = [line.strip() for line, _ in zip(f, range(400))]
+    train = tmp_path / "train.jsonl.gz"
+    with gzip.open(train, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": line}) + "\n" for line in lines)
+    out = tmp_path / "out"
+    argv = ["--model_type", "gpt2", "--tokenizer_name", "data/lm/tokenizer", "--config_overrides",
+            "n_embd=16,n_layer=1,n_head=2,n_positions=32", "--block_size", "32", "--train_file", str(train),
+            "--do_train", "--max_steps", "2", "--per_device_train_batch_size", "1", "--logging_steps", "1",
+            "--output_dir", str(out), "--compilation_cache_dir", "none", "--cache_dir", str(tmp_path / "cache")]
+    assert run_main(lambda: run_clm_flax.main(argv), argv) == 0
+    assert [row["step"] for row in read_metrics(out)] == [1, 2]
+    # The blocks of the 380 lines left for training once 5% are held out for validation.
+    assert read_json(os.path.join(out, "all_results.json"))["train_samples"] == 202

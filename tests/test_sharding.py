@@ -221,3 +221,46 @@ def test_failure_to_join_is_a_run_error(monkeypatch):
 
 def test_not_a_cloud_tpu_vm_here():
     assert sharding._on_cloud_tpu_vm() is False
+
+
+# --- a busy TPU: JAX falls back to the CPU ----------------------------------------------------------------
+BUSY_TPU = (r"^this is a Cloud TPU VM, but JAX opened the CPU instead of the TPU{}: another process probably holds "
+            r"the TPU; find it with `sudo lsof -w /dev/accel\* /dev/vfio/\*` or `ps aux \| grep python` and stop it, "
+            r"or set JAX_PLATFORMS=cpu to run on the CPU on purpose$")
+
+
+@pytest.fixture
+def tpu_vm(monkeypatch):
+    """This CPU machine passes for a Cloud TPU VM whose TPU JAX could not open (its backend is the CPU)."""
+    from jax._src import xla_bridge
+
+    monkeypatch.setattr(sharding, "_on_cloud_tpu_vm", lambda: True)
+    errors = {}
+    monkeypatch.setattr(xla_bridge, "_backend_errors", errors)
+    return errors
+
+
+def test_cpu_fallback_on_a_cloud_tpu_vm_is_refused(tpu_vm, jax_platforms):
+    jax_platforms(None)  # JAX chose the platform
+    with pytest.raises(UsageError, match=BUSY_TPU.format("")):
+        sharding.check_tpu_backend()
+    tpu_vm["tpu"] = "TPU initialization failed: The TPU is already in use by process with pid 4242.\nmore"
+    with pytest.raises(UsageError, match=BUSY_TPU.format(r" \(TPU initialization failed: The TPU is already in use "
+                                                         r"by process with pid 4242\.\)")):
+        sharding.check_tpu_backend()
+
+
+def test_cpu_on_a_cloud_tpu_vm_on_purpose(tpu_vm, jax_platforms):
+    jax_platforms("cpu")  # JAX_PLATFORMS=cpu
+    sharding.check_tpu_backend()
+
+
+def test_tpu_backend_on_a_cloud_tpu_vm(tpu_vm, jax_platforms, monkeypatch):
+    jax_platforms(None)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    sharding.check_tpu_backend()
+
+
+def test_cpu_elsewhere_is_fine(jax_platforms):
+    jax_platforms(None)  # no JAX_PLATFORMS, and not a Cloud TPU VM: a CPU machine (or a GPU one without GPUs)
+    sharding.check_tpu_backend()

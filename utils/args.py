@@ -60,7 +60,8 @@ class ModelArguments:
 class BaseDataArguments:
     dataset_name: Optional[str] = _help("Dataset name on the hub (see datasets).", default=None)
     dataset_config_name: Optional[str] = _help("Dataset configuration name.", default=None)
-    train_file: Optional[str] = _help("Local training file (json, jsonl, csv or txt).", default=None)
+    train_file: Optional[str] = _help("Local training file (json, jsonl, csv; txt for language modeling), "
+                                      "also compressed (.gz, .bz2, .xz).", default=None)
     validation_file: Optional[str] = _help("Local validation file.", default=None)
     max_train_samples: Optional[int] = _help("Truncate the training set (smoke tests).", default=None)
     max_eval_samples: Optional[int] = _help("Truncate the validation set.", default=None)

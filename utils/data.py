@@ -5,11 +5,16 @@ permutation, so a resumed run sees exactly the remaining batches of the uninterr
 every process of a pod derives the same order and loads only its own slice.
 """
 
+import bz2
 import codecs
+import contextlib
 import csv
+import gzip
 import io
 import json
+import lzma
 import os
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +24,9 @@ from utils import hub
 from utils.errors import UsageError, is_disk_full
 
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
+# Compressions `datasets` decompresses by itself (map-style and streaming) that the stdlib can stream
+# for `check_file` too: (name, opener). zstd would need the zstandard package.
+COMPRESSIONS = {".gz": ("gzip", gzip.open), ".bz2": ("bzip2", bz2.open), ".xz": ("xz", lzma.open)}
 # How much of a local file `check_file` parses (JSON lines, CSV header) before anything loads it;
 # its UTF-8 check reads the whole file (about a second per GB).
 PREREAD_BYTES = 16 << 20
@@ -29,18 +37,48 @@ def file_builder(path, allowed=("json", "csv", "text")):
     """The `datasets` builder for a local file, checking that the file is usable first."""
     if not os.path.isfile(path):
         raise UsageError(f"data file {path} not found: check the path")
-    builder = EXTENSIONS.get(os.path.splitext(path)[1].lower())
+    builder = EXTENSIONS.get(_extensions(path)[0])
     if builder not in allowed:
         names = sorted(ext for ext, b in EXTENSIONS.items() if b in allowed)
-        raise UsageError(f"data file {path} has an unsupported extension: use one of {', '.join(names)}")
+        raise UsageError(f"data file {path} has an unsupported extension: use one of {', '.join(names)}, "
+                         f"or one of them compressed as {', '.join(COMPRESSIONS)} (e.g. {names[0]}.gz)")
     if os.path.getsize(path) == 0:
         raise UsageError(f"data file {path} is empty")
     return builder
 
 
+def _extensions(path):
+    """(format extension, compression extension or ""), lower case: "a.JSONL.gz" -> (".jsonl", ".gz")."""
+    root, last = os.path.splitext(path.lower())
+    if last in COMPRESSIONS:
+        return os.path.splitext(root)[1], last
+    return last, ""
+
+
+@contextlib.contextmanager
+def _open_content(path):
+    """The file's content as a binary stream, decompressed on the fly when the name says it is compressed.
+
+    A corrupt or truncated compressed file shows when it is read: a UsageError naming the file.
+    """
+    compression = _extensions(path)[1]
+    if not compression:
+        with open(path, "rb") as f:
+            yield f
+        return
+    name, opener = COMPRESSIONS[compression]
+    with opener(path, "rb") as f:
+        try:
+            yield f
+        except (OSError, EOFError, zlib.error, lzma.LZMAError) as e:
+            raise UsageError(f"data file {path} is not a valid {name} file ({e}): it is corrupt or truncated; "
+                             "compress or download it again") from None
+
+
 def check_file(path, allowed=("json", "csv", "text"), limit=PREREAD_BYTES):
     """Check a local data file before anything loads it; returns its column names.
 
+    A compressed file (see `COMPRESSIONS`) is checked on its content, decompressed as it is read.
     Every byte must be UTF-8 (`datasets` would read some other encodings silently as garbage);
     JSON must parse (one object per line, or one array or object for the whole file) and a CSV
     must have a header row, checked on the first `limit` bytes (None: all). The columns are those
@@ -48,9 +86,11 @@ def check_file(path, allowed=("json", "csv", "text"), limit=PREREAD_BYTES):
     """
     builder = file_builder(path, allowed)
     _check_utf8(path)
-    with open(path, "rb") as f:
+    with _open_content(path) as f:
         head = f.read() if limit is None else f.read(limit)
         complete = not f.read(1)
+    if complete and not head:  # a compressed file can be empty inside
+        raise UsageError(f"data file {path} is empty")
     if not complete:
         head = head[: head.rfind(b"\n") + 1]  # whole lines only
         if not head:
@@ -66,7 +106,7 @@ def check_file(path, allowed=("json", "csv", "text"), limit=PREREAD_BYTES):
 def _check_utf8(path):
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
-    with open(path, "rb") as f:
+    with _open_content(path) as f:
         while True:
             chunk = f.read(_CHUNK_BYTES)
             pending = len(decoder.getstate()[0])  # bytes of a character split across chunks
@@ -80,8 +120,11 @@ def _check_utf8(path):
 
 
 def _not_utf8(path, offset, byte):
-    with open(path, "rb") as f:
-        line = f.read(offset).count(b"\n") + 1
+    line, remaining = 1, offset
+    with _open_content(path) as f:
+        while remaining:
+            chunk = f.read(min(remaining, _CHUNK_BYTES))
+            line, remaining = line + chunk.count(b"\n"), remaining - len(chunk)
     raise UsageError(f"data file {path} is not UTF-8 text: byte 0x{byte:02x} at offset {offset} (line {line}); "
                      "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
 

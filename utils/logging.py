@@ -22,6 +22,12 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 _DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 # Libraries that log routine chatter at INFO (absl also carries orbax's messages).
 _QUIET_LIBRARIES = ("transformers", "datasets", "absl", "orbax", "jax", "huggingface_hub", "httpx")
+# (library, start of a message) never shown: warnings every run would print that say nothing about
+# the run. transformers 4.x announces that v5 drops its Flax classes, which is why the requirements
+# pin transformers < 5 (README, Quickstart).
+_HIDDEN_MESSAGES = (
+    ("transformers", "TensorFlow and JAX classes are deprecated and will be removed in Transformers v5"),
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -37,6 +43,12 @@ class _TqdmHandler(pylogging.Handler):
             tqdm.write(self.format(record), file=sys.stderr)  # sys.stderr looked up now: capture-friendly
         except Exception:
             self.handleError(record)
+
+
+def _not_hidden(record):
+    """A handler filter: False for the records of `_HIDDEN_MESSAGES`."""
+    return not any((record.name == library or record.name.startswith(library + "."))
+                   and record.getMessage().startswith(start) for library, start in _HIDDEN_MESSAGES)
 
 
 class _NoTracebackFormatter(pylogging.Formatter):
@@ -86,6 +98,9 @@ def setup_logging(is_main_process: bool, debug: bool = False) -> pylogging.Logge
         root.removeHandler(handler)
     handler = _TqdmHandler()
     handler.setFormatter((pylogging.Formatter if debug else _NoTracebackFormatter)(_LOG_FORMAT, _DATE_FORMAT))
+    # On the handler, not a logger: a logger's filters miss the records its children propagate, and
+    # every library record ends up here (see `_route_hf_logging`).
+    handler.addFilter(_not_hidden)
     root.addHandler(handler)
     root.setLevel(level)
 

@@ -78,6 +78,7 @@ def set_up(training_args):
     """Multi-host start-up, version shims, compilation cache, logging; returns (logger, is_main_process)."""
     sharding.initialize_processes(training_args.coordinator_address, training_args.num_processes,
                                   training_args.process_id)
+    sharding.check_tpu_backend()
     compat.apply()
     sharding.enable_compilation_cache(training_args.compilation_cache_dir)
     is_main = jax.process_index() == 0

@@ -31,6 +31,33 @@ def _on_cloud_tpu_vm():
     return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
 
 
+def _tpu_backend_error():
+    """Why JAX could not open the TPU (the first line of its error), or None."""
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        return None
+    error = getattr(xla_bridge, "_backend_errors", {}).get("tpu")
+    return error.strip().splitlines()[0][:300] if error and error.strip() else None
+
+
+def check_tpu_backend():
+    """On a Cloud TPU VM, refuse to run on the CPU unless `JAX_PLATFORMS` asks for it.
+
+    Only one process at a time may hold a TPU VM's chips: a second one gets "libtpu.so already in
+    use by another process", and JAX carries on with the CPU, so a "TPU run" would train on the host
+    for hours. An explicit platform list (JAX_PLATFORMS=cpu) is a choice, and fails loudly in JAX
+    itself when it names a TPU that cannot be opened.
+    """
+    if not _on_cloud_tpu_vm() or jax.default_backend() != "cpu" or jax.config.jax_platforms:
+        return
+    reason = _tpu_backend_error()
+    raise UsageError(f"this is a Cloud TPU VM, but JAX opened the CPU instead of the TPU"
+                     f"{f' ({reason})' if reason else ''}: another process probably holds the TPU; find it with "
+                     "`sudo lsof -w /dev/accel* /dev/vfio/*` or `ps aux | grep python` and stop it, or set "
+                     "JAX_PLATFORMS=cpu to run on the CPU on purpose")
+
+
 def _distributed_settings(coordinator_address=None, num_processes=None, process_id=None, environ=None):
     """{name: value} of the multi-host settings given by flags or, failing those, `JAX_*` variables."""
     environ = os.environ if environ is None else environ
