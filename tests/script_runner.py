@@ -1,5 +1,6 @@
 """Run a flaxtune script as a user would: a subprocess with 8 virtual CPU devices, offline."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -34,6 +35,23 @@ def run_script(script, args, timeout=600, env=None, cwd=ROOT, steps_report=None)
         [sys.executable, *recorder, os.path.join(ROOT, script), *map(str, args)],
         cwd=cwd, env=env or script_env(), capture_output=True, text=True, timeout=timeout,
     )
+
+
+def directory_state(path):
+    """{relative path: (sha256, mtime_ns)} of every file under `path`; None if it does not exist.
+
+    Equal states before and after a run mean the run wrote nothing there: no file added, removed,
+    rewritten or even touched.
+    """
+    if not os.path.exists(path):
+        return None
+    state = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            file = os.path.join(root, name)
+            with open(file, "rb") as f:
+                state[os.path.relpath(file, path)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(file).st_mtime_ns)
+    return state
 
 
 def read_json(path):

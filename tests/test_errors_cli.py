@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 import run_clm_flax as clm
 import run_mlm_flax as mlm
 import run_summarization_flax as summarization
-from script_runner import ROOT, run_script, script_env
+from script_runner import ROOT, directory_state, run_script, script_env
 from utils import hub
 from utils.args import TrainingArguments
 from utils.checkpoint import Checkpointer
@@ -72,17 +72,6 @@ def files(tmp_path_factory):
     return out
 
 
-def snapshot(path):
-    """Every file under `path` with its size and modification time (None if `path` does not exist)."""
-    if not os.path.exists(path):
-        return None
-    if os.path.isfile(path):
-        return os.stat(path).st_mtime_ns
-    return {os.path.relpath(os.path.join(root, name), path): (os.path.getsize(os.path.join(root, name)),
-                                                               os.stat(os.path.join(root, name)).st_mtime_ns)
-            for root, _, names in os.walk(path) for name in names}
-
-
 def check_failure(code, returncode, stderr, pattern):
     assert returncode == code, stderr[-2000:]
     assert "Traceback" not in stderr
@@ -111,10 +100,10 @@ def fails(monkeypatch, capsys, tmp_path):
 
     def run(argv, pattern, code=2, out=None, script=summarization):
         out = str(out or tmp_path / "out")
-        before = snapshot(out)
+        before = directory_state(out)
         returncode = run_in_process(script, [*argv, "--output_dir", out], tmp_path)
         check_failure(code, returncode, capsys.readouterr().err, pattern)
-        assert snapshot(out) == before
+        assert directory_state(out) == before
 
     return run
 
@@ -249,6 +238,26 @@ def test_non_empty_output_dir(fails, files, tmp_path):
     (out / "eval_results.json").write_text("{}")
     fails(scratch(files), r"already exists and is not empty: use --resume_from_checkpoint latest to continue it, "
                           r"or --overwrite_output_dir", out=out)
+
+
+def test_overwrite_refuses_to_empty_a_directory_with_other_files(fails, files, tmp_path):
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    (out / "train.py").write_text("print('my code')")
+    fails(scratch(files, "--overwrite_output_dir"), r"a new run in .*project first removes the previous run's outputs, "
+                                                    r"but the directory also holds files no run writes \(train.py\)",
+          out=out)
+
+
+def test_resume_from_an_output_dir_killed_before_its_first_checkpoint(fails, files, tmp_path):
+    out = tmp_path / "killed"
+    (out / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1, "split": "train", "time": 0, "loss": 5.0}\n')
+    fails(scratch(files, "--resume_from_checkpoint", out),
+          r"--resume_from_checkpoint .*killed: no complete checkpoint there; if it is the output directory of a run, "
+          r"that run stopped before its first checkpoint: start it again without --resume_from_checkpoint \(add "
+          r"--overwrite_output_dir\), or with --resume_from_checkpoint latest", out=out)
 
 
 def test_push_to_hub_without_token(fails, files, monkeypatch):

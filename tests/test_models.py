@@ -68,8 +68,17 @@ def test_local_config_dir_and_overrides(tmp_path):
     T5Config(d_model=24, num_layers=2).save_pretrained(tmp_path)
     config = load_config(ModelArguments(config_name=str(tmp_path), config_overrides="num_layers=1"), "seq2seq")
     assert config.d_model == 24 and config.num_layers == 1
-    with pytest.raises(UsageError, match="only applies when training from scratch"):
+    with pytest.raises(UsageError, match=r"--config_overrides would change num_layers from 2 to 1 in the config of "
+                                         r".*: overrides apply only when training from scratch"):
         load_config(ModelArguments(model_name_or_path=str(tmp_path), config_overrides="num_layers=1"), "seq2seq")
+
+
+def test_overrides_a_pretrained_config_already_has_are_accepted(tmp_path):
+    """A config file shared by training and evaluation keeps its overrides when it loads the trained model."""
+    T5Config(d_model=24, num_layers=2).save_pretrained(tmp_path)
+    config = load_config(ModelArguments(model_name_or_path=str(tmp_path), config_overrides="d_model=24,num_layers=2"),
+                         "seq2seq")
+    assert config.d_model == 24 and config.num_layers == 2
 
 
 def test_nonexistent_local_model_path_fails_fast(tmp_path):

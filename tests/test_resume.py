@@ -8,6 +8,7 @@ command: the exported parameters byte for byte, and every logged loss and learni
 
 import glob
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -19,7 +20,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import T5Config
 
-from script_runner import ROOT, read_metrics, run_script, script_env
+from script_runner import ROOT, directory_state, read_metrics, run_script, script_env
 from utils.args import TrainingArguments
 from utils.checkpoint import checkpoint_steps
 from utils.resume import fingerprint_difference, run_fingerprint
@@ -155,12 +156,6 @@ def assert_same_run(output_dir, reference):
         (step, pytest.approx(loss)) for step, loss, _ in logged(reference)]
 
 
-def snapshot(directory):
-    """{relative path: (size, mtime)} of every file under `directory`."""
-    return {os.path.relpath(os.path.join(root, name), directory): os.stat(os.path.join(root, name))[6:9:2]
-            for root, _, names in os.walk(directory) for name in names}
-
-
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path, command, uninterrupted, name):
     reference, out = uninterrupted(name), str(tmp_path / "run")
@@ -225,13 +220,13 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoin
 
 def test_output_dir_with_checkpoints_needs_resume_or_overwrite(command, uninterrupted):
     reference = uninterrupted("summarization")
-    before = snapshot(reference)
+    before = directory_state(reference)
     result = run(command("summarization", reference))
     assert result.returncode == 2
     message = last_line(result)
     assert message.startswith("error: output directory") and "Traceback" not in result.stderr
     assert "--resume_from_checkpoint latest" in message and "--overwrite_output_dir" in message
-    assert snapshot(reference) == before
+    assert directory_state(reference) == before
 
 
 @pytest.mark.parametrize("change, difference", [
@@ -244,11 +239,50 @@ def test_incompatible_resume_is_refused_before_anything_is_written(tmp_path, com
                                                                      difference):
     out = str(tmp_path / "run")
     shutil.copytree(uninterrupted("summarization"), out)
-    before = snapshot(out)
+    before = directory_state(out)
     result = run(command("summarization", out, "--resume_from_checkpoint", "latest", *change))
     assert result.returncode == 2
     assert last_line(result).startswith(f"error: cannot resume from {out}/checkpoints/12: {difference} (set by ")
-    assert snapshot(out) == before
+    assert directory_state(out) == before
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--max_steps", 8], r"the checkpoint .*/checkpoints/12 is at step 12, past the 8 steps of this run: raise "
+                         r"--max_steps or --num_train_epochs"),
+    (["--param_dtype", "bfloat16"], r"cannot resume from .*/checkpoints/12: checkpoint at step 12 has dtype float32 "
+                                    r"for params/\S+, model has bfloat16: the model config or dtype changed"),
+    (["--seed", -1], r"--seed must be an integer from 0 to 2\*\*32 - 1, got -1"),
+])
+def test_a_resume_that_cannot_continue_writes_nothing(tmp_path, command, uninterrupted, change, message):
+    """Found once the model and the training plan are known, after data and model loading, but still
+    before the run directory is opened: every file keeps its bytes and its modification time."""
+    out = str(tmp_path / "run")
+    shutil.copytree(uninterrupted("summarization"), out)
+    before = directory_state(out)
+    result = run(command("summarization", out, "--resume_from_checkpoint", "latest", *change))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert re.fullmatch(f"error: {message}", last_line(result)), last_line(result)
+    assert directory_state(out) == before
+
+
+def test_overwrite_removes_everything_the_previous_run_wrote(tmp_path, command, uninterrupted):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted("summarization"), out)
+    (out / "test_results.json").write_text("{}")  # as an earlier predict would have left
+    (out / "generated_predictions.txt").write_text("an old summary\n")
+    (out / "notes.md").write_text("not a run's output")
+    before = directory_state(out)
+    refused = run(command("summarization", str(out), "--overwrite_output_dir", "--max_steps", 4))
+    assert refused.returncode == 2 and "holds files no run writes (notes.md)" in last_line(refused)
+    assert directory_state(out) == before
+
+    os.remove(out / "notes.md")
+    run_ok(command("summarization", str(out), "--overwrite_output_dir", "--max_steps", 4))
+    names = os.listdir(out)
+    assert len([name for name in names if name.startswith("events.out.tfevents")]) == 1
+    assert "test_results.json" not in names and "generated_predictions.txt" not in names
+    assert checkpoint_steps(out / "checkpoints") == [4]
+    assert [step for step, _, _ in logged(out)] == [1, 2, 3, 4]
 
 
 def test_compatible_changes_continue_the_run(tmp_path, command, uninterrupted):

@@ -69,7 +69,7 @@ def test_eval_only_from_the_saved_model(trained, tmp_path, cache_dir):
     again = read_json(os.path.join(tmp_path, "eval_results.json"))
     assert again["eval_loss"] == pytest.approx(read_json(os.path.join(trained, "eval_results.json"))["eval_loss"],
                                                abs=2e-4)
-    assert not os.path.exists(os.path.join(tmp_path, "checkpoints", "0"))
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))  # evaluation makes no checkpoint folder
 
 
 def test_usage_errors_are_one_line(tmp_path):

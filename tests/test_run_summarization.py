@@ -115,6 +115,19 @@ def test_eval_only_from_saved_dir_matches_and_is_batch_size_independent(trained,
     assert losses[0] == pytest.approx(read_json(trained / "eval_results.json")["eval_loss"], abs=2e-4)
 
 
+def test_eval_only_with_the_training_config(trained, tmp_path):
+    """The README's recipe: the config the model was trained with, pointed at the trained model. Its
+    --config_overrides agree with the saved config, so they are no conflict."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**T5_CONFIG, "output_dir": str(tmp_path / "unused"), "overwrite_output_dir": True}))
+    out = tmp_path / "eval"
+    run_ok([config, "--model_name_or_path", trained, "--do_train", "false", "--do_predict", "false",
+            "--output_dir", out])
+    assert read_json(out / "eval_results.json")["eval_loss"] == pytest.approx(
+        read_json(trained / "eval_results.json")["eval_loss"], abs=2e-4)
+    assert not (out / "checkpoints").exists() and not (tmp_path / "unused").exists()
+
+
 def test_predict_only_from_saved_dir(trained, tmp_path):
     out = tmp_path / "predict"
     run_ok(["--model_name_or_path", trained, "--test_file", T5_CONFIG["test_file"], "--max_predict_samples", 21,

@@ -85,6 +85,11 @@ class TrainingArguments:
     do_eval: bool = _help("Evaluate on the validation set.", default=False)
     do_predict: bool = _help("Predict on the test set.", default=False)
     per_device_train_batch_size: int = _help("Batch size per device (core) for training.", default=8)
+    total_train_batch_size: Optional[int] = _help(
+        "Examples per optimizer step over all devices of all hosts; when set, the per-device batch is this / "
+        "(devices x gradient_accumulation_steps), so a config trains the same way on any number of devices.",
+        default=None,
+    )
     per_device_eval_batch_size: int = _help("Batch size per device (core) for evaluation.", default=8)
     gradient_accumulation_steps: int = _help("Micro-batches per optimizer step.", default=1)
     learning_rate: float = _help("Peak learning rate.", default=5e-5)
@@ -128,12 +133,14 @@ class TrainingArguments:
                                       "(default: $JAX_PROCESS_ID).", default=None)
 
     def __post_init__(self):
-        positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                    "logging_steps", "save_steps", "eval_steps", "save_total_limit")
+        positive = ("per_device_train_batch_size", "total_train_batch_size", "per_device_eval_batch_size",
+                    "gradient_accumulation_steps", "logging_steps", "save_steps", "eval_steps", "save_total_limit")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise UsageError(f"--{name} must be positive, got {value}")
+        if not 0 <= self.seed < 2**32:
+            raise UsageError(f"--seed must be an integer from 0 to 2**32 - 1, got {self.seed}")
         if self.learning_rate <= 0:
             raise UsageError(f"--learning_rate must be positive, got {self.learning_rate}")
         if self.num_train_epochs <= 0 and self.max_steps <= 0:

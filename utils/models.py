@@ -1,5 +1,6 @@
 """Config, tokenizer and model loading shared by the scripts (pretrained or from a config)."""
 
+import copy
 import os
 
 import jax
@@ -59,6 +60,13 @@ def _apply_overrides(config, text):
     return config
 
 
+def _changed_by_overrides(config, text):
+    """[(key, current value, overridden value)] for the overrides that differ from `config`'s values."""
+    overridden = _apply_overrides(copy.deepcopy(config), text)
+    return [(key, getattr(config, key), getattr(overridden, key)) for key in _parse_overrides(text)
+            if getattr(overridden, key) != getattr(config, key)]
+
+
 def load_config(model_args, task):
     """The model config from `config_name`, `model_name_or_path` or `model_type` (+ overrides)."""
     kwargs = dict(cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code)
@@ -77,9 +85,16 @@ def load_config(model_args, task):
             )
     else:
         raise UsageError("no model: pass --model_name_or_path, or --model_type/--config_name to train from scratch")
-    if model_args.config_overrides:
-        if model_args.model_name_or_path:
-            raise UsageError("--config_overrides only applies when training from scratch (without --model_name_or_path)")
+    if model_args.config_overrides and model_args.model_name_or_path:
+        # A config file shared by training and evaluation holds the overrides the model was built with:
+        # they are harmless as long as they agree with the pretrained config.
+        changed = _changed_by_overrides(config, model_args.config_overrides)
+        if changed:
+            key, old, new = changed[0]
+            raise UsageError(f"--config_overrides would change {key} from {old!r} to {new!r} in the config of "
+                             f"{model_args.model_name_or_path}: overrides apply only when training from scratch "
+                             "(without --model_name_or_path); drop them")
+    elif model_args.config_overrides:
         config = _apply_overrides(config, model_args.config_overrides)
     if config.model_type not in TASK_MODEL_TYPES[task]:
         raise UsageError(

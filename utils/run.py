@@ -81,11 +81,24 @@ def set_up(training_args):
     sharding.check_tpu_backend()
     compat.apply()
     sharding.enable_compilation_cache(training_args.compilation_cache_dir)
+    fit_batch_to_devices(training_args)
     is_main = jax.process_index() == 0
     logger = setup_logging(is_main, debug=training_args.debug)
     logger.info("devices: %d local of %d in all (%s), process %d of %d", jax.local_device_count(),
                 jax.device_count(), jax.devices()[0].device_kind, jax.process_index(), jax.process_count())
     return logger, is_main
+
+
+def fit_batch_to_devices(training_args):
+    """`--total_train_batch_size`, when given, sets the per-device batch for this run's devices."""
+    total = training_args.total_train_batch_size
+    if total is None:
+        return
+    devices, accumulation = jax.device_count(), training_args.gradient_accumulation_steps
+    if total % (devices * accumulation):
+        raise UsageError(f"--total_train_batch_size {total} does not split over {devices} devices x "
+                         f"{accumulation} gradient_accumulation_steps: use a multiple of {devices * accumulation}")
+    training_args.per_device_train_batch_size = total // (devices * accumulation)
 
 
 def training_plan(training_args, num_train_examples):
