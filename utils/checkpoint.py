@@ -18,6 +18,7 @@ processes are gathered before the save, and `restore` gives each process its own
 With a single process, `is_main_process=False` opens the checkpoints read-only: it writes nothing.
 """
 
+import contextlib
 import logging
 import os
 
@@ -27,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from utils.errors import UsageError
+from utils.errors import RunError, UsageError, is_disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,25 @@ def locate_checkpoint(resume: str, output_dir: str) -> tuple[str, int | None]:
                          "latest, which starts afresh while there is no checkpoint")
     raise UsageError(f"--resume_from_checkpoint {resume} not found: pass 'latest', a step number, a step "
                      "directory (OUTPUT_DIR/checkpoints/120), a checkpoints directory or an output directory")
+
+
+@contextlib.contextmanager
+def disk_full_is_fatal(output_dir: str, before_listing=None):
+    """A full disk while writing into a run's `output_dir` becomes one RunError that names the newest
+    complete checkpoint there (the one to resume from). `before_listing()` runs first (the saver waits
+    for its writes still going: they fail the same way, and one may still complete)."""
+    try:
+        yield
+    except Exception as error:
+        if not is_disk_full(error):
+            raise
+        if before_listing:
+            before_listing()
+        steps = checkpoint_steps(find_checkpoint_dir(output_dir))
+        kept = (f"the checkpoint of step {steps[-1]} is intact (resume with --resume_from_checkpoint latest)"
+                if steps else "no checkpoint was completed")
+        raise RunError(f"no space left on device while saving to {output_dir}: free some space or choose another "
+                       f"--output_dir; {kept}") from error
 
 
 @jax.jit

@@ -80,7 +80,9 @@ def _close_progress_bars():
 def run_main(main, argv=None) -> int:
     """Run `main()`, then the `at_exit` callbacks; a failure becomes one stderr line and an exit code.
 
-    The line about `main` comes last, after anything the callbacks print.
+    The line comes last, after anything the callbacks print. It is about the first failure: a
+    callback that fails after `main` failed (e.g. the wait for a checkpoint on a disk that is full)
+    shows only with --debug.
     """
     debug, previous_hook = debug_enabled(argv), sys.unraisablehook
     if not debug:
@@ -91,10 +93,10 @@ def run_main(main, argv=None) -> int:
         failure = _call(main)
         while _at_exit:
             late = _call(_at_exit.pop())
-            if late is not None and failure is None:
+            if failure is None:
                 failure = late
-            elif late is not None:
-                _report(late, debug)
+            elif late is not None and debug:  # a clean-up failing after the failure: the same cause, as a rule
+                traceback.print_exception(late)
     finally:
         sys.unraisablehook = previous_hook
     return 0 if failure is None else _report(failure, debug)

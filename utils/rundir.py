@@ -18,7 +18,7 @@ import jax
 
 from utils import sharding
 from utils.args import public_args, save_args
-from utils.checkpoint import CHECKPOINT_SUBDIR, host_copy
+from utils.checkpoint import CHECKPOINT_SUBDIR, disk_full_is_fatal, host_copy
 from utils.errors import UsageError, at_exit
 from utils.hub import HubPusher
 from utils.logging import MetricsLogger
@@ -132,7 +132,8 @@ class RunDirectory:
         at_exit(self.close)
 
     def log(self, step, metrics, split="train"):
-        self._metrics.log(step, metrics, split=split)
+        with disk_full_is_fatal(self.output_dir):
+            self._metrics.log(step, metrics, split=split)
 
     def advance(self, step):
         """Move the progress bar to `step`."""
@@ -141,7 +142,8 @@ class RunDirectory:
     def report(self, prefix, metrics, step):
         """Log `metrics` at `step` and write `{prefix}_results.json`; they also go into all_results.json."""
         self.log(step, metrics, split=prefix)
-        results = write_results(self.output_dir, prefix, metrics, self.is_main)
+        with disk_full_is_fatal(self.output_dir):
+            results = write_results(self.output_dir, prefix, metrics, self.is_main)
         self._results.update(results)
         logger.info("%s", results)
         return results
@@ -153,7 +155,8 @@ class RunDirectory:
     def write_text(self, name, lines):
         """One line per item, inner whitespace collapsed (generated texts may hold newlines)."""
         if self.is_main:
-            with open(os.path.join(self.output_dir, name), "w", encoding="utf-8") as f:
+            with disk_full_is_fatal(self.output_dir), open(os.path.join(self.output_dir, name), "w",
+                                                           encoding="utf-8") as f:
                 f.writelines(" ".join(line.split()) + "\n" for line in lines)
 
     def export(self, params, commit_message):
@@ -164,12 +167,14 @@ class RunDirectory:
 
     def close(self):
         """Flush and close the metrics files. Safe to call more than once."""
-        self._metrics.close()
+        with disk_full_is_fatal(self.output_dir):
+            self._metrics.close()
 
     def finish(self):
         """all_results.json, the last hub push (waited for), and the peak memory in the log."""
         if self.is_main:
-            with open(os.path.join(self.output_dir, "all_results.json"), "w", encoding="utf-8") as f:
+            with disk_full_is_fatal(self.output_dir), open(os.path.join(self.output_dir, "all_results.json"), "w",
+                                                           encoding="utf-8") as f:
                 json.dump(self._results, f, indent=2)
         self.close()
         if self.pusher:

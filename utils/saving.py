@@ -7,12 +7,11 @@ Face export beside it and a hub push; it never saves a non-finite state, and aft
 `RunError` that names the newest checkpoint still intact.
 """
 
-import contextlib
 import logging
 
 from utils import preemption
-from utils.checkpoint import Checkpointer, all_finite, checkpoint_steps, find_checkpoint_dir
-from utils.errors import RunError, Stopped, at_exit, is_disk_full
+from utils.checkpoint import Checkpointer, all_finite, disk_full_is_fatal, find_checkpoint_dir
+from utils.errors import RunError, Stopped, at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -91,22 +90,10 @@ class Saver:
         with self._disk_full_is_fatal():
             self.checkpointer.close()
 
-    @contextlib.contextmanager
     def _disk_full_is_fatal(self):
-        """A full disk becomes a RunError that names the newest complete checkpoint.
+        return disk_full_is_fatal(self.output_dir, before_listing=self._stop_writing)
 
-        Saves are asynchronous: a write that failed shows at the next save or at `close`, and the
-        writes still going fail the same way, so they are waited for before the checkpoints are listed.
-        """
-        try:
-            yield
-        except Exception as error:
-            if not is_disk_full(error):
-                raise
-            self._closed = True
-            self.checkpointer.close(raise_errors=False)
-            steps = checkpoint_steps(self.checkpointer.directory)
-            kept = (f"the checkpoint of step {steps[-1]} is intact (resume with --resume_from_checkpoint latest)"
-                    if steps else "no checkpoint was completed")
-            raise RunError(f"no space left on device while saving to {self.output_dir}: free some space or "
-                           f"choose another --output_dir; {kept}") from error
+    def _stop_writing(self):
+        """After a failed write: wait for the writes still going (they fail the same way), stop orbax."""
+        self._closed = True
+        self.checkpointer.close(raise_errors=False)
