@@ -72,9 +72,9 @@ def test_result_files(trained):
 
 
 def masked_eval_set(tokenizer, seq_length=32, max_eval_samples=40, global_eval_batch=2 * 8, seed=42):
-    """(inputs, labels, selected) of the eval blocks of DATA as the script masks them, rebuilt here:
-    the same blocks, cut into the same batches, each masked with `lm.masking`'s eval stream at
-    its first row, as `utils.loop.eval_batches` does."""
+    """(inputs, labels, selected) of the eval blocks as the script masks them with DATA's settings
+    (and the default seed), rebuilt here: the same blocks, cut into the same batches, each masked
+    by `lm.masking`'s eval stream at its first row, as `utils.loop.eval_batches` does."""
     import datasets
 
     raw = datasets.load_dataset("text", data_files={"validation": os.path.join(ROOT, "data/lm/validation.txt")},
@@ -103,10 +103,10 @@ def test_eval_scores_exactly_the_masked_tokens(trained):
     model, params = FlaxAutoModelForMaskedLM.from_pretrained(trained, _do_init=False)
     logits = model(inputs, params=params).logits
     label_log_probs = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), labels[..., None], -1)[..., 0]
-    logits = np.asarray(logits)
+    predicted = np.asarray(logits.argmax(-1))
     assert results["eval_loss"] == pytest.approx(-(label_log_probs * selected).sum() / selected.sum(), abs=2e-4)
-    accuracy = ((logits.argmax(-1) == labels) * selected).sum() / selected.sum()
-    assert results["eval_accuracy"] == pytest.approx(accuracy, abs=2e-4)
+    assert results["eval_accuracy"] == pytest.approx(((predicted == labels) * selected).sum() / selected.sum(),
+                                                     abs=2e-4)
 
 
 def test_masked_token_loss_counts_only_the_selected_tokens_of_real_rows():
@@ -117,7 +117,8 @@ def test_masked_token_loss_counts_only_the_selected_tokens_of_real_rows():
     scored = label_weights * example_weight[:, None]
     right = 30.0 * np.eye(vocab, dtype=np.float32)[labels]
     wrong = 30.0 * np.eye(vocab, dtype=np.float32)[(labels + 1) % vocab]
-    # Right only where the token is scored: every token counts, or only those.
+    # Right exactly on the 3 scored tokens (selected, in real rows), then wrong exactly on them:
+    # loss and accuracy follow those tokens alone.
     for logits, expected_accuracy, per_token_loss in (
             (np.where(scored[..., None] == 1, right, wrong), 3, pytest.approx(0, abs=1e-6)),
             (np.where(scored[..., None] == 1, wrong, right), 0, pytest.approx(30, abs=1e-3))):
