@@ -49,6 +49,24 @@ class DataTrainingArguments(lm.LMDataArguments):
 
 
 # ----------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------
+def next_token_loss(logits, input_ids, example_weight=None, label_smoothing=0.0):
+    """(loss sum, {"loss", "tokens"}) of predicting each next token of a block.
+
+    The labels are the inputs shifted by one: position t predicts token t + 1, the last position
+    nothing, so a block of n tokens scores n - 1. `example_weight` (eval: 0 for padded rows) scales
+    a row's tokens.
+    """
+    labels = input_ids[:, 1:]
+    weights = jnp.ones(labels.shape, jnp.float32)
+    if example_weight is not None:
+        weights = weights * example_weight[:, None]
+    loss, tokens = cross_entropy_sums(logits[:, :-1], labels, weights, label_smoothing)
+    return loss, {"loss": loss, "tokens": tokens}
+
+
+# ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
 def main(argv=None):
@@ -101,13 +119,8 @@ def main(argv=None):
 
     def loss_fn(params, batch, dropout_rng, train):
         logits = state.apply_fn(batch["input_ids"], params=params, dropout_rng=dropout_rng, train=train)[0]
-        # The labels are the inputs: position t predicts token t + 1, the last position nothing.
-        labels = batch["input_ids"][:, 1:]
-        weights = jnp.ones(labels.shape, jnp.float32)
-        if "example_weight" in batch:  # eval: padded rows weigh 0
-            weights = weights * batch["example_weight"][:, None]
-        loss, tokens = cross_entropy_sums(logits[:, :-1], labels, weights, label_smoothing if train else 0.0)
-        return loss, {"loss": loss, "tokens": tokens}
+        return next_token_loss(logits, batch["input_ids"], batch.get("example_weight"),
+                               label_smoothing if train else 0.0)
 
     def train_step(state, batch):
         dropout_rng, state = state.next_dropout_rng()
@@ -134,10 +147,10 @@ def main(argv=None):
         saver = Saver(training_args, run_dir, fingerprint, steps_per_epoch, total_steps, start_step, is_main)
 
     def evaluate():
-        """Token-weighted next-token loss over the validation blocks, and its perplexity."""
+        """Token-weighted next-token loss over the validation blocks, its perplexity and the tokens scored."""
         sums = [p_eval_step(state.params, batch)
                 for batch, _ in eval_batches(arrays["validation"], sizes["validation"], eval_batch_size)]
-        metrics = host_means(sums)
+        metrics = host_means(sums, keep_tokens=True)
         return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": sizes["validation"]}
 
     # ------------------------------------------------------------------------------------------

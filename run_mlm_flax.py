@@ -62,6 +62,24 @@ class DataTrainingArguments(lm.LMDataArguments):
 
 
 # ----------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------
+def masked_token_loss(logits, labels, label_weights, example_weight=None, label_smoothing=0.0):
+    """(loss sum, {"loss", "accuracy", "tokens"}) over the tokens the masking selected.
+
+    Only tokens with `label_weights` 1 count, for the loss and for the accuracy: the others are
+    visible in the input, and predicting them would be copying. `example_weight` (eval: 0 for
+    padded rows) scales a row's tokens.
+    """
+    weights = label_weights
+    if example_weight is not None:
+        weights = weights * example_weight[:, None]
+    loss, tokens = cross_entropy_sums(logits, labels, weights, label_smoothing)
+    correct = ((logits.argmax(-1) == labels) * weights).sum()
+    return loss, {"loss": loss, "accuracy": correct, "tokens": tokens}
+
+
+# ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
 def main(argv=None):
@@ -124,13 +142,8 @@ def main(argv=None):
     def loss_fn(params, batch, dropout_rng, train):
         logits = state.apply_fn(batch["input_ids"], attention_mask=batch.get("attention_mask"), params=params,
                                 dropout_rng=dropout_rng, train=train)[0]
-        # Only the selected tokens count, for the loss and for the accuracy.
-        weights = batch["label_weights"]
-        if "example_weight" in batch:  # eval: padded rows weigh 0
-            weights = weights * batch["example_weight"][:, None]
-        loss, tokens = cross_entropy_sums(logits, batch["labels"], weights, label_smoothing if train else 0.0)
-        correct = ((logits.argmax(-1) == batch["labels"]) * weights).sum()
-        return loss, {"loss": loss, "accuracy": correct, "tokens": tokens}
+        return masked_token_loss(logits, batch["labels"], batch["label_weights"], batch.get("example_weight"),
+                                 label_smoothing if train else 0.0)
 
     def train_step(state, batch):
         dropout_rng, state = state.next_dropout_rng()
@@ -157,10 +170,11 @@ def main(argv=None):
         saver = Saver(training_args, run_dir, fingerprint, steps_per_epoch, total_steps, start_step, is_main)
 
     def evaluate():
-        """Token-weighted loss and accuracy over the masked validation tokens (same masks every time)."""
+        """Token-weighted loss and accuracy over the masked validation tokens (same masks every time), and
+        how many tokens the masking selected."""
         sums = [p_eval_step(state.params, batch) for batch, _ in
                 eval_batches(arrays["validation"], sizes["validation"], eval_batch_size, transform=eval_masking)]
-        metrics = host_means(sums)
+        metrics = host_means(sums, keep_tokens=True)
         return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": sizes["validation"]}
 
     # ------------------------------------------------------------------------------------------

@@ -137,6 +137,22 @@ INPUT_COLUMNS = MODEL_INPUTS + ("labels",)
 
 
 # ----------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------
+def summary_loss(logits, labels, decoder_attention_mask, example_weight=None, label_smoothing=0.0):
+    """(loss sum, {"loss", "tokens"}) over the summary tokens; the padding after a summary counts nothing.
+
+    The decoder inputs are the labels shifted right (see `preprocess`), so position t predicts
+    label t. `example_weight` (eval/predict: 0 for padded rows) scales a row's tokens.
+    """
+    weights = decoder_attention_mask
+    if example_weight is not None:
+        weights = weights * example_weight[:, None]
+    loss, tokens = cross_entropy_sums(logits, labels, weights, label_smoothing)
+    return loss, {"loss": loss, "tokens": tokens}
+
+
+# ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
 def main(argv=None):
@@ -213,11 +229,8 @@ def main(argv=None):
     def loss_fn(params, batch, dropout_rng, train):
         inputs = {k: batch[k] for k in MODEL_INPUTS}
         logits = state.apply_fn(**inputs, params=params, dropout_rng=dropout_rng, train=train)[0]
-        weights = batch["decoder_attention_mask"]
-        if "example_weight" in batch:  # eval/predict: padded rows weigh 0
-            weights = weights * batch["example_weight"][:, None]
-        loss, tokens = cross_entropy_sums(logits, batch["labels"], weights, label_smoothing if train else 0.0)
-        return loss, {"loss": loss, "tokens": tokens}
+        return summary_loss(logits, batch["labels"], batch["decoder_attention_mask"], batch.get("example_weight"),
+                            label_smoothing if train else 0.0)
 
     def train_step(state, batch):
         dropout_rng, state = state.next_dropout_rng()
@@ -253,14 +266,15 @@ def main(argv=None):
         saver = Saver(training_args, run_dir, fingerprint, steps_per_epoch, total_steps, start_step, is_main)
 
     def evaluate(split):
-        """Token-weighted loss, and with `predict_with_generate` ROUGE, gen_len and the texts."""
+        """Token-weighted loss, the summary tokens scored, and with `predict_with_generate` ROUGE, gen_len
+        and the texts."""
         sums, predictions = [], []
         for batch, valid in eval_batches(arrays[split], sizes[split], eval_batch_size):
             sums.append(p_eval_step(state.params, batch))
             if data_args.predict_with_generate:
                 ids = sharding.gather_from_processes(sharding.unshard(p_generate_step(state.params, batch)))
                 predictions.extend(ids[:valid])
-        metrics = {**host_means(sums), "samples": sizes[split]}
+        metrics = {**host_means(sums, keep_tokens=True), "samples": sizes[split]}
         if not data_args.predict_with_generate:
             return metrics, None
         texts = tokenizer.batch_decode(predictions, skip_special_tokens=True)

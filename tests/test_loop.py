@@ -84,6 +84,8 @@ def device_sums(loss, tokens):
 def test_host_means_weights_by_tokens():
     means = host_means([device_sums(10.0, 2), device_sums(30.0, 8)])
     assert means == {"loss": pytest.approx(4.0)}  # 40 / 10 tokens, not the mean of 5 and 3.75
+    assert host_means([device_sums(10.0, 2), device_sums(30.0, 8)], keep_tokens=True) == {
+        "loss": pytest.approx(4.0), "tokens": 10}
 
 
 def test_after_step_logs_window_means():

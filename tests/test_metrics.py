@@ -158,6 +158,8 @@ def test_token_weighted_means_matches_hand_computation():
     # loss: (2 + 4 + 10) / (3 + 1 + 16); accuracy: (1 + 2 + 5) / 20
     assert token_weighted_means(batches) == pytest.approx({"loss": 0.8, "accuracy": 0.4})
     assert token_weighted_means([{"loss": 6.0, "n": 4}], weight_key="n") == {"loss": 1.5}
+    assert token_weighted_means(batches, keep_weight=True) == pytest.approx({"loss": 0.8, "accuracy": 0.4,
+                                                                            "tokens": 20})
 
 
 @pytest.mark.parametrize("batches", [[], [{"loss": 1.0, "tokens": 0}]])

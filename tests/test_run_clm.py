@@ -2,9 +2,12 @@
 
 import os
 
+import jax
+import numpy as np
 import pytest
 
-from tests.script_runner import calls_of_steps_compiled_once, read_json, read_metrics, run_script
+import run_clm_flax as clm
+from tests.script_runner import ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script
 
 SCRIPT = "run_clm_flax.py"
 MAX_STEPS = 60
@@ -48,8 +51,9 @@ def test_loss_falls_and_max_steps_is_honoured(trained):
 
 def test_result_files(trained):
     results = read_json(os.path.join(trained, "eval_results.json"))
-    assert set(results) == {"eval_loss", "eval_perplexity", "eval_samples"}
+    assert set(results) == {"eval_loss", "eval_perplexity", "eval_tokens", "eval_samples"}
     assert results["eval_perplexity"] < PERPLEXITY_THRESHOLD
+    assert results["eval_tokens"] == 40 * (32 - 1)  # every block token but the first is predicted
     everything = read_json(os.path.join(trained, "all_results.json"))
     assert everything["eval_perplexity"] == results["eval_perplexity"] and everything["train_runtime"] > 0
     assert everything["train_samples"] == 1280 and results["eval_samples"] == 40
@@ -85,7 +89,6 @@ def test_trains_from_gzipped_json_lines(tmp_path):
     import gzip
     import json
 
-    import run_clm_flax
     from utils.errors import run_main
 
     with open("data/lm/train.txt", encoding="utf-8") as f:
@@ -98,7 +101,65 @@ def test_trains_from_gzipped_json_lines(tmp_path):
             "n_embd=16,n_layer=1,n_head=2,n_positions=32", "--block_size", "32", "--train_file", str(train),
             "--do_train", "--max_steps", "2", "--per_device_train_batch_size", "1", "--logging_steps", "1",
             "--output_dir", str(out), "--compilation_cache_dir", "none", "--cache_dir", str(tmp_path / "cache")]
-    assert run_main(lambda: run_clm_flax.main(argv), argv) == 0
+    assert run_main(lambda: clm.main(argv), argv) == 0
     assert [row["step"] for row in read_metrics(out)] == [1, 2]
     # The blocks of the 380 lines left for training once 5% are held out for validation.
     assert read_json(os.path.join(out, "all_results.json"))["train_samples"] == 202
+
+
+def peaked_logits(token_ids, vocab, peak=30.0):
+    """Logits putting all but ~exp(-peak) of the probability on `token_ids`."""
+    return peak * np.eye(vocab, dtype=np.float32)[token_ids]
+
+
+def test_next_token_loss_scores_the_following_token():
+    vocab = 11
+    input_ids = (5 * np.arange(3)[:, None] + np.arange(6)) % vocab  # no token equals its neighbour
+    example_weight = np.array([1.0, 1.0, 0.0])  # the last row is eval padding
+    # Position t names token t + 1 (the last position, predicting nothing, names the first token);
+    # the padding row names its current tokens, which would cost if it counted.
+    predicts_next = peaked_logits(np.roll(input_ids, -1, axis=1), vocab)
+    predicts_next[2] = peaked_logits(input_ids[2], vocab)
+    loss, sums = clm.next_token_loss(predicts_next, input_ids, example_weight)
+    assert float(sums["tokens"]) == 2 * (6 - 1)  # real rows x (block - 1)
+    assert float(loss) == float(sums["loss"])
+    assert float(loss) / float(sums["tokens"]) < 1e-6
+
+    loss, sums = clm.next_token_loss(peaked_logits(input_ids, vocab), input_ids, example_weight)
+    assert float(loss) / float(sums["tokens"]) > 20  # copying the current token is wrong everywhere
+    assert float(clm.next_token_loss(predicts_next, input_ids)[1]["tokens"]) == 3 * (6 - 1)
+
+
+# One line repeated: each of its 11 tokens ("<s> Sam Ġhas ... Ġpond Ċ </s>") is always followed by
+# the same other token, so a model that learned next-token prediction continues a prefix with the
+# rest of the line, while one taught to copy its input repeats the prefix's last token.
+CYCLE_LINE = "Sam has an orange lamp by the pond\n"
+
+
+@pytest.mark.slow
+def test_greedy_continuation_follows_the_learned_sequence(tmp_path, cache_dir):
+    from transformers import AutoTokenizer, FlaxAutoModelForCausalLM
+
+    tokenizer_dir = os.path.join(ROOT, "data", "lm", "tokenizer")
+    line = AutoTokenizer.from_pretrained(tokenizer_dir)(CYCLE_LINE)["input_ids"]
+    assert len(set(line)) == len(line)  # every token names its successor, which is never itself
+    corpus = tmp_path / "cycle.txt"
+    corpus.write_text(CYCLE_LINE * 200, encoding="utf-8")
+    out = tmp_path / "out"
+    result = run_script(SCRIPT, [
+        "--model_type", "gpt2", "--tokenizer_name", tokenizer_dir,
+        "--config_overrides", "n_embd=32,n_layer=1,n_head=2,n_positions=16", "--block_size", "16",
+        "--train_file", corpus, "--output_dir", out, "--do_train", "--max_steps", "100",
+        "--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--logging_steps", "50",
+        "--save_steps", "100", "--compilation_cache_dir", cache_dir])
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # Greedy decoding, one argmax per step, in a buffer of fixed length so the forward compiles once:
+    # a causal model's position t sees only tokens up to t, not what follows in the buffer.
+    model, params = FlaxAutoModelForCausalLM.from_pretrained(out, _do_init=False)
+    forward = jax.jit(lambda ids: model(ids, params=params).logits)
+    tokens = np.zeros((1, len(line)), np.int32)
+    tokens[0, :2] = line[:2]  # <s> Sam
+    for position in range(2, len(line)):
+        tokens[0, position] = np.asarray(forward(tokens))[0, position - 1].argmax()
+    assert tokens[0].tolist() == line

@@ -2,10 +2,15 @@
 
 import os
 import shutil
+from types import SimpleNamespace
 
+import jax
+import numpy as np
 import pytest
 
-from tests.script_runner import calls_of_steps_compiled_once, read_json, read_metrics, run_script
+import run_mlm_flax as mlm
+from tests.script_runner import ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script
+from utils import data, lm
 
 SCRIPT = "run_mlm_flax.py"
 MAX_STEPS = 40
@@ -56,7 +61,7 @@ def test_loss_falls_and_max_steps_is_honoured(trained):
 
 def test_result_files(trained):
     results = read_json(os.path.join(trained, "eval_results.json"))
-    assert set(results) == {"eval_loss", "eval_accuracy", "eval_perplexity", "eval_samples"}
+    assert set(results) == {"eval_loss", "eval_accuracy", "eval_perplexity", "eval_tokens", "eval_samples"}
     assert results["eval_perplexity"] < PERPLEXITY_THRESHOLD and results["eval_accuracy"] > 0.05
     assert read_json(os.path.join(trained, "all_results.json"))["eval_accuracy"] == results["eval_accuracy"]
     assert read_json(os.path.join(trained, "run_args.json"))["mlm_probability"] == 0.15
@@ -64,6 +69,62 @@ def test_result_files(trained):
         assert os.path.isfile(os.path.join(trained, name)), name
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(trained))
     assert sorted(os.listdir(os.path.join(trained, "checkpoints"))) == ["20", "40"]
+
+
+def masked_eval_set(tokenizer, seq_length=32, max_eval_samples=40, global_eval_batch=2 * 8, seed=42):
+    """(inputs, labels, selected) of the eval blocks as the script masks them with DATA's settings
+    (and the default seed), rebuilt here: the same blocks, cut into the same batches, each masked
+    by `lm.masking`'s eval stream at its first row, as `utils.loop.eval_batches` does."""
+    import datasets
+
+    raw = datasets.load_dataset("text", data_files={"validation": os.path.join(ROOT, "data/lm/validation.txt")},
+                                keep_linebreaks=True)["validation"]
+    no_workers = SimpleNamespace(preprocessing_num_workers=None, overwrite_cache=False)
+    blocks = data.take(lm.tokenize_and_group(raw, tokenizer, "text", seq_length, no_workers), max_eval_samples)
+    input_ids = data.to_arrays(blocks, ("input_ids",))["input_ids"]
+    masking = lm.masking(tokenizer, 0.15, seed, lm.EVAL_STREAM)
+    batches = [masking({"input_ids": input_ids[start:stop]}, start)
+               for start, stop in data.eval_batch_ranges(len(input_ids), global_eval_batch)]
+    return tuple(np.concatenate([batch[key] for batch in batches]) for key in ("input_ids", "labels", "label_weights"))
+
+
+@pytest.mark.slow
+def test_eval_scores_exactly_the_masked_tokens(trained):
+    """The eval counts the tokens the masking selected, and its loss and accuracy are the exported
+    model's on those tokens alone (computed here). Scoring every token would also count the
+    unselected ones, visible in the input and so easy to get right."""
+    from transformers import AutoTokenizer, FlaxAutoModelForMaskedLM
+
+    inputs, labels, selected = masked_eval_set(AutoTokenizer.from_pretrained(trained))
+    results = read_json(os.path.join(trained, "eval_results.json"))
+    assert results["eval_tokens"] == selected.sum() and 0 < selected.sum() < 0.2 * selected.size
+    assert read_metrics(trained, "eval")[-1]["tokens"] == selected.sum()
+
+    model, params = FlaxAutoModelForMaskedLM.from_pretrained(trained, _do_init=False)
+    logits = model(inputs, params=params).logits
+    label_log_probs = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), labels[..., None], -1)[..., 0]
+    predicted = np.asarray(logits.argmax(-1))
+    assert results["eval_loss"] == pytest.approx(-(label_log_probs * selected).sum() / selected.sum(), abs=2e-4)
+    assert results["eval_accuracy"] == pytest.approx(((predicted == labels) * selected).sum() / selected.sum(),
+                                                     abs=2e-4)
+
+
+def test_masked_token_loss_counts_only_the_selected_tokens_of_real_rows():
+    vocab = 7
+    labels = np.arange(15).reshape(3, 5) % vocab
+    label_weights = np.array([[1, 0, 0, 1, 0], [0, 1, 0, 0, 0], [1, 1, 0, 0, 0]], np.float32)
+    example_weight = np.array([1.0, 1.0, 0.0])  # the last row is eval padding
+    scored = label_weights * example_weight[:, None]
+    right = 30.0 * np.eye(vocab, dtype=np.float32)[labels]
+    wrong = 30.0 * np.eye(vocab, dtype=np.float32)[(labels + 1) % vocab]
+    # Right exactly on the 3 scored tokens (selected, in real rows), then wrong exactly on them:
+    # loss and accuracy follow those tokens alone.
+    for logits, expected_accuracy, per_token_loss in (
+            (np.where(scored[..., None] == 1, right, wrong), 3, pytest.approx(0, abs=1e-6)),
+            (np.where(scored[..., None] == 1, wrong, right), 0, pytest.approx(30, abs=1e-3))):
+        loss, sums = mlm.masked_token_loss(logits, labels, label_weights, example_weight)
+        assert float(sums["tokens"]) == 3 and float(sums["accuracy"]) == expected_accuracy
+        assert float(loss) == float(sums["loss"]) and float(loss) / 3 == per_token_loss
 
 
 def test_resumed_run_sees_the_same_masks(trained, tmp_path, cache_dir):

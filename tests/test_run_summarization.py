@@ -3,8 +3,10 @@
 import json
 import os
 
+import numpy as np
 import pytest
 
+import run_summarization_flax as summarization
 from script_runner import ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script
 
 SCRIPT = "run_summarization_flax.py"
@@ -39,7 +41,7 @@ T5_CONFIG = {
     "save_steps": 100,
     "compilation_cache_dir": "none",
 }
-RESULT_KEYS = ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum", "gen_len")
+RESULT_KEYS = ("loss", "tokens", "rouge1", "rouge2", "rougeL", "rougeLsum", "gen_len")
 
 
 def run_ok(args, **kwargs):
@@ -99,6 +101,14 @@ def test_samples_limits_and_every_example_counted(trained):
     assert results["eval_samples"] == 37 and results["test_samples"] == 21
     lines = (trained / "generated_predictions.txt").read_text().splitlines()
     assert len(lines) == 21
+    # The loss counts each summary token (up to max_target_length, the end token included) once.
+    from transformers import AutoTokenizer
+
+    with open(T5_CONFIG["validation_file"], encoding="utf-8") as f:
+        summaries = [json.loads(line)["summary"] for line in f][:37]
+    labels = AutoTokenizer.from_pretrained(T5_CONFIG["tokenizer_name"])(
+        text_target=summaries, max_length=T5_CONFIG["max_target_length"], truncation=True)["input_ids"]
+    assert results["eval_tokens"] == sum(map(len, labels))
 
 
 def test_eval_only_from_saved_dir_matches_and_is_batch_size_independent(trained, tmp_path):
@@ -189,3 +199,16 @@ def test_tiny_bart_trains_evaluates_and_predicts(tmp_path):
     assert evals[-1]["loss"] < evals[0]["loss"]
     assert all(f"test_{key}" in read_json(out / "test_results.json") for key in RESULT_KEYS)
     assert len((out / "generated_predictions.txt").read_text().splitlines()) == 16
+
+
+def test_summary_loss_counts_the_summary_tokens_of_real_rows():
+    vocab = 5
+    labels = np.array([[3, 4, 2, 0], [4, 2, 0, 0]])  # summaries, then padding (id 0)
+    decoder_attention_mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float32)
+    example_weight = np.array([1.0, 0.0])  # the second row is eval padding
+    # Right on the summary tokens of the real row, wrong on everything that must not count.
+    logits = 30.0 * np.eye(vocab, dtype=np.float32)[(labels + 1) % vocab]
+    logits[0, :3] = 30.0 * np.eye(vocab, dtype=np.float32)[labels[0, :3]]
+    loss, sums = summarization.summary_loss(logits, labels, decoder_attention_mask, example_weight)
+    assert float(sums["tokens"]) == 3
+    assert float(loss) == float(sums["loss"]) and float(loss) / 3 < 1e-6

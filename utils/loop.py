@@ -19,11 +19,16 @@ from utils.saving import SavePolicy
 logger = logging.getLogger(__name__)
 
 
-def host_means(device_sums):
-    """Token-weighted means of a list of psum'd per-step sums (device 0's copy of each)."""
+def host_means(device_sums, keep_tokens=False):
+    """Token-weighted means of a list of psum'd per-step sums (device 0's copy of each).
+
+    With `keep_tokens` also "tokens", how many target tokens were scored: evaluations report it,
+    so that a wrong loss mask shows as a wrong count.
+    """
     # Fetched whole, indexed on the host: indexing a device array would compile a gather.
     host = jax.device_get(device_sums)
-    return token_weighted_means([{k: np.asarray(v)[0] for k, v in sums.items()} for sums in host])
+    return token_weighted_means([{k: np.asarray(v)[0] for k, v in sums.items()} for sums in host],
+                                keep_weight=keep_tokens)
 
 
 def train_batches(arrays, num_examples, global_batch_size, seed, steps_per_epoch, start_step, total_steps,

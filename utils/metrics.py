@@ -114,11 +114,13 @@ def perplexity(mean_loss: float) -> float:
         return float("inf")
 
 
-def token_weighted_means(batches: list[dict], weight_key: str = "tokens") -> dict[str, float]:
+def token_weighted_means(batches: list[dict], weight_key: str = "tokens",
+                         keep_weight: bool = False) -> dict[str, float]:
     """Per-token means from per-batch sums: {key: sum over batches / total `weight_key`}.
 
     Averaging per-batch means instead would over-weight short batches. Values may be scalars or
-    arrays of per-device sums (numpy or jax); every element is summed.
+    arrays of per-device sums (numpy or jax); every element is summed. With `keep_weight` the
+    result also holds the total `weight_key` itself (how many tokens the means are over).
     """
     totals = defaultdict(float)
     for batch in batches:
@@ -127,4 +129,7 @@ def token_weighted_means(batches: list[dict], weight_key: str = "tokens") -> dic
     weight = totals.pop(weight_key, 0.0)
     if weight == 0:
         raise ValueError(f"total {weight_key!r} is zero: no tokens to average over")
-    return {key: total / weight for key, total in totals.items()}
+    means = {key: total / weight for key, total in totals.items()}
+    if keep_weight:
+        means[weight_key] = weight
+    return means
