@@ -56,6 +56,7 @@ def test_too_few_steps_for_two_windows_is_refused():
     assert result.returncode == 2 and "--steps must cover at least two logging windows" in result.stderr
 
 
+@pytest.mark.slow
 def test_documented_command_on_one_small_row(tmp_path):
     output = tmp_path / "results.json"
     result = subprocess.run(

@@ -335,6 +335,7 @@ def test_push_to_hub_with_a_rejected_token(fails, files, hub_online, fake_hub):
 # ---------------------------------------------------------------------------------------------
 # The real script: exit codes, stderr, --debug
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_script_usage_error(files, tmp_path):
     out = tmp_path / "out"
     result = run_script("run_summarization_flax.py", scratch(files, "--validation_file", files["broken.jsonl"],
@@ -447,6 +448,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.slow
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(small_disk):
     """A checkpoint of the tiny T5 takes ~600 kB: the one of step 4 fits, the one of step 8 does not.
 

@@ -111,6 +111,7 @@ def saved_params(out):
         return serialization.msgpack_restore(f.read())
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(single, multihost):
     reference = single["reference"]
     (out, _), _ = multihost
@@ -127,6 +128,7 @@ def test_two_processes_match_one(single, multihost):
                            saved_params(out), saved_params(reference))
 
 
+@pytest.mark.slow
 def test_only_process_zero_writes(single, multihost):
     reference = single["reference"]
     (out, other), logs = multihost
@@ -140,6 +142,7 @@ def test_only_process_zero_writes(single, multihost):
     assert "process 0 of 2" in main and "INFO" not in quiet and "step/s" not in quiet
 
 
+@pytest.mark.slow
 def test_accumulation_matches_one_big_batch(single):
     reference, big_batch = single["reference"], single["big_batch"]
     accumulated, big = read_metrics(reference), read_metrics(big_batch)
@@ -152,6 +155,7 @@ def test_accumulation_matches_one_big_batch(single):
                            saved_params(reference), saved_params(big_batch))
 
 
+@pytest.mark.slow
 def test_bf16_trains(single):
     bf16 = single["bf16"]
     train = [loss for _, loss in losses(bf16)]

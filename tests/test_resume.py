@@ -156,6 +156,7 @@ def assert_same_run(output_dir, reference):
         (step, pytest.approx(loss)) for step, loss, _ in logged(reference)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path, command, uninterrupted, name):
     reference, out = uninterrupted(name), str(tmp_path / "run")
@@ -173,6 +174,7 @@ def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path, command, unin
     assert_same_run(out, reference)
 
 
+@pytest.mark.slow
 def test_sigterm_mid_epoch_saves_stops_and_says_how_to_resume(tmp_path, command, uninterrupted):
     reference, out = uninterrupted("summarization"), str(tmp_path / "run")
     stopped = interrupted("sigterm-after-step", 3, command("summarization", out))  # epochs are 6 steps
@@ -191,6 +193,7 @@ def test_sigterm_mid_epoch_saves_stops_and_says_how_to_resume(tmp_path, command,
     assert_same_run(out, reference)
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, command, uninterrupted):
     reference, out = uninterrupted("summarization"), str(tmp_path / "run")
     crashed = interrupted("sigkill-during-save", 8, command("summarization", out))
@@ -205,6 +208,7 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, co
     assert checkpoint_steps(checkpoints) == [8, 12]
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, command):
     # A learning rate of 1e30 after a warmup step at 0: step 2 takes the parameters near 1e30, which
     # still give a finite loss in step 3 (the RMS norms overflow to zero) but non-finite parameters;
@@ -218,6 +222,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoin
     assert checkpoint_steps(os.path.join(out, "checkpoints")) == [2]
 
 
+@pytest.mark.slow
 def test_output_dir_with_checkpoints_needs_resume_or_overwrite(command, uninterrupted):
     reference = uninterrupted("summarization")
     before = directory_state(reference)
@@ -235,6 +240,7 @@ def test_output_dir_with_checkpoints_needs_resume_or_overwrite(command, uninterr
      "model config 'd_model' is 32 in the checkpoint but 64 in this run"),
     (["--max_train_samples", 80], "training examples is 96 in the checkpoint but 80 in this run"),
 ])
+@pytest.mark.slow
 def test_incompatible_resume_is_refused_before_anything_is_written(tmp_path, command, uninterrupted, change,
                                                                      difference):
     out = str(tmp_path / "run")
@@ -253,6 +259,7 @@ def test_incompatible_resume_is_refused_before_anything_is_written(tmp_path, com
                                     r"for params/\S+, model has bfloat16: the model config or dtype changed"),
     (["--seed", -1], r"--seed must be an integer from 0 to 2\*\*32 - 1, got -1"),
 ])
+@pytest.mark.slow
 def test_a_resume_that_cannot_continue_writes_nothing(tmp_path, command, uninterrupted, change, message):
     """Found once the model and the training plan are known, after data and model loading, but still
     before the run directory is opened: every file keeps its bytes and its modification time."""
@@ -265,6 +272,7 @@ def test_a_resume_that_cannot_continue_writes_nothing(tmp_path, command, uninter
     assert directory_state(out) == before
 
 
+@pytest.mark.slow
 def test_overwrite_removes_everything_the_previous_run_wrote(tmp_path, command, uninterrupted):
     out = tmp_path / "run"
     shutil.copytree(uninterrupted("summarization"), out)
@@ -285,6 +293,7 @@ def test_overwrite_removes_everything_the_previous_run_wrote(tmp_path, command, 
     assert [step for step, _, _ in logged(out)] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_compatible_changes_continue_the_run(tmp_path, command, uninterrupted):
     """More steps, other logging and save intervals: the finished run goes on from its last checkpoint."""
     out = str(tmp_path / "run")

@@ -36,12 +36,14 @@ def trained(tmp_path_factory, cache_dir):
     return out
 
 
+@pytest.mark.slow
 def test_each_step_compiles_once(trained):
     """Train steps 2..N and every eval batch (the last one padded) reuse the first call's program."""
     calls = calls_of_steps_compiled_once(trained + "_steps.json")
     assert calls["train_step"] == MAX_STEPS and calls["eval_step"] > 2
 
 
+@pytest.mark.slow
 def test_loss_falls_and_max_steps_is_honoured(trained):
     train = read_metrics(trained)
     assert [row["step"] for row in train] == list(range(5, MAX_STEPS + 1, 5))
@@ -49,6 +51,7 @@ def test_loss_falls_and_max_steps_is_honoured(trained):
     assert [row["step"] for row in read_metrics(trained, "eval")] == [30, 60]
 
 
+@pytest.mark.slow
 def test_result_files(trained):
     results = read_json(os.path.join(trained, "eval_results.json"))
     assert set(results) == {"eval_loss", "eval_perplexity", "eval_tokens", "eval_samples"}
@@ -64,6 +67,7 @@ def test_result_files(trained):
     assert sorted(os.listdir(os.path.join(trained, "checkpoints"))) == ["30", "60"]
 
 
+@pytest.mark.slow
 def test_eval_only_from_the_saved_model(trained, tmp_path, cache_dir):
     result = run_script(SCRIPT, ["--model_name_or_path", trained, "--do_eval", "--output_dir", tmp_path,
                                  "--validation_file", "data/lm/validation.txt", "--block_size", "32",
@@ -76,6 +80,7 @@ def test_eval_only_from_the_saved_model(trained, tmp_path, cache_dir):
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))  # evaluation makes no checkpoint folder
 
 
+@pytest.mark.slow
 def test_usage_errors_are_one_line(tmp_path):
     result = run_script(SCRIPT, MODEL + DATA + ["--output_dir", tmp_path, "--do_eval", "--do_predict"])
     assert result.returncode == 2

@@ -45,12 +45,14 @@ def trained(tmp_path_factory, cache_dir):
     return out
 
 
+@pytest.mark.slow
 def test_each_step_compiles_once(trained):
     """Train steps 2..N and every eval batch (the last one padded) reuse the first call's program."""
     calls = calls_of_steps_compiled_once(trained + "_steps.json")
     assert calls["train_step"] == MAX_STEPS and calls["eval_step"] > 2
 
 
+@pytest.mark.slow
 def test_loss_falls_and_max_steps_is_honoured(trained):
     train = read_metrics(trained)
     assert [row["step"] for row in train] == list(range(5, MAX_STEPS + 1, 5))
@@ -59,6 +61,7 @@ def test_loss_falls_and_max_steps_is_honoured(trained):
     assert [row["step"] for row in read_metrics(trained, "eval")] == [20, 40]
 
 
+@pytest.mark.slow
 def test_result_files(trained):
     results = read_json(os.path.join(trained, "eval_results.json"))
     assert set(results) == {"eval_loss", "eval_accuracy", "eval_perplexity", "eval_tokens", "eval_samples"}
@@ -127,6 +130,7 @@ def test_masked_token_loss_counts_only_the_selected_tokens_of_real_rows():
         assert float(loss) == float(sums["loss"]) and float(loss) / 3 == per_token_loss
 
 
+@pytest.mark.slow
 def test_resumed_run_sees_the_same_masks(trained, tmp_path, cache_dir):
     # Masks are a function of (seed, step): resuming at step 20 must retrace the second half exactly.
     resumed = str(tmp_path / "resumed")
@@ -142,6 +146,7 @@ def test_resumed_run_sees_the_same_masks(trained, tmp_path, cache_dir):
     assert results[0] == results[1]
 
 
+@pytest.mark.slow
 def test_eval_only_from_the_saved_model(trained, tmp_path, cache_dir):
     run(["--model_name_or_path", trained, "--do_eval", "--output_dir", tmp_path] + DATA, cache_dir)
     again, before = (read_json(os.path.join(d, "eval_results.json")) for d in (tmp_path, trained))
@@ -150,6 +155,7 @@ def test_eval_only_from_the_saved_model(trained, tmp_path, cache_dir):
     assert again["eval_accuracy"] == pytest.approx(before["eval_accuracy"], abs=2e-4)
 
 
+@pytest.mark.slow
 def test_line_by_line(tmp_path, cache_dir):
     # Training only: padded lines take the attention-mask path through preprocessing, masking and the step.
     run(MODEL + DATA + TRAIN + ["--do_train", "--output_dir", tmp_path, "--max_steps", "2", "--line_by_line"],
@@ -158,6 +164,7 @@ def test_line_by_line(tmp_path, cache_dir):
     assert read_json(os.path.join(tmp_path, "all_results.json"))["train_samples"] == 1280
 
 
+@pytest.mark.slow
 def test_usage_errors_are_one_line(tmp_path):
     result = run_script(SCRIPT, MODEL + DATA + ["--output_dir", tmp_path, "--do_eval", "--mlm_probability", "1.5"])
     assert result.returncode == 2

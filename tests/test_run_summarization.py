@@ -60,6 +60,7 @@ def trained(tmp_path_factory):
     return tmp / "out"
 
 
+@pytest.mark.slow
 def test_each_step_compiles_once(trained):
     """Train steps 2..N, every eval and every generate batch (the last one padded) reuse the first
     call's program: 30 train steps, 3 evaluations of 3 batches and a 2-batch test set."""
@@ -67,6 +68,7 @@ def test_each_step_compiles_once(trained):
         "train_step": 30, "eval_step": 3 * 3 + 2, "generate_step": 3 * 3 + 2}
 
 
+@pytest.mark.slow
 def test_result_files_and_keys(trained):
     for name in ("eval_results.json", "test_results.json", "all_results.json", "generated_predictions.txt",
                  "run_args.json", "metrics.jsonl", "flax_model.msgpack", "config.json", "tokenizer.json"):
@@ -78,6 +80,7 @@ def test_result_files_and_keys(trained):
     assert read_json(trained / "all_results.json").items() >= {**eval_results, **test_results}.items()
 
 
+@pytest.mark.slow
 def test_cli_overrides_json_and_secrets_are_not_saved(trained):
     saved = read_json(trained / "run_args.json")
     assert saved["learning_rate"] == 1e-2
@@ -85,6 +88,7 @@ def test_cli_overrides_json_and_secrets_are_not_saved(trained):
     assert "hub_token" not in saved and "token" not in saved
 
 
+@pytest.mark.slow
 def test_loss_falls_and_rouge_rises(trained):
     train = read_metrics(trained, "train")
     assert train[-1]["loss"] < 0.8 * train[0]["loss"]
@@ -94,6 +98,7 @@ def test_loss_falls_and_rouge_rises(trained):
     assert evals[-1]["rougeL"] > evals[0]["rougeL"]
 
 
+@pytest.mark.slow
 def test_samples_limits_and_every_example_counted(trained):
     assert read_metrics(trained, "train")[-1]["step"] == 30  # 3 epochs of 160 / 16
     results = read_json(trained / "all_results.json")
@@ -111,6 +116,7 @@ def test_samples_limits_and_every_example_counted(trained):
     assert results["eval_tokens"] == sum(map(len, labels))
 
 
+@pytest.mark.slow
 def test_eval_only_from_saved_dir_matches_and_is_batch_size_independent(trained, tmp_path):
     """Padding the last batch must not change the loss: every example counts exactly once."""
     losses = []
@@ -125,6 +131,7 @@ def test_eval_only_from_saved_dir_matches_and_is_batch_size_independent(trained,
     assert losses[0] == pytest.approx(read_json(trained / "eval_results.json")["eval_loss"], abs=2e-4)
 
 
+@pytest.mark.slow
 def test_eval_only_with_the_training_config(trained, tmp_path):
     """The README's recipe: the config the model was trained with, pointed at the trained model. Its
     --config_overrides agree with the saved config, so they are no conflict."""
@@ -138,6 +145,7 @@ def test_eval_only_with_the_training_config(trained, tmp_path):
     assert not (out / "checkpoints").exists() and not (tmp_path / "unused").exists()
 
 
+@pytest.mark.slow
 def test_predict_only_from_saved_dir(trained, tmp_path):
     out = tmp_path / "predict"
     run_ok(["--model_name_or_path", trained, "--test_file", T5_CONFIG["test_file"], "--max_predict_samples", 21,
@@ -152,6 +160,7 @@ def test_predict_only_from_saved_dir(trained, tmp_path):
     assert len((out / "generated_predictions.txt").read_text().splitlines()) == 21
 
 
+@pytest.mark.slow
 def test_untrained_model_scores_lower(trained, tmp_path):
     out = tmp_path / "untrained"
     run_ok(["--model_type", "t5", "--config_overrides", TINY_T5, "--tokenizer_name", T5_CONFIG["tokenizer_name"],
@@ -163,6 +172,7 @@ def test_untrained_model_scores_lower(trained, tmp_path):
     assert read_json(trained / "test_results.json")["test_rougeL"] > untrained + 10
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses(trained, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**T5_CONFIG, "output_dir": str(tmp_path / "again"), "learning_rate": 1e-2}))
@@ -173,6 +183,7 @@ def test_same_seed_same_losses(trained, tmp_path):
     assert first == second
 
 
+@pytest.mark.slow
 def test_output_dir_protection(trained):
     before = {name: os.path.getmtime(trained / name) for name in os.listdir(trained)}
     result = run_script(SCRIPT, ["--model_type", "t5", "--tokenizer_name", T5_CONFIG["tokenizer_name"],
@@ -183,6 +194,7 @@ def test_output_dir_protection(trained):
     assert {name: os.path.getmtime(trained / name) for name in os.listdir(trained)} == before
 
 
+@pytest.mark.slow
 def test_tiny_bart_trains_evaluates_and_predicts(tmp_path):
     out = tmp_path / "bart"
     run_ok(["--model_type", "bart", "--config_overrides", TINY_BART,

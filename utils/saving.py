@@ -96,4 +96,5 @@ class Saver:
     def _stop_writing(self):
         """After a failed write: wait for the writes still going (they fail the same way), stop orbax."""
         self._closed = True
+        preemption.uninstall()
         self.checkpointer.close(raise_errors=False)
