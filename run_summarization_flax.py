@@ -25,8 +25,8 @@ from utils.errors import UsageError, run_main
 from utils.logging import throughput_meter
 from utils.loop import TrainLoop, eval_batches, host_means, train_batches
 from utils.metrics import rouge
-from utils.models import (fit_config_to_tokenizer, fit_length, load_config, load_model, load_tokenizer,
-                          max_positions)
+from utils.models import (decoder_input_ids, fit_config_to_tokenizer, fit_length, load_config, load_model,
+                          load_tokenizer, max_positions)
 from utils.optim import create_optimizer, learning_rate_schedule
 from utils.resume import resume_or_start, run_fingerprint
 from utils.run import SPLIT_FLAGS, check_before_work, needed_splits, set_up, training_plan
@@ -109,8 +109,9 @@ def drop_empty(dataset, text_column, summary_column, data_args):
     return kept, len(dataset) - len(kept)
 
 
-def preprocess(dataset, tokenizer, config, data_args, text_column, summary_column, max_target_length, model_module):
-    """Tokenize to fixed lengths; labels are the summary, decoder inputs the labels shifted right."""
+def preprocess(dataset, tokenizer, config, data_args, text_column, summary_column, max_target_length):
+    """Tokenize to fixed lengths; labels are the summary, decoder inputs the labels shifted right (by
+    the family's convention)."""
 
     def tokenize(examples):
         inputs = [data_args.source_prefix + text for text in examples[text_column]]
@@ -119,11 +120,7 @@ def preprocess(dataset, tokenizer, config, data_args, text_column, summary_colum
         labels = tokenizer(text_target=examples[summary_column], max_length=max_target_length,
                            padding="max_length", truncation=True, return_tensors="np")
         model_inputs["labels"] = labels["input_ids"]
-        # Jitted (JAX reuses the compilation): run eagerly, the family's jnp shift compiles each of
-        # its ~20 ops, 5 s on a CPU.
-        shift_right = jax.jit(model_module.shift_tokens_right, static_argnums=(1, 2))
-        model_inputs["decoder_input_ids"] = np.asarray(
-            shift_right(labels["input_ids"], config.pad_token_id, config.decoder_start_token_id))
+        model_inputs["decoder_input_ids"] = decoder_input_ids(labels["input_ids"], config)
         model_inputs["decoder_attention_mask"] = labels["attention_mask"]
         return model_inputs
 
@@ -206,13 +203,11 @@ def main(argv=None):
                        dtype=sharding.to_dtype(model_args.dtype), seed=training_args.seed)
     if training_args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
-    model_module = sys.modules[model.__module__]  # for the family's own shift_tokens_right
 
     arrays, sizes = {}, {}
     for split in splits:
         target_length = data_args.max_target_length if split == "train" else data_args.val_max_target_length
-        dataset = preprocess(usable[split], tokenizer, config, data_args, text_column, summary_column, target_length,
-                             model_module)
+        dataset = preprocess(usable[split], tokenizer, config, data_args, text_column, summary_column, target_length)
         arrays[split], sizes[split] = data.to_arrays(dataset, INPUT_COLUMNS), len(dataset)
         logger.info("%s: %d examples", split, len(dataset))
 

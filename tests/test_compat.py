@@ -1,9 +1,11 @@
-"""utils/compat.py: the `jnp.clip(a_min=, a_max=)` shim and a Flax T5 forward on current JAX."""
+"""utils/compat.py: the `jnp.clip(a_min=, a_max=)` shim and a Flax T5 forward on current JAX, and the
+encoder-decoder's `encode`."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from transformers import FlaxT5ForConditionalGeneration, T5Config
+from transformers import (BertConfig, EncoderDecoderConfig, FlaxEncoderDecoderModel, FlaxT5ForConditionalGeneration,
+                          GPT2Config, T5Config)
 
 from utils import compat
 
@@ -37,3 +39,18 @@ def test_tiny_t5_forward():
     logits = forward(params, ids)
     assert logits.shape == (2, 4, 32)
     assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_encoder_decoder_encode_matches_its_forward():
+    """`generate` encodes through `encode`: it must see what the forward pass's encoder sees (without the
+    shim, a BERT encoder took the position ids for token types and returned NaN)."""
+    compat.apply()
+    config = EncoderDecoderConfig.from_encoder_decoder_configs(
+        BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32),
+        GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_inner=32))
+    model = FlaxEncoderDecoderModel(config)
+    ids = np.arange(12, dtype=np.int32).reshape(2, 6) + 3
+    encoded = np.asarray(model.encode(ids).last_hidden_state)
+    assert np.isfinite(encoded).all()
+    forward = model(ids, decoder_input_ids=ids[:, :2]).encoder_last_hidden_state
+    np.testing.assert_allclose(encoded, np.asarray(forward), atol=1e-6)

@@ -1,5 +1,7 @@
 """utils/models.py: configs from model_type (+ overrides), task checks, vocab fitting, offline failures."""
 
+import importlib
+import inspect
 import logging
 import time
 
@@ -7,13 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import FlaxAutoModelForSeq2SeqLM, PreTrainedTokenizerFast, T5Config
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import (BertConfig, EncoderDecoderConfig, FlaxAutoModelForSeq2SeqLM, GPT2Config,
+                          PreTrainedTokenizerFast, T5Config)
 
 from utils import compat
 from utils.args import ModelArguments
 from utils.errors import UsageError
-from utils.models import fit_config_to_tokenizer, fit_length, load_config, load_model, load_tokenizer, max_positions
+from utils.models import (DECODER_START_TOKENS, TASK_MODEL_TYPES, decoder_input_ids, fit_config_to_tokenizer,
+                          fit_length, load_config, load_model, load_tokenizer, max_positions)
 
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
 
@@ -154,3 +158,159 @@ def test_load_model_compute_and_parameter_dtypes(tokenizer, dtype, param_dtype):
     ids = np.ones((1, 4), np.int32)
     logits = model(ids, decoder_input_ids=ids).logits
     assert logits.dtype == jnp.dtype(dtype) and bool(jnp.isfinite(logits).all())
+
+
+# ----------------------------------------------------------------------------------------------
+# Every sequence-to-sequence family from scratch: ids fitted to the tokenizer, decoder inputs
+# ----------------------------------------------------------------------------------------------
+SEQ2SEQ_FAMILIES = list(TASK_MODEL_TYPES["seq2seq"])
+
+
+def summary_tokenizer(with_bos):
+    """Targets end with </s>; BPE-style (<s> 0, <pad> 1, </s> 2, <s> also cls) or SentencePiece-style
+    (<pad> 0, </s> 1, no bos)."""
+    specials = ["<s>", "<pad>", "</s>", "<unk>"] if with_bos else ["<pad>", "</s>", "<unk>"]
+    vocab = {token: i for i, token in enumerate(specials + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = "<s> $A </s>" if with_bos else "$A </s>"
+    tok.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[(t, vocab[t]) for t in ("<s>", "</s>") if t in vocab])
+    extra = dict(bos_token="<s>", cls_token="<s>") if with_bos else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>",
+                                   **extra)
+
+
+def from_scratch_config(family, tokenizer, overrides=None):
+    if family == "encoder-decoder":  # bert2gpt2: GPT-2's default ids (50256) lie far outside a tiny vocabulary
+        config = EncoderDecoderConfig.from_encoder_decoder_configs(BertConfig(), GPT2Config())
+        args = ModelArguments(config_name="tiny-encoder-decoder", config_overrides=overrides)
+    else:
+        args = ModelArguments(model_type=family, config_overrides=overrides)
+        config = load_config(args, "seq2seq")
+    return fit_config_to_tokenizer(config, tokenizer, args)
+
+
+def config_parts(config):
+    return [config, config.encoder, config.decoder] if config.model_type == "encoder-decoder" else [config]
+
+
+# The token each family starts decoding from with a tokenizer that has bos, and with one that has not.
+DECODER_START_ROLE = {
+    "t5": ("pad", "pad"), "mt5": ("pad", "pad"), "longt5": ("pad", "pad"), "pegasus": ("pad", "pad"),
+    "marian": ("pad", "pad"), "bart": ("eos", "eos"), "mbart": ("eos", "eos"),  # the summaries' last token
+    "blenderbot": ("bos", "pad"), "blenderbot-small": ("bos", "pad"), "encoder-decoder": ("bos", "pad"),
+}
+
+
+@pytest.mark.parametrize("with_bos", [True, False], ids=["bpe-style", "sentencepiece-style"])
+@pytest.mark.parametrize("family", SEQ2SEQ_FAMILIES)
+def test_from_scratch_ids_follow_the_tokenizer(family, with_bos):
+    tokenizer = summary_tokenizer(with_bos)
+    config = from_scratch_config(family, tokenizer)
+    role = DECODER_START_ROLE[family][0 if with_bos else 1]
+    assert config.decoder_start_token_id == getattr(tokenizer, f"{role}_token_id")
+    for part in config_parts(config):
+        assert (part.pad_token_id, part.eos_token_id, part.bos_token_id) == (
+            tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id)
+        for name in ("decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id"):
+            assert getattr(part, name) is None or 0 <= getattr(part, name) < len(tokenizer), name
+        if part.forced_eos_token_id is not None:  # bart, mbart, marian, pegasus, blenderbot: end on eos
+            assert part.forced_eos_token_id == tokenizer.eos_token_id
+    vocabularies = [config.encoder, config.decoder] if family == "encoder-decoder" else [config]
+    assert [part.vocab_size for part in vocabularies] == [len(tokenizer)] * len(vocabularies)
+
+
+def test_decoder_start_conventions_match_transformers_defaults():
+    """Where a family's own default config names a decoder start id, it is that family's token by
+    `DECODER_START_TOKENS` (t5 and longt5 have none, mbart none by design, encoder-decoder no defaults)."""
+    checked = []
+    for family in SEQ2SEQ_FAMILIES:
+        if family == "encoder-decoder":
+            continue
+        default = load_config(ModelArguments(model_type=family), "seq2seq")
+        if default.decoder_start_token_id is not None:
+            role = DECODER_START_TOKENS[family][0]
+            assert default.decoder_start_token_id == getattr(default, f"{role}_token_id"), family
+            checked.append(family)
+    assert sorted(checked) == ["bart", "blenderbot", "blenderbot-small", "marian", "mt5", "pegasus"]
+
+
+def test_mbart_starts_from_the_token_every_summary_ends_with():
+    """mBART's decoder inputs begin with the summary's last token: a tokenizer that ends summaries with a
+    language code starts decoding from it."""
+    tokenizer = summary_tokenizer(with_bos=False)
+    language = tokenizer.convert_tokens_to_ids("cat")  # stands in for a code like en_XX
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s> cat", special_tokens=[("</s>", tokenizer.eos_token_id), ("cat", language)])
+    assert from_scratch_config("mbart", tokenizer).decoder_start_token_id == language
+
+
+def test_from_scratch_overrides_stay():
+    config = from_scratch_config("bart", summary_tokenizer(True), "decoder_start_token_id=5,forced_eos_token_id=4")
+    assert config.decoder_start_token_id == 5 and config.forced_eos_token_id == 4
+
+
+def test_an_id_the_tokenizer_lacks_and_the_vocabulary_cannot_hold(tokenizer):
+    no_pad = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, unk_token="<unk>",
+                                     eos_token="</s>")
+    with pytest.raises(UsageError, match=r"the marian config names ids outside the tokenizer's 11 tokens "
+                                         r"\(pad_token_id=58100, decoder_start_token_id=58100\)"):
+        from_scratch_config("marian", no_pad)
+    assert from_scratch_config("bart", tokenizer).bos_token_id is None  # not bart's default 0, <unk> here
+
+
+def test_pretrained_encoder_decoder_vocabularies_must_cover_the_tokenizer(tokenizer):
+    config = EncoderDecoderConfig.from_encoder_decoder_configs(BertConfig(vocab_size=32), GPT2Config(vocab_size=8))
+    with pytest.raises(UsageError, match="the tokenizer has 11 tokens but the model only 8"):
+        fit_config_to_tokenizer(config, tokenizer, ModelArguments(model_name_or_path="some/model"))
+
+
+def family_shift(family):
+    module = importlib.import_module(f"transformers.models.{family.replace('-', '_')}."
+                                     f"modeling_flax_{family.replace('-', '_')}")
+    return module.shift_tokens_right
+
+
+@pytest.mark.parametrize("family", [f for f in SEQ2SEQ_FAMILIES if f != "encoder-decoder"])
+def test_decoder_inputs_are_the_familys_own(family):
+    tokenizer = summary_tokenizer(with_bos=True)
+    config = from_scratch_config(family, tokenizer)
+    pad, eos, cat = config.pad_token_id, config.eos_token_id, tokenizer.convert_tokens_to_ids("cat")
+    # Ended by eos, by a language code (mBART's tokenizers: "... </s> en_XX"), unended (truncated).
+    labels = np.array([[0, 5, 6, eos, pad, pad], [0, 7, eos, cat, -100, -100], [0, 5, 6, 7, 8, 9]])
+    shift = family_shift(family)
+    takes_start = "decoder_start_token_id" in inspect.signature(shift).parameters
+    theirs = shift(labels, pad, config.decoder_start_token_id) if takes_start else shift(labels, pad)
+    np.testing.assert_array_equal(decoder_input_ids(labels, config), np.asarray(theirs))
+
+
+def test_encoder_decoder_decoder_inputs_start_from_its_start_id():
+    config = from_scratch_config("encoder-decoder", summary_tokenizer(with_bos=True))  # bos 0, pad 1, eos 2
+    labels = np.array([[0, 5, 6, 2, -100], [0, 7, 8, 9, 2]])
+    np.testing.assert_array_equal(decoder_input_ids(labels, config), [[0, 0, 5, 6, 2], [0, 0, 7, 8, 9]])
+
+
+def test_fresh_encoder_decoder(tokenizer):
+    """FlaxEncoderDecoderModel refuses to be built uninitialized: it still gets fresh weights, from the seed."""
+    config = EncoderDecoderConfig.from_encoder_decoder_configs(
+        BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32),
+        GPT2Config(n_embd=16, n_layer=1, n_head=2, n_inner=32))
+    args = ModelArguments(config_name="tiny-encoder-decoder")
+    config = fit_config_to_tokenizer(config, tokenizer, args)
+    model = load_model(FlaxAutoModelForSeq2SeqLM, args, config, dtype=jnp.float32, seed=0)
+    again = load_model(FlaxAutoModelForSeq2SeqLM, args, config, dtype=jnp.float32, seed=0)
+    other = load_model(FlaxAutoModelForSeq2SeqLM, args, config, dtype=jnp.float32, seed=1)
+    embedding = ("decoder", "transformer", "wte", "embedding")
+
+    def leaf(params):
+        for key in embedding:
+            params = params[key]
+        return np.asarray(params)
+
+    assert leaf(model.params).shape == (len(tokenizer), 16)
+    np.testing.assert_array_equal(leaf(model.params), leaf(again.params))
+    assert not np.array_equal(leaf(model.params), leaf(other.params))
+    ids = np.full((1, 4), 3, np.int32)
+    logits = model(ids, decoder_input_ids=ids).logits
+    assert logits.shape == (1, 4, len(tokenizer)) and bool(jnp.isfinite(logits).all())

@@ -5,6 +5,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.auto import modeling_flax_auto
 
@@ -19,7 +20,19 @@ TASK_MODEL_TYPES = {
 }
 
 
-PAD_STARTS_DECODER = ("t5", "mt5", "longt5")
+# The special token each sequence-to-sequence family starts decoding from, by its own convention
+# (transformers' config defaults and docs; tests/test_models.py checks them against the defaults):
+# T5, mT5, LongT5, Pegasus and Marian start from pad, BART from eos, Blenderbot from bos, and an
+# encoder-decoder from its decoder's bos (BERT-style tokenizers call it cls). mBART has no single start
+# id: its decoder inputs begin with each summary's last token, so generation starts from the token
+# the tokenizer ends every summary with ("last": eos, or mBART's language code). The first of the
+# tokens the tokenizer has; pad when it has none.
+DECODER_START_TOKENS = {
+    "t5": ("pad",), "mt5": ("pad",), "longt5": ("pad",), "pegasus": ("pad",), "marian": ("pad",),
+    "bart": ("eos",), "mbart": ("last",), "blenderbot": ("bos",), "blenderbot-small": ("bos",),
+    "encoder-decoder": ("bos", "cls"),
+}
+LAST_TOKEN_STARTS_DECODER = ("mbart",)
 # Families whose positions count from pad_token_id + 1, so their table holds that many fewer.
 PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "roberta-prelayernorm")
 
@@ -104,29 +117,85 @@ def load_config(model_args, task):
     return config
 
 
+def _vocabulary_configs(config):
+    """The configs that size a vocabulary: the config itself, or a composed model's (encoder-decoder) parts."""
+    return [getattr(config, name) for name in config.sub_configs] or [config]
+
+
+def _special_ids(config):
+    """{attribute: id} of every special token the config or one of its parts names."""
+    names = ("pad_token_id", "eos_token_id", "bos_token_id", "decoder_start_token_id", "forced_bos_token_id",
+             "forced_eos_token_id")
+    parts = [("", config)] + [(f"{sub}.", getattr(config, sub)) for sub in config.sub_configs]
+    return {prefix + name: getattr(part, name) for prefix, part in parts for name in names
+            if getattr(part, name, None) is not None}
+
+
+def _token_id(tokenizer, role):
+    if role == "last":
+        ending = tokenizer(text_target="")["input_ids"]
+        return ending[-1] if ending else None
+    return getattr(tokenizer, f"{role}_token_id", None)
+
+
 def fit_config_to_tokenizer(config, tokenizer, model_args):
-    """A model built from scratch takes its vocabulary size and special ids from the tokenizer.
+    """A model built from scratch takes its vocabulary size and special ids from the tokenizer, and
+    starts decoding by its family's convention (`DECODER_START_TOKENS`); explicit overrides stay.
 
     A pretrained model keeps its own, but must cover every id the tokenizer can produce: JAX
     does not bounds-check embedding lookups, so larger ids would silently read garbage.
     """
+    vocabularies = _vocabulary_configs(config)
     if model_args.model_name_or_path:
-        if len(tokenizer) > config.vocab_size:
-            raise UsageError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}: "
+        smallest = min(part.vocab_size for part in vocabularies)
+        if len(tokenizer) > smallest:
+            raise UsageError(f"the tokenizer has {len(tokenizer)} tokens but the model only {smallest}: "
                              "use the model's own tokenizer (--tokenizer_name)")
         return config
     overridden = _parse_overrides(model_args.config_overrides or "")
-    if "vocab_size" not in overridden:
-        config.vocab_size = len(tokenizer)
+    vocab_size = int(overridden.get("vocab_size", len(tokenizer)))
+    special = {}
     for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
         token_id = getattr(tokenizer, name, None)
-        if token_id is not None and name not in overridden:
-            setattr(config, name, token_id)
-    # T5-family configs built from scratch lack the decoder start id their pretrained ones carry:
-    # by that family's convention, decoding starts from the pad token.
-    if config.model_type in PAD_STARTS_DECODER and getattr(config, "decoder_start_token_id", None) is None:
-        config.decoder_start_token_id = config.pad_token_id
+        # A family default for a token the tokenizer lacks would name some other token: none then. Except
+        # pad, which roberta-style positions need (the range check below still catches a meaningless one).
+        keep = name in overridden or (token_id is None and name == "pad_token_id")
+        special[name] = getattr(config, name) if keep else token_id
+    # Generation forces these first / last where the family does: the tokenizer's bos / eos.
+    forced = {"forced_bos_token_id": special["bos_token_id"], "forced_eos_token_id": special["eos_token_id"]}
+    for part in [config] + [part for part in vocabularies if part is not config]:
+        for name, token_id in special.items():
+            setattr(part, name, token_id)
+        for name, token_id in forced.items():
+            if getattr(part, name, None) is not None and name not in overridden:
+                setattr(part, name, token_id)
+    for part in vocabularies:
+        part.vocab_size = vocab_size
+    roles = DECODER_START_TOKENS.get(config.model_type)
+    if roles and "decoder_start_token_id" not in overridden:
+        starts = [_token_id(tokenizer, role) for role in roles]
+        config.decoder_start_token_id = next((i for i in starts if i is not None), config.pad_token_id)
+    outside = {name: i for name, i in _special_ids(config).items() if not 0 <= i < vocab_size}
+    if outside:
+        listed = ", ".join(f"{name}={i}" for name, i in outside.items())
+        raise UsageError(f"the {config.model_type} config names ids outside the tokenizer's {vocab_size} tokens "
+                         f"({listed}), tokens the tokenizer lacks: use a tokenizer that has them, or set the ids "
+                         "in --config_overrides")
     return config
+
+
+def decoder_input_ids(labels, config):
+    """The decoder inputs for `labels`: shifted one to the right behind the start token, exactly as the
+    family's own `shift_tokens_right` builds them (in numpy: jnp's compile op by op, seconds on a CPU)."""
+    labels = np.where(labels == -100, config.pad_token_id, labels)
+    shifted = np.empty_like(labels)
+    shifted[:, 1:] = labels[:, :-1]
+    if config.model_type in LAST_TOKEN_STARTS_DECODER:
+        last = np.count_nonzero(labels != config.pad_token_id, axis=1) - 1
+        shifted[:, 0] = labels[np.arange(len(labels)), last]
+    else:
+        shifted[:, 0] = config.decoder_start_token_id
+    return shifted
 
 
 def max_positions(config):
@@ -166,8 +235,13 @@ def _initialized_from_config(auto_class, config, seed, dtype, trust_remote_code)
     transformers initializes op by op: a hundred or so small programs, each compiled (or fetched from
     the persistent cache) on every start. One jitted init is a single cache entry; same weights.
     """
-    model = auto_class.from_config(config, seed=seed, dtype=dtype, _do_init=False,
-                                   trust_remote_code=trust_remote_code)
+    kwargs = dict(seed=seed, dtype=dtype, trust_remote_code=trust_remote_code)
+    try:
+        model = auto_class.from_config(config, _do_init=False, **kwargs)
+    except ValueError:
+        # Some classes (FlaxEncoderDecoderModel) refuse to be built without their weights: their own
+        # init then (a different error recurs there).
+        return auto_class.from_config(config, **kwargs)
     params = jax.jit(model.init_weights, static_argnums=1)(model.key, model.input_shape)
     model._is_initialized = True  # what `_do_init=True` would have set; the params setter requires it
     model.params = params
