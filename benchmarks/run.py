@@ -31,24 +31,26 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"summarization": "run_summarization_flax.py", "clm": "run_clm_flax.py", "mlm": "run_mlm_flax.py"}
-# Flags over configs/<task>_tiny.json. Medium: a model ~8x the FLOPs per token of the tiny one and a
-# step of 1-2 s on 2 CPU cores, far longer than the loop's host work.
+# Flags over configs/<task>_tiny.json; global batches as 8 devices run them (the tiny ones: those the
+# configs had per device before they fixed the global batch). Medium: a model ~8x the FLOPs per token
+# of the tiny one and a step of 1-2 s on 2 CPU cores, far longer than the loop's host work.
 SIZES = {
     "tiny": {
-        "summarization": ["--max_eval_samples", "200", "--max_predict_samples", "77"],
-        "clm": ["--max_eval_samples", "200"],
-        "mlm": ["--max_eval_samples", "400"],
+        "summarization": ["--total_train_batch_size", "32", "--max_eval_samples", "200",
+                          "--max_predict_samples", "77"],
+        "clm": ["--total_train_batch_size", "128", "--max_eval_samples", "200"],
+        "mlm": ["--total_train_batch_size", "512", "--max_eval_samples", "400"],
     },
     "medium": {
         "summarization": ["--config_overrides", "d_model=256,d_ff=1024,num_layers=4,num_decoder_layers=4,num_heads=4,"
                           "d_kv=64,dropout_rate=0.0", "--max_source_length", "192", "--max_target_length", "32",
-                          "--per_device_train_batch_size", "4", "--max_eval_samples", "100",
+                          "--total_train_batch_size", "32", "--max_eval_samples", "100",
                           "--max_predict_samples", "77"],
         "clm": ["--config_overrides", "n_embd=256,n_layer=4,n_head=4,n_positions=256", "--block_size", "256",
-                "--per_device_train_batch_size", "4", "--max_eval_samples", "100"],
+                "--total_train_batch_size", "32", "--max_eval_samples", "100"],
         "mlm": ["--config_overrides", "hidden_size=256,num_hidden_layers=4,num_attention_heads=4,intermediate_size=1024,"
                 "max_position_embeddings=130,hidden_dropout_prob=0,attention_probs_dropout_prob=0",
-                "--max_seq_length", "128", "--per_device_train_batch_size", "8", "--max_eval_samples", "200"],
+                "--max_seq_length", "128", "--total_train_batch_size", "64", "--max_eval_samples", "200"],
     },
 }
 FIRST_STEP = re.compile(r"first step done ([0-9.]+) s after start")
