@@ -94,9 +94,8 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     tokenizer = load_tokenizer(model_args)
     config = fit_config_to_tokenizer(load_config(model_args, task="masked-lm"), tokenizer, model_args)
-    # A training batch is masked per process (its own rows); an eval batch whole, before the split.
-    train_masking = lm.masking(tokenizer, data_args.mlm_probability, training_args.seed, lm.TRAIN_STREAM,
-                               jax.process_index())
+    # Each example is masked by its own random numbers: the same masks on any number of devices and hosts.
+    train_masking = lm.masking(tokenizer, data_args.mlm_probability, training_args.seed, lm.TRAIN_STREAM)
     eval_masking = lm.masking(tokenizer, data_args.mlm_probability, training_args.seed, lm.EVAL_STREAM)
     seq_length = lm.sequence_length(data_args.max_seq_length, 512, tokenizer, config, "max_seq_length", logger)
     splits = needed_splits(training_args, ("train", "validation"))

@@ -82,7 +82,7 @@ def test_mask_statistics():
     rng = np.random.default_rng(0)
     ids = random_batch(rng)
     replacements = np.arange(len(SPECIAL), VOCAB)
-    inputs, selected = lm.mask_tokens(ids, np.array(SPECIAL), MASK, replacements, 0.15, rng)
+    inputs, selected = lm.mask_tokens(ids, np.array(SPECIAL), MASK, replacements, 0.15, rng.random((3, *ids.shape)))
     selected = selected.astype(bool)
     special = np.isin(ids, SPECIAL)
     assert not selected[special].any()
@@ -99,20 +99,32 @@ def test_mask_statistics():
     assert not np.isin(inputs[randomized], SPECIAL).any()
 
 
-def test_masking_transform_is_a_pure_function_of_seed_and_index(tokenizer):
+def test_masking_transform_is_a_pure_function_of_seed_step_and_row(tokenizer):
     ids = np.asarray(tokenizer(["the cat sat on the mat"] * 64, padding="max_length", max_length=16)["input_ids"])
     batch = {"input_ids": ids, "attention_mask": (ids != tokenizer.pad_token_id).astype(np.int64)}
     transform = lm.masking(tokenizer, 0.15, seed=7, stream=lm.TRAIN_STREAM)
-    first, again = transform(batch, 3), transform(batch, 3)
+    first, again = transform(batch, 3, 0), transform(batch, 3, 0)
     for key in ("input_ids", "labels", "label_weights"):
         assert np.array_equal(first[key], again[key])
     assert np.array_equal(first["labels"], ids) and np.array_equal(first["attention_mask"], batch["attention_mask"])
-    assert not np.array_equal(transform(batch, 4)["label_weights"], first["label_weights"])
-    other_stream = lm.masking(tokenizer, 0.15, seed=7, stream=lm.EVAL_STREAM)(batch, 3)
+    assert not np.array_equal(transform(batch, 4, 0)["label_weights"], first["label_weights"])
+    other_stream = lm.masking(tokenizer, 0.15, seed=7, stream=lm.EVAL_STREAM)(batch, 3, 0)
     assert not np.array_equal(other_stream["label_weights"], first["label_weights"])
     weights = first["label_weights"].astype(bool)
     assert not np.isin(ids[weights], tokenizer.all_special_ids).any()
     assert weights.any()
+
+
+def test_a_rows_mask_does_not_depend_on_how_the_batch_is_split(tokenizer):
+    """Two processes masking their halves (or eval batches of another size) mask each row as one would."""
+    ids = np.asarray(tokenizer(["the cat sat on the mat by the door"] * 32, padding="max_length",
+                               max_length=16)["input_ids"])
+    transform = lm.masking(tokenizer, 0.3, seed=7, stream=lm.TRAIN_STREAM)
+    whole = transform({"input_ids": ids}, 5, 0)
+    halves = [transform({"input_ids": ids[rows]}, 5, rows.start) for rows in (slice(0, 16), slice(16, 32))]
+    for key in ("input_ids", "label_weights"):
+        assert np.array_equal(np.concatenate([half[key] for half in halves]), whole[key])
+    assert not np.array_equal(whole["label_weights"][0], whole["label_weights"][1])  # rows differ
 
 
 def test_masking_needs_a_mask_token(tokenizer):

@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 
@@ -130,16 +131,31 @@ def test_eval_batches_fixed_shapes_and_weights():
     assert valids == [16, 5] and weight == num and seen == list(range(num))
 
 
-def test_eval_batches_transform_sees_batch_start():
+def test_eval_batches_transform_sees_step_0_and_the_first_example_index():
     arrays = {"x": np.arange(10)}
-    starts = []
+    calls = []
 
-    def transform(batch, start):
-        starts.append(start)
+    def transform(batch, step, first_row):
+        calls.append((step, first_row))
         return {"x": batch["x"] + 100}
 
     out = [sharding.unshard(b["x"])[:valid] for b, valid in eval_batches(arrays, 10, 8, transform)]
-    assert starts == [0, 8] and np.concatenate(out).tolist() == list(range(100, 110))
+    assert calls == [(0, 0), (0, 8)] and np.concatenate(out).tolist() == list(range(100, 110))
+
+
+def test_train_batches_transform_sees_the_step_and_this_process_rows(monkeypatch):
+    calls = []
+
+    def transform(batch, step, first_row):
+        calls.append((step, first_row, len(batch["x"])))
+        return batch
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(sharding, "prefetch", lambda batches: list(batches))  # host rows, not placed
+    train_batches({"x": np.arange(40)}, 40, 16, seed=1, steps_per_epoch=2, start_step=1, total_steps=3,
+                  transform=transform)
+    assert calls == [(1, 8, 8), (2, 8, 8)]  # steps 1 and 2 (0-based), process 1 holds rows 8..15
 
 
 def test_train_batches_follow_seeded_order_and_resume():

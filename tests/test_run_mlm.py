@@ -74,10 +74,10 @@ def test_result_files(trained):
     assert sorted(os.listdir(os.path.join(trained, "checkpoints"))) == ["20", "40"]
 
 
-def masked_eval_set(tokenizer, seq_length=32, max_eval_samples=40, global_eval_batch=2 * 8, seed=42):
+def masked_eval_set(tokenizer, seq_length=32, max_eval_samples=40, seed=42):
     """(inputs, labels, selected) of the eval blocks as the script masks them with DATA's settings
-    (and the default seed), rebuilt here: the same blocks, cut into the same batches, each masked
-    by `lm.masking`'s eval stream at its first row, as `utils.loop.eval_batches` does."""
+    (and the default seed), rebuilt here: the same blocks, masked all at once by `lm.masking`'s eval
+    stream (each example's mask depends on its index alone, not on the script's batches of 2 x 8)."""
     import datasets
 
     raw = datasets.load_dataset("text", data_files={"validation": os.path.join(ROOT, "data/lm/validation.txt")},
@@ -85,10 +85,8 @@ def masked_eval_set(tokenizer, seq_length=32, max_eval_samples=40, global_eval_b
     no_workers = SimpleNamespace(preprocessing_num_workers=None, overwrite_cache=False)
     blocks = data.take(lm.tokenize_and_group(raw, tokenizer, "text", seq_length, no_workers), max_eval_samples)
     input_ids = data.to_arrays(blocks, ("input_ids",))["input_ids"]
-    masking = lm.masking(tokenizer, 0.15, seed, lm.EVAL_STREAM)
-    batches = [masking({"input_ids": input_ids[start:stop]}, start)
-               for start, stop in data.eval_batch_ranges(len(input_ids), global_eval_batch)]
-    return tuple(np.concatenate([batch[key] for batch in batches]) for key in ("input_ids", "labels", "label_weights"))
+    masked = lm.masking(tokenizer, 0.15, seed, lm.EVAL_STREAM)({"input_ids": input_ids}, 0, 0)
+    return masked["input_ids"], masked["labels"], masked["label_weights"]
 
 
 @pytest.mark.slow

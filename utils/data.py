@@ -274,6 +274,13 @@ def train_batch_indices(num_examples, global_batch_size, seed, epoch, step_in_ep
     return indices[rows] if rows is not None else indices
 
 
+def row_uniforms(key, first_row, shape, count=1):
+    """`count` arrays of uniform [0, 1) numbers of `shape` ([rows, ...]); row i comes from its own
+    generator, seeded with (*key, first_row + i), so it does not depend on the other rows of its batch."""
+    rows = [np.random.default_rng([*key, first_row + i]).random((count, *shape[1:])) for i in range(shape[0])]
+    return np.stack(rows, axis=1) if rows else np.zeros((count, *shape))
+
+
 def gather(arrays, indices):
     return {name: column[indices] for name, column in arrays.items()}
 

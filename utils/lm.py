@@ -160,27 +160,31 @@ def tokenize_lines(dataset, tokenizer, text_column, max_length, data_args):
 # ----------------------------------------------------------------------------------------------
 # Masking
 # ----------------------------------------------------------------------------------------------
-def mask_tokens(input_ids, special_ids, mask_token_id, replacement_ids, probability, rng):
+def mask_tokens(input_ids, special_ids, mask_token_id, replacement_ids, probability, draws):
     """BERT masking: (inputs, selected) with `selected` 1.0 where the model must predict the token.
 
     Each token that is not special (padding is special) is selected with `probability`; of those 80%
     become the mask token, 10% a random ordinary token, 10% stay as they are. The labels are the
-    original `input_ids`, weighted by `selected`.
+    original `input_ids`, weighted by `selected`. `draws` holds three uniform [0, 1) arrays shaped
+    like `input_ids` (selection, action, which replacement): the masks are a function of them alone.
     """
-    selected = (rng.random(input_ids.shape) < probability) & ~np.isin(input_ids, special_ids)
-    action = rng.random(input_ids.shape)
-    random_ids = replacement_ids[rng.integers(len(replacement_ids), size=input_ids.shape)]
+    selection, action, replacement = draws
+    selected = (selection < probability) & ~np.isin(input_ids, special_ids)
+    random_ids = replacement_ids[(replacement * len(replacement_ids)).astype(np.int64)]
     inputs = np.where(selected & (action < 0.8), mask_token_id, input_ids)
     inputs = np.where(selected & (action >= 0.8) & (action < 0.9), random_ids, inputs)
     return inputs.astype(input_ids.dtype), selected.astype(np.float32)
 
 
-def masking(tokenizer, probability, seed, stream, process_index=0):
-    """`transform(batch, index)` for `loop.train_batches` / `loop.eval_batches`.
+def masking(tokenizer, probability, seed, stream):
+    """`transform(batch, step, first_row)` for `loop.train_batches` / `loop.eval_batches`.
 
-    The mask is a pure function of (seed, stream, process, index), so a resumed run masks its
-    batches exactly as the uninterrupted run would, and every evaluation sees the same masks. Adds
-    `labels` (the original ids) and `label_weights` (1 at the tokens to predict).
+    Row i of the batch is masked from its own random numbers, drawn from (seed, stream, step,
+    first_row + i): a training example's mask depends on the step and its row in the global batch,
+    an evaluation example's (step 0) on its index alone. So a resumed run masks exactly as the
+    uninterrupted one, every evaluation sees the same masks, and neither depends on the number of
+    devices or processes, or on the eval batch size. Adds `labels` (the original ids) and
+    `label_weights` (1 at the tokens to predict).
     """
     if tokenizer.mask_token_id is None:
         raise UsageError("the tokenizer has no mask token, which masked LM needs: use one with a mask token "
@@ -188,10 +192,10 @@ def masking(tokenizer, probability, seed, stream, process_index=0):
     special_ids = np.array(sorted(set(tokenizer.all_special_ids)))
     replacement_ids = np.setdiff1d(np.arange(len(tokenizer)), special_ids)
 
-    def transform(batch, index):
-        rng = np.random.default_rng([seed, stream, process_index, index])
+    def transform(batch, step, first_row):
+        draws = data.row_uniforms((seed, stream, step), first_row, batch["input_ids"].shape, count=3)
         inputs, weights = mask_tokens(batch["input_ids"], special_ids, tokenizer.mask_token_id, replacement_ids,
-                                      probability, rng)
+                                      probability, draws)
         return {**batch, "input_ids": inputs, "labels": batch["input_ids"], "label_weights": weights}
 
     return transform

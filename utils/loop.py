@@ -35,8 +35,9 @@ def train_batches(arrays, num_examples, global_batch_size, seed, steps_per_epoch
                   transform=None):
     """This process's rows of each training batch from `start_step` on, prefetched to the devices.
 
-    `transform(batch, step)` runs on the host before sharding (e.g. MLM masking); it must be a
-    pure function of its arguments so that a resumed run sees the same batches.
+    `transform(batch, step, first_row)` runs on the host before sharding (e.g. MLM masking), with
+    the index of this process's first row in the global batch; it must be a pure function of its
+    arguments so that a resumed run sees the same batches.
     """
     rows = sharding.process_slice(global_batch_size)
 
@@ -45,7 +46,7 @@ def train_batches(arrays, num_examples, global_batch_size, seed, steps_per_epoch
             epoch, step_in_epoch = divmod(step, steps_per_epoch)
             indices = data.train_batch_indices(num_examples, global_batch_size, seed, epoch, step_in_epoch, rows)
             batch = data.gather(arrays, indices)
-            yield transform(batch, step) if transform else batch
+            yield transform(batch, step, rows.start) if transform else batch
 
     return sharding.prefetch(batches())
 
@@ -59,7 +60,7 @@ def eval_batches(arrays, num_examples, global_batch_size, transform=None):
     for start, stop in data.eval_batch_ranges(num_examples, global_batch_size):
         batch = data.gather(arrays, np.arange(start, stop))
         if transform:
-            batch = transform(batch, start)
+            batch = transform(batch, 0, start)  # every evaluation alike: step 0, rows by example index
         batch, valid = sharding.pad_to(batch, global_batch_size)
         batch["example_weight"] = sharding.example_mask(valid, global_batch_size)
         yield sharding.shard({k: v[rows] for k, v in batch.items()}), valid
