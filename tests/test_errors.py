@@ -1,6 +1,7 @@
 """utils/errors.py: exit codes and the one-line, traceback-free error report."""
 
 import errno
+import logging
 import signal
 import sys
 from types import SimpleNamespace
@@ -127,12 +128,35 @@ def test_open_progress_bar_closed_before_the_error_line(capsys):
     assert capsys.readouterr().err.rstrip().splitlines()[-1] == "error: boom"
 
 
-def test_unraisable_exceptions_quiet_unless_debug(capsys):
+@pytest.fixture
+def hooks():
+    """The interpreter's error hooks and the asyncio logger's level, put back after the test."""
+    import threading
+
+    saved = sys.excepthook, threading.excepthook, sys.unraisablehook, logging.getLogger("asyncio").level
+    yield
+    sys.excepthook, threading.excepthook, sys.unraisablehook = saved[:3]
+    logging.getLogger("asyncio").setLevel(saved[3])
+
+
+def test_unraisable_exceptions_quiet_unless_debug(capsys, hooks):
     def main():
         sys.unraisablehook(SimpleNamespace(exc_value=RuntimeError("Event loop is closed")))
-        raise RunError("boom")
 
     hook = sys.unraisablehook
-    assert run_main(main, argv=[]) == 1
-    assert capsys.readouterr().err == "error: boom\n"
-    assert sys.unraisablehook is hook
+    assert run_main(main, argv=[]) == 0
+    assert capsys.readouterr().err == ""
+    assert sys.unraisablehook is hook  # a run that did not fail gives the hook back
+
+
+def test_after_a_failure_library_errors_stay_quiet_so_the_error_line_is_last(capsys, hooks):
+    """What a failed save leaves running (orbax threads, tensorstore callbacks, asyncio futures) keeps
+    failing while the process ends; none of it may print after the error line."""
+    import threading
+
+    at_exit(lambda: threading.Thread(target=lambda: 1 / 0).start())
+    assert run_main(raising(RunError("disk full")), argv=[]) == 1
+    sys.excepthook(RuntimeError, RuntimeError("Event loop is closed"), None)
+    sys.unraisablehook(SimpleNamespace(exc_value=RuntimeError("Event loop is closed")))
+    logging.getLogger("asyncio").error("Future exception was never retrieved")
+    assert capsys.readouterr().err == "error: disk full\n"

@@ -9,8 +9,10 @@ of a process ended by that signal), with a line saying how to resume.
 """
 
 import errno
+import logging
 import os
 import sys
+import threading
 import traceback
 
 # How a full disk shows: OSError's errno, or the message of libraries that wrap it (tensorstore,
@@ -89,17 +91,33 @@ def run_main(main, argv=None) -> int:
         # Exceptions a library could not raise (orbax's callbacks into a closed event loop after a
         # failed save) are ignored by Python anyway; only --debug prints their tracebacks.
         sys.unraisablehook = lambda unraisable: None
+    failure = None
     try:
         failure = _call(main)
+        if failure is not None and not debug:
+            _quiet_library_errors()
         while _at_exit:
             late = _call(_at_exit.pop())
-            if failure is None:
+            if failure is None and late is not None:
                 failure = late
+                if not debug:
+                    _quiet_library_errors()
             elif late is not None and debug:  # a clean-up failing after the failure: the same cause, as a rule
                 traceback.print_exception(late)
     finally:
-        sys.unraisablehook = previous_hook
+        if failure is None:
+            sys.unraisablehook = previous_hook
     return 0 if failure is None else _report(failure, debug)
+
+
+def _quiet_library_errors():
+    """Once the run has failed, what libraries print about their own follow-on failures stays quiet
+    until the process ends, so the one error line is the last: after a failed save, orbax's
+    background writes keep failing in their threads and event loops, and their tracebacks (threads,
+    callbacks, "Future exception was never retrieved" when asyncio collects them at exit) would
+    otherwise land after it, at random. --debug shows them all."""
+    sys.excepthook = threading.excepthook = sys.unraisablehook = lambda *args: None
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
 def _call(function):
