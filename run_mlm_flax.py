@@ -5,9 +5,11 @@
     python run_mlm_flax.py config.json --line_by_line   # flags override the file
 
 The text is tokenized and cut into `max_seq_length` blocks (or kept one example per line); each
-batch is masked BERT-style on the host, seeded by the step, and the model learns to restore the
-selected tokens. One `jax.pmap` train / eval loop over all local devices; everything mechanical
-(sharding, schedules, checkpoints, metrics, logging) lives in `utils/`.
+batch is masked BERT-style on the host, each example by its own seeded random numbers, and the model
+learns to restore the selected tokens. One train / eval loop, each step defined once for both layouts
+(`--sharding dp`, jax.pmap over the local devices, the default; `--sharding fsdp`, the model split
+over all devices); everything mechanical (layouts, schedules, checkpoints, metrics, logging) lives
+in `utils/`.
 """
 
 import sys
@@ -19,11 +21,12 @@ from typing import Optional
 import jax
 from transformers import FlaxAutoModelForMaskedLM
 
-from utils import data, lm, sharding
+from utils import data, devices, lm
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
+from utils.layout import make_layout
 from utils.logging import throughput_meter
-from utils.loop import TrainLoop, eval_batches, host_means, train_batches
+from utils.loop import TrainLoop, eval_batches, example_batch, host_means, train_batches
 from utils.metrics import perplexity
 from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
 from utils.optim import create_optimizer, learning_rate_schedule
@@ -31,7 +34,6 @@ from utils.resume import resume_or_start, run_fingerprint
 from utils.run import needed_splits, set_up, training_plan
 from utils.rundir import RunDirectory
 from utils.saving import Saver
-from utils.state import create_train_state
 from utils.steps import cross_entropy_sums, token_weighted_grads
 
 
@@ -88,6 +90,7 @@ def main(argv=None):
     )
     preflight = lm.check_before_work(training_args, data_args, model_args)
     logger, is_main = set_up(training_args)
+    layout = make_layout(training_args)
 
     # ------------------------------------------------------------------------------------------
     # Config, tokenizer, data
@@ -123,19 +126,18 @@ def main(argv=None):
     train_batch_size, steps_per_epoch, total_steps = (
         training_plan(training_args, sizes["train"]) if training_args.do_train else (0, 0, 0))
 
-    model = load_model(FlaxAutoModelForMaskedLM, model_args, config,
-                       dtype=sharding.to_dtype(model_args.dtype), seed=training_args.seed)
+    model, params = load_model(FlaxAutoModelForMaskedLM, model_args, config, devices.to_dtype(model_args.dtype), training_args.seed,
+                               layout)
     if training_args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
 
     # ------------------------------------------------------------------------------------------
-    # Optimizer, state, pmap'd steps
+    # Optimizer, state, steps (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
-    eval_batch_size = sharding.global_batch_size(training_args.per_device_eval_batch_size)
+    eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
     schedule = learning_rate_schedule(training_args.lr_scheduler_type, training_args.learning_rate,
                                       training_args.warmup_steps, max(total_steps, 1))
-    state = create_train_state(model.__call__, model.params, create_optimizer(training_args, schedule),
-                               training_args.seed)
+    state = layout.create_state(model.__call__, params, create_optimizer(training_args, schedule), training_args.seed)
     accumulation, label_smoothing = training_args.gradient_accumulation_steps, training_args.label_smoothing_factor
 
     def loss_fn(params, batch, dropout_rng, train):
@@ -147,32 +149,34 @@ def main(argv=None):
     def train_step(state, batch):
         dropout_rng, state = state.next_dropout_rng()
         grads, sums = token_weighted_grads(partial(loss_fn, train=True), state.params, batch, dropout_rng,
-                                           accumulation)
+                                           accumulation, layout)
         return state.apply_gradients(grads=grads), sums
 
     def eval_step(params, batch):
         _, sums = loss_fn(params, batch, None, train=False)
-        return jax.lax.psum(sums, sharding.AXIS)
+        return layout.batch_sum(sums)
 
-    p_train_step = jax.pmap(train_step, sharding.AXIS, donate_argnums=(0,))
-    p_eval_step = jax.pmap(eval_step, sharding.AXIS)
+    if training_args.do_train:  # compiled now: its device memory is known (and checked) before anything is written
+        p_train_step = layout.compile_train_step(
+            train_step, state, example_batch(arrays["train"], train_batch_size, train_masking), accumulation)
+    p_eval_step = layout.compile_step("eval_step", eval_step)
 
     # ------------------------------------------------------------------------------------------
     # Resume, run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    fingerprint = run_fingerprint(config, training_args, sizes.get("train"))
-    state, start_step = resume_or_start(preflight.resume, fingerprint, state, total_steps)  # the last check
+    fingerprint = run_fingerprint(config, training_args, layout, sizes.get("train"))
+    state, start_step = resume_or_start(preflight.resume, fingerprint, state, total_steps, layout)  # the last check
     # Nothing has been written so far: a run that stops on a check leaves --output_dir as it was.
     run_dir = RunDirectory(training_args, (model_args, data_args, training_args), model, tokenizer, is_main,
-                           total_steps, preflight.resume)
+                           total_steps, preflight.resume, layout.train_step_memory)
     if training_args.do_train:
-        saver = Saver(training_args, run_dir, fingerprint, steps_per_epoch, total_steps, start_step, is_main)
+        saver = Saver(training_args, run_dir, layout, fingerprint, steps_per_epoch, total_steps, start_step, is_main)
 
     def evaluate():
         """Token-weighted loss and accuracy over the masked validation tokens (same masks every time), and
         how many tokens the masking selected."""
         sums = [p_eval_step(state.params, batch) for batch, _ in
-                eval_batches(arrays["validation"], sizes["validation"], eval_batch_size, transform=eval_masking)]
+                eval_batches(arrays["validation"], sizes["validation"], eval_batch_size, layout, transform=eval_masking)]
         metrics = host_means(sums, keep_tokens=True)
         return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": sizes["validation"]}
 
@@ -188,7 +192,7 @@ def main(argv=None):
                          throughput_meter(config, seq_length), tokens_per_step=train_batch_size * seq_length,
                          examples_per_step=train_batch_size)
         batches = train_batches(arrays["train"], sizes["train"], train_batch_size, training_args.seed,
-                                steps_per_epoch, start_step, total_steps, transform=train_masking)
+                                steps_per_epoch, start_step, total_steps, layout, transform=train_masking)
         train_start = time.time()
         for step, batch in enumerate(batches, start=start_step + 1):
             state, sums = p_train_step(state, batch)
@@ -204,7 +208,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Final evaluation, result files
     # ------------------------------------------------------------------------------------------
-    final_step = int(jax.device_get(state.step[0]))
+    final_step = total_steps if training_args.do_train else start_step
     if training_args.do_eval and last_eval_step != final_step:
         run_dir.report("eval", evaluate(), final_step)
     if training_args.do_train:

@@ -4,8 +4,9 @@
     python run_summarization_flax.py configs/summarization_tiny.json
     python run_summarization_flax.py config.json --learning_rate 1e-4   # flags override the file
 
-One `jax.pmap` train / eval / generate loop over all local devices; everything mechanical
-(sharding, schedules, checkpoints, metrics, logging) lives in `utils/`.
+One train / eval / generate loop, each step defined once for both layouts (`--sharding dp`, jax.pmap
+over the local devices, the default; `--sharding fsdp`, the model split over all devices);
+everything mechanical (layouts, schedules, checkpoints, metrics, logging) lives in `utils/`.
 """
 
 import os
@@ -19,11 +20,12 @@ import jax
 import numpy as np
 from transformers import FlaxAutoModelForSeq2SeqLM
 
-from utils import data, sharding
+from utils import data, devices
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
+from utils.layout import make_layout
 from utils.logging import throughput_meter
-from utils.loop import TrainLoop, eval_batches, host_means, train_batches
+from utils.loop import TrainLoop, eval_batches, example_batch, host_means, train_batches
 from utils.metrics import rouge
 from utils.models import (decoder_input_ids, fit_config_to_tokenizer, fit_length, load_config, load_model,
                           load_tokenizer, max_positions)
@@ -32,7 +34,6 @@ from utils.resume import resume_or_start, run_fingerprint
 from utils.run import SPLIT_FLAGS, check_before_work, needed_splits, set_up, training_plan
 from utils.rundir import RunDirectory
 from utils.saving import Saver
-from utils.state import create_train_state
 from utils.steps import cross_entropy_sums, token_weighted_grads
 
 # (document column, summary column) of well-known hub datasets.
@@ -162,6 +163,7 @@ def main(argv=None):
     if not data_args.dataset_name and all(split in preflight.columns for split in splits):
         resolve_columns(data_args, {split: preflight.columns[split] for split in splits})  # a wrong column fails now
     logger, is_main = set_up(training_args)
+    layout = make_layout(training_args)
 
     # ------------------------------------------------------------------------------------------
     # Config, tokenizer, data
@@ -199,8 +201,8 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Model, preprocessing
     # ------------------------------------------------------------------------------------------
-    model = load_model(FlaxAutoModelForSeq2SeqLM, model_args, config,
-                       dtype=sharding.to_dtype(model_args.dtype), seed=training_args.seed)
+    model, params = load_model(FlaxAutoModelForSeq2SeqLM, model_args, config, devices.to_dtype(model_args.dtype), training_args.seed,
+                               layout)
     if training_args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
 
@@ -212,13 +214,12 @@ def main(argv=None):
         logger.info("%s: %d examples", split, len(dataset))
 
     # ------------------------------------------------------------------------------------------
-    # Optimizer, state, pmap'd steps
+    # Optimizer, state, steps (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
-    eval_batch_size = sharding.global_batch_size(training_args.per_device_eval_batch_size)
+    eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
     schedule = learning_rate_schedule(training_args.lr_scheduler_type, training_args.learning_rate,
                                       training_args.warmup_steps, max(total_steps, 1))
-    state = create_train_state(model.__call__, model.params, create_optimizer(training_args, schedule),
-                               training_args.seed)
+    state = layout.create_state(model.__call__, params, create_optimizer(training_args, schedule), training_args.seed)
     accumulation, label_smoothing = training_args.gradient_accumulation_steps, training_args.label_smoothing_factor
 
     def loss_fn(params, batch, dropout_rng, train):
@@ -230,12 +231,12 @@ def main(argv=None):
     def train_step(state, batch):
         dropout_rng, state = state.next_dropout_rng()
         grads, sums = token_weighted_grads(partial(loss_fn, train=True), state.params, batch, dropout_rng,
-                                           accumulation)
+                                           accumulation, layout)
         return state.apply_gradients(grads=grads), sums
 
     def eval_step(params, batch):
         _, sums = loss_fn(params, batch, None, train=False)
-        return jax.lax.psum(sums, sharding.AXIS)
+        return layout.batch_sum(sums)
 
     generate_kwargs = {"max_length": data_args.val_max_target_length,
                        "num_beams": data_args.num_beams or model.config.num_beams}
@@ -245,29 +246,31 @@ def main(argv=None):
                                 **generate_kwargs)
         return output.sequences
 
-    p_train_step = jax.pmap(train_step, sharding.AXIS, donate_argnums=(0,))
-    p_eval_step = jax.pmap(eval_step, sharding.AXIS)
-    p_generate_step = jax.pmap(generate_step, sharding.AXIS)
+    if training_args.do_train:  # compiled now: its device memory is known (and checked) before anything is written
+        p_train_step = layout.compile_train_step(train_step, state, example_batch(arrays["train"], train_batch_size),
+                                                 accumulation)
+    p_eval_step = layout.compile_step("eval_step", eval_step)
+    p_generate_step = layout.compile_step("generate_step", generate_step)
 
     # ------------------------------------------------------------------------------------------
     # Resume, run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    fingerprint = run_fingerprint(config, training_args, sizes.get("train"))
-    state, start_step = resume_or_start(preflight.resume, fingerprint, state, total_steps)  # the last check
+    fingerprint = run_fingerprint(config, training_args, layout, sizes.get("train"))
+    state, start_step = resume_or_start(preflight.resume, fingerprint, state, total_steps, layout)  # the last check
     # Nothing has been written so far: a run that stops on a check leaves --output_dir as it was.
     run_dir = RunDirectory(training_args, (model_args, data_args, training_args), model, tokenizer, is_main,
-                           total_steps, preflight.resume)
+                           total_steps, preflight.resume, layout.train_step_memory)
     if training_args.do_train:
-        saver = Saver(training_args, run_dir, fingerprint, steps_per_epoch, total_steps, start_step, is_main)
+        saver = Saver(training_args, run_dir, layout, fingerprint, steps_per_epoch, total_steps, start_step, is_main)
 
     def evaluate(split):
         """Token-weighted loss, the summary tokens scored, and with `predict_with_generate` ROUGE, gen_len
         and the texts."""
         sums, predictions = [], []
-        for batch, valid in eval_batches(arrays[split], sizes[split], eval_batch_size):
+        for batch, valid in eval_batches(arrays[split], sizes[split], eval_batch_size, layout):
             sums.append(p_eval_step(state.params, batch))
             if data_args.predict_with_generate:
-                ids = sharding.gather_from_processes(sharding.unshard(p_generate_step(state.params, batch)))
+                ids = layout.rows_to_host(p_generate_step(state.params, batch))
                 predictions.extend(ids[:valid])
         metrics = {**host_means(sums, keep_tokens=True), "samples": sizes[split]}
         if not data_args.predict_with_generate:
@@ -292,7 +295,7 @@ def main(argv=None):
                          tokens_per_step=train_batch_size * data_args.max_source_length,
                          examples_per_step=train_batch_size)
         batches = train_batches(arrays["train"], sizes["train"], train_batch_size, training_args.seed,
-                                steps_per_epoch, start_step, total_steps)
+                                steps_per_epoch, start_step, total_steps, layout)
         train_start = time.time()
         for step, batch in enumerate(batches, start=start_step + 1):
             state, sums = p_train_step(state, batch)
@@ -308,7 +311,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Final evaluation, prediction, result files
     # ------------------------------------------------------------------------------------------
-    final_step = int(jax.device_get(state.step[0]))
+    final_step = total_steps if training_args.do_train else start_step
     if training_args.do_eval and last_eval_step != final_step:
         run_dir.report("eval", evaluate("validation")[0], final_step)
     if training_args.do_predict:

@@ -25,8 +25,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from transformers import AutoConfig, FlaxAutoModelForSeq2SeqLM  # noqa: E402
 
-from utils import compat, sharding  # noqa: E402
-from utils.state import create_train_state  # noqa: E402
+from utils import compat  # noqa: E402
+from utils.layout import AXIS, DataParallel  # noqa: E402
 from utils.steps import cross_entropy_sums, token_weighted_grads  # noqa: E402
 
 ACCUMULATION, MICRO_ROWS, SOURCE, TARGET, VOCAB = 4, 8, 96, 16, 512
@@ -44,7 +44,8 @@ def main():
     tx = optax.adamw(1e-3)
     if args.variant == "multisteps":
         tx = optax.MultiSteps(tx, every_k_schedule=ACCUMULATION)
-    state = sharding.replicate_state(create_train_state(model.__call__, model.params, tx, seed=0))
+    layout = DataParallel()
+    state = layout.create_state(model.__call__, model.params, tx, seed=0)
 
     def loss_fn(params, batch, rng):
         logits = model(batch["input_ids"], batch["attention_mask"], batch["decoder_input_ids"], params=params,
@@ -56,17 +57,17 @@ def main():
 
     def train_step(state, batch):
         rng, state = state.next_dropout_rng()
-        grads, sums = token_weighted_grads(loss_fn, state.params, batch, rng, accumulation)
+        grads, sums = token_weighted_grads(loss_fn, state.params, batch, rng, accumulation, layout)
         return state.apply_gradients(grads=grads), sums
 
-    p_train_step = jax.pmap(train_step, sharding.AXIS, donate_argnums=(0,))
+    p_train_step = jax.pmap(train_step, AXIS, donate_argnums=(0,))
     rows = MICRO_ROWS if args.variant == "multisteps" else MICRO_ROWS * ACCUMULATION
     calls = ACCUMULATION if args.variant == "multisteps" else 1
     rng = np.random.default_rng(0)
     source = rng.integers(1, VOCAB, (rows, SOURCE)).astype(np.int32)
     target = rng.integers(1, VOCAB, (rows, TARGET)).astype(np.int32)
-    batch = sharding.shard({"input_ids": source, "attention_mask": np.ones_like(source), "decoder_input_ids": target,
-                            "labels": target, "decoder_attention_mask": np.ones_like(target)})
+    batch = layout.place_batch({"input_ids": source, "attention_mask": np.ones_like(source), "decoder_input_ids": target,
+                                "labels": target, "decoder_attention_mask": np.ones_like(target)})
     memory = p_train_step.lower(state, batch).compile().memory_analysis()
     state, sums = p_train_step(state, batch)  # compiles
     jax.block_until_ready(sums)

@@ -4,7 +4,7 @@
     python benchmarks/measure.py --repeats 10 OUT.json -- run_clm_flax.py config.json [flags...]
 
 The script runs as usual (its `main`, in this process) with `utils.perf.StepRecorder` watching
-every `jax.pmap` it builds. Afterwards each recorded step is called again, `--repeats` times, on the
+every step its layout builds. Afterwards each recorded step is called again, `--repeats` times, on the
 last device batches the script fed it (already sharded, already on the devices): nothing but the
 compiled program runs between calls, so that is the speed limit the script's loop is measured
 against. `benchmarks/run.py` drives this file; OUT.json gets, per step: calls, which calls compiled,
@@ -26,9 +26,11 @@ from utils import perf  # noqa: E402
 
 
 def batch_size(batch):
-    """(examples, tokens) of a sharded batch `[devices, rows, length]`, over all processes."""
+    """(examples, tokens) of a placed batch over all processes: `[local devices, rows, length]` per
+    process under "dp", one global `[rows, length]` array under "fsdp"."""
     ids = batch["input_ids"]
-    return ids.shape[0] * ids.shape[1] * jax.process_count(), ids.size * jax.process_count()
+    processes = jax.process_count() if ids.ndim == 3 else 1
+    return ids.size // ids.shape[-1] * processes, ids.size * processes
 
 
 def seconds_per_train_step(step, repeats):

@@ -1,7 +1,9 @@
-"""Checkpoint save/restore of a pmap-replicated TrainState, and finding checkpoints on disk."""
+"""Checkpoint save/restore of a train state as global arrays, and finding checkpoints on disk.
 
-import concurrent.futures
-import logging
+The states here are "dp" ones (utils/layout.py: replicated over the 8 devices, one dropout key per
+device); tests/test_layout.py restores them under "fsdp" and back.
+"""
+
 import os
 
 import jax
@@ -10,14 +12,14 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
-from flax.jax_utils import replicate
 
 from utils.checkpoint import Checkpointer, all_finite, checkpoint_steps, find_checkpoint_dir, locate_checkpoint
 from utils.errors import UsageError
-from utils.state import TrainState, create_train_state
+from utils.layout import DataParallel
 
 N_DEVICES = 8
 META = {"epoch": 1, "step_in_epoch": 3, "fingerprint": "abc123"}
+DP = DataParallel()
 
 
 class MLP(nn.Module):
@@ -30,11 +32,11 @@ class MLP(nn.Module):
         return nn.Dense(2)(x)
 
 
-def fresh_state(hidden: int = 8) -> TrainState:
-    """The host state a script builds before resuming (same seed every time)."""
+def fresh_state(hidden: int = 8):
+    """The placed state a script builds before resuming (same seed every time)."""
     model = MLP(hidden)
     params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 4)), train=False)["params"]
-    return create_train_state(model.apply, params, optax.adamw(1e-2), seed=0)
+    return DP.create_state(model.apply, params, optax.adamw(1e-2), seed=0)
 
 
 def train_step(state, x, y):
@@ -48,19 +50,11 @@ def train_step(state, x, y):
     return state.apply_gradients(grads=grads)
 
 
-def replicated_state(host_state):
-    """Replicate over the local devices and give every device its own dropout key."""
-    state = replicate(host_state.replace(dropout_rng=None), axis_name="batch")
-    sharding = jax.tree.leaves(state.params)[0].sharding
-    keys = jax.device_put(jax.random.split(jax.random.PRNGKey(42), N_DEVICES), sharding)
-    return state.replace(dropout_rng=keys)
-
-
 @pytest.fixture(scope="module")
 def trained_state():
-    """A replicated state after 3 pmap'd adamw steps: non-trivial mu/nu/count and advanced keys."""
+    """A dp state after 3 pmap'd adamw steps: non-trivial mu/nu/count and advanced keys."""
     p_step = jax.pmap(train_step, axis_name="batch")
-    state = replicated_state(fresh_state())
+    state = fresh_state()
     x = jax.random.normal(jax.random.PRNGKey(1), (N_DEVICES, 2, 4))
     y = jax.random.normal(jax.random.PRNGKey(2), (N_DEVICES, 2, 2))
     for _ in range(3):
@@ -78,11 +72,15 @@ def assert_bitwise_equal(a, b):
         assert x.tobytes() == y.tobytes()
 
 
+def save(ckpt, step, state, meta=META):
+    return ckpt.save(step, DP.checkpoint_tree(state), meta)
+
+
 def test_save_restore_is_bitwise_exact(tmp_path, trained_state):
     assert jax.local_device_count() == N_DEVICES
     ckpt = Checkpointer(str(tmp_path), async_save=False)
-    assert ckpt.save(3, trained_state, META)
-    state, meta = ckpt.restore(None, fresh_state())
+    assert save(ckpt, 3, trained_state)
+    state, meta = ckpt.restore(None, DP.checkpoint_target(fresh_state()))
 
     expected = jax.device_get(trained_state)
     assert meta == META
@@ -102,30 +100,27 @@ def test_restored_state_resumes_like_the_original(tmp_path, trained_state):
     x = jnp.ones((N_DEVICES, 2, 4))
     y = jnp.zeros((N_DEVICES, 2, 2))
     ckpt = Checkpointer(str(tmp_path), async_save=False)
-    ckpt.save(3, trained_state, META)
-    host, _ = ckpt.restore(3, fresh_state())
-
-    resumed = replicate(host.replace(dropout_rng=None), axis_name="batch")
-    sharding = jax.tree.leaves(resumed.params)[0].sharding
-    resumed = resumed.replace(dropout_rng=jax.device_put(host.dropout_rng, sharding))
+    save(ckpt, 3, trained_state)
+    restored, _ = ckpt.restore(3, DP.checkpoint_target(fresh_state()))
+    resumed = DP.from_checkpoint(restored)
     assert_bitwise_equal(jax.device_get(p_step(resumed, x, y)), jax.device_get(p_step(trained_state, x, y)))
     ckpt.close()
 
 
 def test_async_save_then_wait(tmp_path, trained_state):
     ckpt = Checkpointer(str(tmp_path), async_save=True)
-    assert ckpt.save(1, trained_state, META)
+    assert save(ckpt, 1, trained_state)
     ckpt.wait()
     assert ckpt.all_steps() == [1]
     assert os.path.isdir(tmp_path / "1")
-    assert not ckpt.save(1, trained_state, META)  # the step is already saved
+    assert not save(ckpt, 1, trained_state)  # the step is already saved
     ckpt.close()
 
 
 def test_max_to_keep_prunes_old_steps(tmp_path, trained_state):
     ckpt = Checkpointer(str(tmp_path), max_to_keep=2)
     for step in (1, 2, 3):
-        assert ckpt.save(step, trained_state, {"step": step})
+        assert save(ckpt, step, trained_state, {"step": step})
     ckpt.wait()
     assert ckpt.all_steps() == [2, 3]
     assert ckpt.latest_step() == 3
@@ -135,7 +130,7 @@ def test_max_to_keep_prunes_old_steps(tmp_path, trained_state):
 
 def test_partial_save_is_ignored(tmp_path, trained_state):
     ckpt = Checkpointer(str(tmp_path), async_save=False)
-    ckpt.save(2, trained_state, {"step": 2})
+    save(ckpt, 2, trained_state, {"step": 2})
     ckpt.close()
     # What a kill -9 during the save of step 5 leaves behind.
     partial = tmp_path / "5.orbax-checkpoint-tmp-1234567" / "state"
@@ -145,35 +140,38 @@ def test_partial_save_is_ignored(tmp_path, trained_state):
     ckpt = Checkpointer(str(tmp_path))
     assert ckpt.latest_step() == 2
     assert ckpt.all_steps() == [2]
-    _, meta = ckpt.restore(None, fresh_state())
+    _, meta = ckpt.restore(None, DP.checkpoint_target(fresh_state()))
     assert meta == {"step": 2}
     ckpt.close()
 
 
 def test_changed_model_shape_names_the_parameter(tmp_path, trained_state):
     ckpt = Checkpointer(str(tmp_path), async_save=False)
-    ckpt.save(3, trained_state, META)
+    save(ckpt, 3, trained_state)
     with pytest.raises(ValueError, match=r"step 3 has shape \(8,\) for params/Dense_0/bias, model has \(16,\)"):
-        ckpt.restore(None, fresh_state(hidden=16))
+        ckpt.restore(None, DP.checkpoint_target(fresh_state(hidden=16)))
     ckpt.close()
 
 
 def test_changed_tree_structure_names_the_entry(tmp_path, trained_state):
     ckpt = Checkpointer(str(tmp_path), async_save=False)
-    ckpt.save(3, trained_state, META)
-    template = fresh_state()
-    grown = template.replace(params={**template.params, "Extra": {"kernel": jnp.zeros((2, 2))}})
+    save(ckpt, 3, trained_state)
+    target = DP.checkpoint_target(fresh_state())
+    grown = target.replace(params={**target.params, "Extra": {"kernel": jax.ShapeDtypeStruct((2, 2), np.float32)}})
     with pytest.raises(ValueError, match="has no params/Extra/kernel"):
         ckpt.restore(None, grown)
     ckpt.close()
 
 
-def test_other_device_count_is_refused(tmp_path, trained_state, monkeypatch):
+def test_keys_come_back_as_saved_whatever_this_run_has(tmp_path, trained_state):
+    """A run on another device count (or layout) restores the weights; it gets the saved keys to
+    derive its own from (utils/resume.py)."""
     ckpt = Checkpointer(str(tmp_path), async_save=False)
-    ckpt.save(3, trained_state, META)
-    monkeypatch.setattr(jax, "device_count", lambda: 4)
-    with pytest.raises(ValueError, match="saved by a run on 8 devices, this run has 4"):
-        ckpt.restore(None, fresh_state())
+    save(ckpt, 3, trained_state)
+    target = DP.checkpoint_target(fresh_state())
+    fewer = target.replace(dropout_rng=jax.ShapeDtypeStruct((4, 2), np.uint32))
+    restored, _ = ckpt.restore(None, fewer)
+    np.testing.assert_array_equal(restored.dropout_rng, np.asarray(trained_state.dropout_rng))
     ckpt.close()
 
 
@@ -181,36 +179,36 @@ def test_missing_checkpoint_raises_file_not_found(tmp_path):
     ckpt = Checkpointer(str(tmp_path / "empty"))
     assert ckpt.latest_step() is None
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
-        ckpt.restore(None, fresh_state())
+        ckpt.restore(None, DP.checkpoint_target(fresh_state()))
     ckpt.close()
 
 
 def test_unknown_step_raises_file_not_found(tmp_path, trained_state):
     ckpt = Checkpointer(str(tmp_path), async_save=False)
-    ckpt.save(3, trained_state, META)
+    save(ckpt, 3, trained_state)
     with pytest.raises(FileNotFoundError, match="no checkpoint at step 7"):
-        ckpt.restore(7, fresh_state())
+        ckpt.restore(7, DP.checkpoint_target(fresh_state()))
     ckpt.close()
 
 
 def test_non_main_process_writes_nothing_but_can_read(tmp_path, trained_state):
     directory = tmp_path / "ckpt"
     reader = Checkpointer(str(directory), is_main_process=False)
-    assert not reader.save(1, trained_state, META)
+    assert not save(reader, 1, trained_state)
     reader.wait()
     assert not directory.exists()
 
     writer = Checkpointer(str(directory), async_save=False)
-    writer.save(1, trained_state, META)
+    save(writer, 1, trained_state)
     writer.close()
-    _, meta = Checkpointer(str(directory), is_main_process=False).restore(None, fresh_state())
+    _, meta = Checkpointer(str(directory), is_main_process=False).restore(None, DP.checkpoint_target(fresh_state()))
     assert meta == META
 
 
 def test_read_meta_and_delete_after(tmp_path, trained_state):
     ckpt = Checkpointer(str(tmp_path), max_to_keep=None, async_save=False)
     for step in (2, 4, 6):
-        ckpt.save(step, trained_state, {"step": step})
+        save(ckpt, step, trained_state, {"step": step})
     assert ckpt.read_meta(None) == {"step": 6} and ckpt.read_meta(4) == {"step": 4}
     assert ckpt.delete_after(2) == [4, 6]
     assert ckpt.all_steps() == [2] and checkpoint_steps(str(tmp_path)) == [2]

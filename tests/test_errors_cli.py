@@ -267,7 +267,7 @@ def test_push_to_hub_without_token(fails, files, monkeypatch):
 
 def test_busy_tpu_stops_the_run_before_anything_is_written(fails, files, monkeypatch, jax_platforms):
     """A Cloud TPU VM whose TPU another process holds: JAX opened the CPU (as it does here)."""
-    monkeypatch.setattr("utils.sharding._on_cloud_tpu_vm", lambda: True)
+    monkeypatch.setattr("utils.devices._on_cloud_tpu_vm", lambda: True)
     monkeypatch.setattr("jax.distributed.initialize", lambda **settings: None)  # one VM: nothing to join
     jax_platforms(None)
     fails(scratch(files), r"this is a Cloud TPU VM, but JAX opened the CPU instead of the TPU.*: another process "
@@ -486,18 +486,18 @@ class FakeModel:
 
 @pytest.fixture
 def saver(tmp_path, monkeypatch):
-    from test_checkpoint import fresh_state, replicated_state
+    from test_checkpoint import DP, fresh_state
     from utils import rundir, saving
 
     for module in (rundir, saving):  # run_main's list, which nothing here drains
         monkeypatch.setattr(module, "at_exit", lambda callback: None)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
     run_dir = RunDirectory(args, (args,), FakeModel(), None, is_main=True, total_steps=10)
-    saver = Saver(args, run_dir, {}, steps_per_epoch=10, total_steps=10, start_step=0, is_main=True)
-    state = replicated_state(fresh_state())
+    saver = Saver(args, run_dir, DP, {}, steps_per_epoch=10, total_steps=10, start_step=0, is_main=True)
+    state = fresh_state()
     saver.save(1, state, "save_steps")
     saver.checkpointer.wait()
-    yield saver, state, fresh_state()
+    yield saver, state, DP.checkpoint_target(fresh_state())
     saver.close()
 
 

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from utils import lm, sharding
+from utils import lm
 from utils.args import ModelArguments, TrainingArguments
 from utils.errors import UsageError
+from utils.layout import AXIS
 from utils.steps import cross_entropy_sums
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,9 +149,9 @@ def test_token_weighted_loss_across_devices_matches_hand_computation():
 
     def step(logits, labels, weights):
         loss, tokens = cross_entropy_sums(logits, labels, weights)
-        return jax.lax.psum({"loss": loss, "tokens": tokens}, sharding.AXIS)
+        return jax.lax.psum({"loss": loss, "tokens": tokens}, AXIS)
 
-    sums = jax.pmap(step, sharding.AXIS)(logits, labels, weights)
+    sums = jax.pmap(step, AXIS)(logits, labels, weights)
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     token_losses = -np.take_along_axis(log_probs, labels[..., None], -1)[..., 0]
     expected = token_losses[weights == 1].mean()

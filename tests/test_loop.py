@@ -6,12 +6,13 @@ import jax
 import numpy as np
 import pytest
 
-from utils import sharding
+from utils.layout import DataParallel
 from utils.errors import RunError
 from utils.logging import Throughput
 from utils.loop import TrainLoop, eval_batches, host_means, train_batches
 
 N = 8
+DP = DataParallel()
 
 
 class Writer:
@@ -79,7 +80,7 @@ def test_save_refused_after_a_non_finite_loss():
 
 def device_sums(loss, tokens):
     """psum'd step sums as a pmap returns them: the same value on every device."""
-    return {"loss": sharding.replicate(np.float32(loss)), "tokens": sharding.replicate(np.float32(tokens))}
+    return {"loss": DP.place_batch(np.full(N, loss, np.float32)), "tokens": DP.place_batch(np.full(N, tokens, np.float32))}
 
 
 def test_host_means_weights_by_tokens():
@@ -122,10 +123,10 @@ def test_eval_batches_fixed_shapes_and_weights():
     num, batch_size = 21, 16
     arrays = {"input_ids": np.arange(num * 3).reshape(num, 3), "labels": np.arange(num)}
     seen, weight, valids = [], 0.0, []
-    for batch, valid in eval_batches(arrays, num, batch_size):
+    for batch, valid in eval_batches(arrays, num, batch_size, DP):
         assert batch["input_ids"].shape == (N, 2, 3) and batch["example_weight"].shape == (N, 2)
-        weights = sharding.unshard(batch["example_weight"])
-        seen.extend(sharding.unshard(batch["labels"])[weights > 0])
+        weights = DP.rows_to_host(batch["example_weight"])
+        seen.extend(DP.rows_to_host(batch["labels"])[weights > 0])
         weight += weights.sum()
         valids.append(valid)
     assert valids == [16, 5] and weight == num and seen == list(range(num))
@@ -139,7 +140,7 @@ def test_eval_batches_transform_sees_step_0_and_the_first_example_index():
         calls.append((step, first_row))
         return {"x": batch["x"] + 100}
 
-    out = [sharding.unshard(b["x"])[:valid] for b, valid in eval_batches(arrays, 10, 8, transform)]
+    out = [DP.rows_to_host(b["x"])[:valid] for b, valid in eval_batches(arrays, 10, 8, DP, transform)]
     assert calls == [(0, 0), (0, 8)] and np.concatenate(out).tolist() == list(range(100, 110))
 
 
@@ -152,9 +153,9 @@ def test_train_batches_transform_sees_the_step_and_this_process_rows(monkeypatch
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
-    monkeypatch.setattr(sharding, "prefetch", lambda batches: list(batches))  # host rows, not placed
+    host_rows = type("HostRows", (), {"prefetch": staticmethod(list)})()  # a layout that places nothing
     train_batches({"x": np.arange(40)}, 40, 16, seed=1, steps_per_epoch=2, start_step=1, total_steps=3,
-                  transform=transform)
+                  layout=host_rows, transform=transform)
     assert calls == [(1, 8, 8), (2, 8, 8)]  # steps 1 and 2 (0-based), process 1 holds rows 8..15
 
 
@@ -162,9 +163,10 @@ def test_train_batches_follow_seeded_order_and_resume():
     from utils import data
 
     arrays = {"x": np.arange(40)}
-    run = [sharding.unshard(b["x"]) for b in train_batches(arrays, 40, 16, seed=1, steps_per_epoch=2, start_step=0,
-                                                           total_steps=5)]
+    run = [DP.rows_to_host(b["x"]) for b in train_batches(arrays, 40, 16, seed=1, steps_per_epoch=2, start_step=0,
+                                                           total_steps=5, layout=DP)]
     assert len(run) == 5
     np.testing.assert_array_equal(run[2], data.train_batch_indices(40, 16, 1, epoch=1, step_in_epoch=0))
-    resumed = [sharding.unshard(b["x"]) for b in train_batches(arrays, 40, 16, 1, 2, start_step=3, total_steps=5)]
+    resumed = [DP.rows_to_host(b["x"])
+               for b in train_batches(arrays, 40, 16, 1, 2, start_step=3, total_steps=5, layout=DP)]
     np.testing.assert_array_equal(np.stack(resumed), np.stack(run[3:]))

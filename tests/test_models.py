@@ -16,6 +16,7 @@ from transformers import (BertConfig, EncoderDecoderConfig, FlaxAutoModelForSeq2
 from utils import compat
 from utils.args import ModelArguments
 from utils.errors import UsageError
+from utils.layout import DataParallel, FullySharded
 from utils.models import (DECODER_START_TOKENS, TASK_MODEL_TYPES, decoder_input_ids, fit_config_to_tokenizer,
                           fit_length, load_config, load_model, load_tokenizer, max_positions)
 
@@ -146,18 +147,37 @@ def test_fit_length(caplog):
     assert caplog.messages == ["--max_source_length 1024 is more than the model's 128 positions: using 128"]
 
 
+@pytest.mark.parametrize("layout", [DataParallel(), FullySharded(8)], ids=["dp", "fsdp"])
 @pytest.mark.parametrize("dtype, param_dtype", [("float32", "float32"), ("bfloat16", "float32"),
                                                 ("bfloat16", "bfloat16")])
-def test_load_model_compute_and_parameter_dtypes(tokenizer, dtype, param_dtype):
+def test_load_model_compute_and_parameter_dtypes(tokenizer, dtype, param_dtype, layout):
     compat.apply()  # the T5 clip shim
-    args = ModelArguments(model_type="t5", config_overrides="d_model=16,d_ff=32,num_layers=1,num_heads=2,d_kv=8",
+    args = ModelArguments(model_type="t5", config_overrides="d_model=64,d_ff=256,num_layers=1,num_heads=2,d_kv=8",
                           dtype=dtype, param_dtype=param_dtype)
     config = fit_config_to_tokenizer(load_config(args, "seq2seq"), tokenizer, args)
-    model = load_model(FlaxAutoModelForSeq2SeqLM, args, config, dtype=jnp.dtype(dtype), seed=0)
-    assert {x.dtype for x in jax.tree_util.tree_leaves(model.params)} == {jnp.dtype(param_dtype)}
+    model, params = load_model(FlaxAutoModelForSeq2SeqLM, args, config, jnp.dtype(dtype), 0, layout)
+    assert {x.dtype for x in jax.tree_util.tree_leaves(params)} == {jnp.dtype(param_dtype)}
+    ffn = params["encoder"]["block"]["0"]["layer"]["1"]["DenseReluDense"]["wi"]["kernel"]  # 64 x 256
+    assert {shard.data.shape for shard in ffn.addressable_shards} == {(64, 256 // layout.batch_shards)}
     ids = np.ones((1, 4), np.int32)
-    logits = model(ids, decoder_input_ids=ids).logits
+    logits = model(ids, decoder_input_ids=ids, params=layout.params_to_host(params)).logits
     assert logits.dtype == jnp.dtype(dtype) and bool(jnp.isfinite(logits).all())
+
+
+def test_pretrained_weights_load_through_the_host_and_missing_ones_are_made(tokenizer, tmp_path):
+    """A saved model loads into host memory then its layout; a head the checkpoint lacks is
+    initialised fresh instead of left out."""
+    compat.apply()
+    args = ModelArguments(model_type="t5", config_overrides="d_model=64,d_ff=256,num_layers=1,num_heads=2,d_kv=8")
+    config = fit_config_to_tokenizer(load_config(args, "seq2seq"), tokenizer, args)
+    model, params = load_model(FlaxAutoModelForSeq2SeqLM, args, config, jnp.float32, 0, DataParallel())
+    saved = {key: value for key, value in params.items() if key != "lm_head"} if "lm_head" in params else params
+    config.tie_word_embeddings = False  # T5 v1.1 style: a separate head the checkpoint does not hold
+    model.save_pretrained(tmp_path, params=saved)
+    loaded_args = ModelArguments(model_name_or_path=str(tmp_path))
+    model, loaded = load_model(FlaxAutoModelForSeq2SeqLM, loaded_args, config, jnp.float32, 0, FullySharded(8))
+    assert "lm_head" in loaded
+    np.testing.assert_array_equal(np.asarray(loaded["shared"]["embedding"]), np.asarray(params["shared"]["embedding"]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,9 +318,9 @@ def test_fresh_encoder_decoder(tokenizer):
         GPT2Config(n_embd=16, n_layer=1, n_head=2, n_inner=32))
     args = ModelArguments(config_name="tiny-encoder-decoder")
     config = fit_config_to_tokenizer(config, tokenizer, args)
-    model = load_model(FlaxAutoModelForSeq2SeqLM, args, config, dtype=jnp.float32, seed=0)
-    again = load_model(FlaxAutoModelForSeq2SeqLM, args, config, dtype=jnp.float32, seed=0)
-    other = load_model(FlaxAutoModelForSeq2SeqLM, args, config, dtype=jnp.float32, seed=1)
+    model, params = load_model(FlaxAutoModelForSeq2SeqLM, args, config, jnp.float32, 0, DataParallel())
+    _, again = load_model(FlaxAutoModelForSeq2SeqLM, args, config, jnp.float32, 0, DataParallel())
+    _, other = load_model(FlaxAutoModelForSeq2SeqLM, args, config, jnp.float32, 1, DataParallel())
     embedding = ("decoder", "transformer", "wte", "embedding")
 
     def leaf(params):
@@ -308,9 +328,9 @@ def test_fresh_encoder_decoder(tokenizer):
             params = params[key]
         return np.asarray(params)
 
-    assert leaf(model.params).shape == (len(tokenizer), 16)
-    np.testing.assert_array_equal(leaf(model.params), leaf(again.params))
-    assert not np.array_equal(leaf(model.params), leaf(other.params))
+    assert leaf(params).shape == (len(tokenizer), 16)
+    np.testing.assert_array_equal(leaf(params), leaf(again))
+    assert not np.array_equal(leaf(params), leaf(other))
     ids = np.full((1, 4), 3, np.int32)
-    logits = model(ids, decoder_input_ids=ids).logits
+    logits = model(ids, decoder_input_ids=ids, params=params).logits
     assert logits.shape == (1, 4, len(tokenizer)) and bool(jnp.isfinite(logits).all())

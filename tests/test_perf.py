@@ -6,7 +6,8 @@ import jax
 import numpy as np
 
 from script_runner import ROOT, script_env
-from utils import perf, sharding
+from utils import layout, perf
+from utils.layout import AXIS, DataParallel
 
 
 def test_compile_count_sees_each_new_program_once():
@@ -21,31 +22,39 @@ def test_compile_count_sees_each_new_program_once():
     assert perf.compiled_since(middle) == ["jit(<lambda>)"]
 
 
-def sharded(rows):
-    return sharding.shard(np.ones((jax.local_device_count() * rows,), np.float32))
-
-
 def test_recorder_tells_which_calls_compiled_and_forgets_donated_inputs():
-    original = jax.pmap
+    dp = DataParallel()
+    original = layout.step_wrapper
     recorder = perf.StepRecorder(keep_inputs=2)
     with recorder.active():
-        def add_step(state, batch):
-            return state + batch.sum()
-        step = jax.pmap(add_step, sharding.AXIS, donate_argnums=(0,))
-    assert jax.pmap is original
-    state = sharding.replicate(np.float32(0))  # as the scripts place it: no new program at call 2
+        step = layout.step_wrapper("add_step", lambda: jax.pmap(lambda state, batch: state + batch.sum(), AXIS,
+                                                                 donate_argnums=(0,)), donated=(0,))
+    assert layout.step_wrapper is original
+    state = dp.place_batch(np.zeros(jax.local_device_count(), np.float32))  # as the scripts place it
     for rows in (2, 2, 3, 2):
-        state = step(state, sharded(rows))
+        state = step(state, dp.place_batch(np.ones(jax.local_device_count() * rows, np.float32)))
     recorded = recorder.steps["add_step"]
     assert recorded.calls == 4 and recorded.calls_that_compiled() == [1, 3]
     assert len(recorded.inputs) == 2 and all(args[0] is None for args in recorded.inputs)
     assert recorded.inputs[-1][1].shape == (jax.local_device_count(), 2)
     np.testing.assert_allclose(recorded.outputs, 9.0)
     forgetful = perf.RecordedStep(step.function, "add_step", keep_inputs=0)
-    forgetful(recorder.steps["add_step"].outputs, sharded(2))
+    forgetful(recorder.steps["add_step"].outputs, dp.place_batch(np.ones(jax.local_device_count() * 2, np.float32)))
     assert forgetful.calls == 1 and forgetful.inputs == []  # keeps no batch alive
     assert perf.step_report(recorder)["add_step"] == {
         "calls": 4, "calls_that_compiled": [1, 3], "compiled": [["jit(_fun)"], ["jit(_fun)"]]}
+
+
+def test_a_step_compiled_ahead_of_time_counts_its_compile_for_the_first_call():
+    """The train step compiles before the loop (its memory is checked first): that is its first
+    call's compile, and later calls compile nothing."""
+    recorder = perf.StepRecorder()
+    double = jax.jit(lambda x: 2 * x)
+    with recorder.active():
+        step = layout.step_wrapper("train_step", lambda: double.lower(np.ones(3)).compile())
+    for _ in range(3):
+        step(np.ones(3))
+    assert recorder.steps["train_step"].calls_that_compiled() == [1]
 
 
 SCRIPT = '''
@@ -53,8 +62,10 @@ import sys
 import jax
 import numpy as np
 
+from utils import layout
+
 def main():
-    double = jax.pmap(lambda x: x * 2)
+    double = layout.DataParallel().compile_step("double", lambda x: x * 2)
     for rows in map(int, sys.argv[1:]):
         double(np.ones((jax.local_device_count(), rows)))
 '''
@@ -68,7 +79,7 @@ def test_module_entry_point_writes_the_report_of_a_script(tmp_path):
                             cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     steps = json.loads(report.read_text())
-    assert steps["<lambda>"]["calls"] == 3 and steps["<lambda>"]["calls_that_compiled"] == [1, 3]
+    assert steps["double"]["calls"] == 3 and steps["double"]["calls_that_compiled"] == [1, 3]
 
 
 def test_module_entry_point_without_arguments_says_how_to_use_it():

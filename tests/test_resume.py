@@ -23,21 +23,22 @@ from transformers import T5Config
 from script_runner import ROOT, directory_state, read_metrics, run_script, script_env
 from utils.args import TrainingArguments
 from utils.checkpoint import checkpoint_steps
+from utils.layout import DataParallel, FullySharded
 from utils.resume import fingerprint_difference, run_fingerprint
 
 
 # ---------------------------------------------------------------------------------------------
 # The fingerprint a resumed run is checked against
 # ---------------------------------------------------------------------------------------------
-def fingerprint(train_examples=160, config=None, **training):
+def fingerprint(train_examples=160, config=None, layout=DataParallel(), **training):
     args = TrainingArguments(output_dir="out", do_train=True, **{"per_device_train_batch_size": 2, **training})
-    return run_fingerprint(config or T5Config(d_model=32, num_layers=1), args, train_examples)
+    return run_fingerprint(config or T5Config(d_model=32, num_layers=1), args, layout, train_examples)
 
 
 def test_fingerprint_names_what_fixes_the_run():
     saved = fingerprint()
     assert saved["global batch size"] == 16 and saved["training examples"] == 160  # 2 x 8 devices
-    assert saved["seed"] == 42 and saved["optimizer"] == "adamw" and saved["devices"] == 8
+    assert saved["seed"] == 42 and saved["optimizer"] == "adamw" and saved["devices"] == 8 and saved["layout"] == "dp"
     assert saved["model config"]["d_model"] == 32 and "transformers_version" not in saved["model config"]
 
 
@@ -47,6 +48,9 @@ def test_compatible_changes_are_no_difference():
                                                      save_steps=11, learning_rate=1e-3)) is None
     same_batch = fingerprint(per_device_train_batch_size=1, gradient_accumulation_steps=2)
     assert fingerprint_difference(saved, same_batch) is None
+    # Another layout or device count continues the weights exactly (its dropout keys are derived anew).
+    assert fingerprint_difference(saved, fingerprint(layout=FullySharded(8))) is None
+    assert fingerprint_difference(saved, {**saved, "devices": 4}) is None
     config = T5Config(d_model=32, num_layers=1, name_or_path="elsewhere")  # where a config came from is no matter
     assert fingerprint_difference(saved, fingerprint(config=config)) is None
 
@@ -68,7 +72,7 @@ def test_each_incompatible_change_is_named():
 
 def test_eval_only_runs_compare_the_model_config_only():
     args = TrainingArguments(output_dir="out", do_eval=True)
-    current = run_fingerprint(T5Config(d_model=32, num_layers=1), args)
+    current = run_fingerprint(T5Config(d_model=32, num_layers=1), args, DataParallel())
     assert set(current) == {"model config"}
     assert fingerprint_difference(fingerprint(), current) is None
 

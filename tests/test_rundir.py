@@ -6,7 +6,6 @@ import os
 import jax
 import numpy as np
 import pytest
-from flax.jax_utils import replicate
 
 from test_checkpoint import assert_bitwise_equal
 from utils.args import TrainingArguments
@@ -126,16 +125,16 @@ def test_export_pretrained_round_trip(tmp_path):
         vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2
     )
     model = FlaxT5ForConditionalGeneration(config, seed=0)
-    replicated = replicate(model.params, axis_name="batch")  # as the pmap loop holds them
+    on_host = jax.device_get(model.params)  # as the layouts hand them over (`Layout.params_to_host`)
 
-    export_pretrained(model, replicated, tiny_tokenizer(), str(tmp_path))
+    export_pretrained(model, on_host, tiny_tokenizer(), str(tmp_path))
     loaded = FlaxT5ForConditionalGeneration.from_pretrained(str(tmp_path))
     assert_bitwise_equal(loaded.params, jax.device_get(model.params))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
     assert tokenizer("hello world").input_ids == [3, 4]
 
     skipped = tmp_path / "not_main"
-    export_pretrained(model, replicated, None, str(skipped), is_main_process=False)
+    export_pretrained(model, on_host, None, str(skipped), is_main_process=False)
     assert not skipped.exists()
 
 

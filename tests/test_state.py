@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from utils.state import TrainState, create_train_state
+from utils.state import TrainState
 
 
 def apply_fn(params, x):
@@ -13,10 +13,11 @@ def apply_fn(params, x):
 
 
 def make_state(seed=0):
-    return create_train_state(apply_fn, {"w": jnp.ones((3, 2))}, optax.sgd(0.5), seed=seed)
+    return TrainState.create(apply_fn=apply_fn, params={"w": jnp.ones((3, 2))}, tx=optax.sgd(0.5),
+                             dropout_rng=jax.random.PRNGKey(seed))
 
 
-def test_create_train_state():
+def test_create():
     state = make_state(seed=5)
     assert isinstance(state, TrainState) and int(state.step) == 0
     np.testing.assert_array_equal(state.dropout_rng, jax.random.PRNGKey(5))

@@ -1,14 +1,15 @@
-"""utils/steps.py: token-summed cross entropy and token-weighted (accumulated) gradients under pmap."""
+"""utils/steps.py: token-summed cross entropy and token-weighted (accumulated) gradients, in both layouts."""
 
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from utils import sharding
-from utils.steps import cross_entropy_sums, token_weighted_grads
+from utils.layout import AXIS, DataParallel, FullySharded
+from utils.steps import cross_entropy_sums, split_micro_batches, token_weighted_grads
 
 N, VOCAB, DIM, LENGTH = 8, 7, 4, 5
 
@@ -69,13 +70,24 @@ def make_problem(global_batch, seed=0):
     return params, batch
 
 
-def pmapped_grads(params, batch, accumulation):
-    step = jax.pmap(partial(token_weighted_grads, linear_loss, accumulation_steps=accumulation), sharding.AXIS)
-    grads, sums = step(sharding.replicate(params), sharding.shard(batch), sharding.per_device_keys(0))
-    return sharding.unreplicate(grads), sharding.unreplicate(sums), grads
+LAYOUTS = {"dp": DataParallel(), "fsdp": FullySharded(8)}
 
 
-def test_token_weighted_grads_equal_global_mean_gradient():
+def layout_grads(name, params, batch, accumulation):
+    """(grads, sums) on the host from `token_weighted_grads` run as `name`'s layout runs its steps,
+    and the gradients as the step returns them (every device's copy under "dp")."""
+    layout = LAYOUTS[name]
+    grads_of = partial(token_weighted_grads, linear_loss, accumulation_steps=accumulation, layout=layout)
+    state = layout.create_state(None, jax.tree_util.tree_map(jnp.array, params), optax.sgd(0.0), seed=0)  # fsdp donates
+    if name == "dp":
+        grads, sums = jax.pmap(grads_of, AXIS)(state.params, layout.place_batch(batch), state.dropout_rng)
+        return jax.tree_util.tree_map(lambda x: np.asarray(x[0]), (grads, sums)) + (grads,)
+    grads, sums = jax.jit(grads_of)(state.params, layout.place_batch(batch), state.dropout_rng)
+    return jax.device_get(grads), jax.device_get(sums), grads
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_token_weighted_grads_equal_global_mean_gradient(layout):
     params, batch = make_problem(16)
 
     def global_mean(params):
@@ -83,10 +95,11 @@ def test_token_weighted_grads_equal_global_mean_gradient():
         return loss / sums["tokens"]
 
     expected = jax.jit(jax.grad(global_mean))(params)
-    grads, sums, replicated = pmapped_grads(params, batch, accumulation=1)
+    grads, sums, returned = layout_grads(layout, params, batch, accumulation=1)
     for name in params:
         np.testing.assert_allclose(grads[name], expected[name], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(np.asarray(replicated[name]), np.broadcast_to(grads[name], replicated[name].shape))
+        if layout == "dp":  # every device got the same, global gradient
+            np.testing.assert_allclose(np.asarray(returned[name]), np.broadcast_to(grads[name], returned[name].shape))
     assert float(sums["tokens"]) == batch["mask"].sum()
     assert float(sums["loss"]) == pytest.approx(float(jax.jit(linear_loss)(params, batch, None)[0]), rel=1e-5)
     # a per-device mean of means would differ (uneven token counts): the test can tell them apart
@@ -99,11 +112,21 @@ def test_token_weighted_grads_equal_global_mean_gradient():
     assert not np.allclose(mean_of_means, expected["w"], rtol=1e-3)
 
 
-def test_accumulation_equals_one_big_batch():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_accumulation_equals_one_big_batch(layout):
     params, batch = make_problem(32, seed=3)
-    grads1, sums1, _ = pmapped_grads(params, batch, accumulation=1)
-    grads4, sums4, _ = pmapped_grads(params, batch, accumulation=4)
+    grads1, sums1, _ = layout_grads(layout, params, batch, accumulation=1)
+    grads4, sums4, _ = layout_grads(layout, params, batch, accumulation=4)
     for name in params:
         np.testing.assert_allclose(grads4[name], grads1[name], atol=1e-6)
     assert float(sums4["tokens"]) == float(sums1["tokens"]) == batch["mask"].sum()
     assert float(sums4["loss"]) == pytest.approx(float(sums1["loss"]), rel=1e-6)
+
+
+def test_micro_batch_i_takes_the_ith_part_of_every_shard():
+    """With the rows of 2 devices (shards), 2 micro-batches: each spans both devices, as under "dp",
+    where each device cuts its own rows."""
+    rows = np.arange(8)
+    micro = split_micro_batches({"x": rows}, 2, shards=2)["x"]
+    np.testing.assert_array_equal(micro, [[0, 1, 4, 5], [2, 3, 6, 7]])
+    np.testing.assert_array_equal(split_micro_batches({"x": rows}, 2)["x"], [[0, 1, 2, 3], [4, 5, 6, 7]])

@@ -20,6 +20,7 @@ SECRET_FIELDS = ("hub_token", "token")
 DTYPES = ("float32", "float16", "bfloat16")
 PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine", "constant")
+LAYOUTS = ("dp", "fsdp")
 
 
 def _help(text, **kwargs):
@@ -120,6 +121,13 @@ class TrainingArguments:
     hub_model_id: Optional[str] = _help("Repository name on the hub (default: output_dir's name).", default=None)
     hub_token: Optional[str] = _help("Token for pushing to the hub (never logged or saved).", default=None)
     gradient_checkpointing: bool = _help("Recompute activations in the backward pass to save memory.", default=False)
+    sharding: str = _help(
+        "Where the train state lives: 'dp' (jax.pmap; every device holds the whole model, its gradients and "
+        "optimizer state) or 'fsdp' (jax.jit over a mesh of all devices; parameters, gradients and optimizer "
+        "state split over the devices, for models larger than one device).", default="dp")
+    fsdp_size: Optional[int] = _help(
+        "With --sharding fsdp: devices each parameter is split over (default: all); the mesh is "
+        "(devices / fsdp_size) x fsdp_size, data parallel across the groups.", default=None)
     compilation_cache_dir: Optional[str] = _help(
         "JAX persistent compilation cache directory; 'none' turns it off.", default="~/.cache/flaxtune/jax"
     )
@@ -149,6 +157,11 @@ class TrainingArguments:
             raise UsageError(f"--num_train_epochs must be positive, got {self.num_train_epochs} (or set --max_steps)")
         if self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.label_smoothing_factor < 1:
             raise UsageError("--warmup_steps and --weight_decay must be >= 0 and --label_smoothing_factor in [0, 1)")
+        if self.sharding not in LAYOUTS:
+            raise UsageError(f"--sharding {self.sharding!r} is unknown: use one of {', '.join(LAYOUTS)}")
+        if self.fsdp_size is not None and (self.sharding != "fsdp" or self.fsdp_size <= 0):
+            raise UsageError(f"--fsdp_size {self.fsdp_size}: it must be positive, and it applies only with "
+                             "--sharding fsdp")
         if self.lr_scheduler_type not in SCHEDULES:
             raise UsageError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown: use one of {', '.join(SCHEDULES)}")
         self.output_dir = os.path.expanduser(self.output_dir)
@@ -272,7 +285,7 @@ def check_output_dir(training_args, has_checkpoint: bool):
 
 
 def check_distributed(coordinator_address, num_processes, process_id):
-    """Check the multi-host settings given; `sharding.initialize_processes` checks them again once the
+    """Check the multi-host settings given; `devices.initialize_processes` checks them again once the
     environment has filled in the missing ones."""
     if coordinator_address is not None:
         host, _, port = coordinator_address.rpartition(":")

@@ -1,11 +1,13 @@
 """Full-state checkpoints: save, restore, and finding them on disk.
 
 A checkpoint step directory holds two orbax items:
-- "state": the TrainState as host numpy arrays, stored device-independently: params, opt_state and
-  step once (the replicas are identical), dropout_rng as one row per device of the run
-  (`[n_devices, ...]`), because every device draws its own dropout key and an exact resume needs them
-  all.
-- "meta": a JSON dict chosen by the caller (`utils.run.Outputs` stores the step, the data position
+- "state": the TrainState as global arrays, whatever the layout that saved it
+  (`utils.layout.Layout.checkpoint_tree`): params, opt_state and step at their full shapes (host
+  copies of the replicas under "dp"; the sharded arrays as they are under "fsdp", each process
+  writing its shards), and dropout_rng as one row per dropout key of the run (`[keys, 2]`: one per
+  device under "dp", one under "fsdp"). So any layout, on any number of devices, restores any
+  checkpoint: the target says where each leaf goes (a sharding, or the host).
+- "meta": a JSON dict chosen by the caller (`utils.saving.Saver` stores the step, the data position
   and a fingerprint of the settings a resume must not change).
 
 Orbax writes each step into a `*.orbax-checkpoint-tmp*` directory and renames it when complete, so a
@@ -13,8 +15,7 @@ save killed half-way never shows up in `all_steps`/`latest_step` and is never re
 
 Multi-host runs: orbax coordinates a save with barriers, so every process must call `save` with the
 same step, and orbax lets only the primary process (process 0) write host arrays and JSON.
-`is_main_process` is therefore ignored when `jax.process_count() > 1`; the dropout keys of all
-processes are gathered before the save, and `restore` gives each process its own rows back.
+`is_main_process` is therefore ignored when `jax.process_count() > 1`.
 With a single process, `is_main_process=False` opens the checkpoints read-only: it writes nothing.
 """
 
@@ -26,13 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from utils.errors import RunError, UsageError, is_disk_full
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_SUBDIR = "checkpoints"
+KEYS = "dropout_rng"  # the state's leaf of dropout keys, one row per key
 
 
 def find_checkpoint_dir(output_dir: str) -> str:
@@ -110,25 +111,6 @@ def all_finite(tree) -> bool:
     return bool(_leaves_finite(leaves)) if leaves else True
 
 
-def host_copy(x):
-    """The first local device's copy of a pmap-replicated array, on the host.
-
-    Replicated arrays carry a leading device axis and live on several devices (a NamedSharding even
-    with one device); anything else (numpy, a single-device array) is already unreplicated.
-    """
-    if isinstance(x, jax.Array) and not isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
-        return np.asarray(x.addressable_data(0)).reshape(x.shape[1:])
-    return np.asarray(x)
-
-
-def _host_state(state):
-    """The replicated device state as host numpy arrays, with the keys of every device kept."""
-    # `tiled` concatenates each process's local keys: one row per device of the whole run.
-    keys = multihost_utils.process_allgather(state.dropout_rng, tiled=True)
-    # Copies are made now, not in the async writer: the next pmap step may donate the device buffers.
-    return jax.tree.map(host_copy, state.replace(dropout_rng=None)).replace(dropout_rng=keys)
-
-
 def _shape_dtypes(tree) -> dict:
     """{"params/encoder/...": (shape, dtype)} for every array leaf, in tree order."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -139,11 +121,14 @@ def _shape_dtypes(tree) -> dict:
 
 
 def _check_compatible(step: int, saved: dict, expected: dict):
-    """Raise ValueError at the first entry where the checkpoint and the model disagree."""
+    """Raise ValueError at the first entry where the checkpoint and the model disagree (the number of
+    dropout keys may differ: see `utils.resume`)."""
     for path, (shape, dtype) in expected.items():
         if path not in saved:
             raise ValueError(f"checkpoint at step {step} has no {path}, which the model has: the model config changed")
         saved_shape, saved_dtype = saved[path]
+        if path == KEYS:
+            shape = saved_shape[:1] + shape[1:]
         if saved_shape != shape:
             raise ValueError(
                 f"checkpoint at step {step} has shape {saved_shape} for {path}, model has {shape}: "
@@ -157,6 +142,12 @@ def _check_compatible(step: int, saved: dict, expected: dict):
     extra = [path for path in saved if path not in expected]
     if extra:
         raise ValueError(f"checkpoint at step {step} has {extra[0]}, which the model lacks: the model config changed")
+
+
+def _restore_args(leaf):
+    if getattr(leaf, "sharding", None) is None:
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+    return ocp.ArrayRestoreArgs(sharding=leaf.sharding)
 
 
 class Checkpointer:
@@ -183,15 +174,16 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._closed = False
 
-    def save(self, step: int, state, meta: dict, force: bool = False) -> bool:
-        """Save the replicated `state` and `meta` at `step`; returns whether a save happened.
+    def save(self, step: int, tree, meta: dict, force: bool = False) -> bool:
+        """Save `tree` (`Layout.checkpoint_tree`: global arrays, host or sharded) and `meta` at `step`;
+        returns whether a save happened.
 
-        Returns as soon as the state is on the host; the write continues in the background when
-        async (call `wait()` before reading the files or exiting).
+        Returns as soon as the arrays are copied off the devices; the write continues in the background
+        when async (call `wait()` before reading the files or exiting).
         """
         if step in self._manager.all_steps():
             return False  # e.g. the final save landing on a periodic one
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(_host_state(state)), meta=ocp.args.JsonSave(meta))
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(tree), meta=ocp.args.JsonSave(meta))
         saved = self._manager.save(step, args=args, force=force)
         if saved:
             logger.info("Saving checkpoint at step %d to %s", step, self.directory)
@@ -215,17 +207,17 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
-    def restore(self, step: int | None, template_state):
-        """Restore (host state, meta) at `step` (None: the latest).
+    def restore(self, step: int | None, target):
+        """Restore (state, meta) at `step` (None: the latest) into `target` (`Layout.checkpoint_target`).
 
-        `template_state` is an unreplicated host TrainState built like the fresh one; it gives the
-        tree structure, shapes and dtypes, which are checked against the checkpoint first. The
-        returned state has numpy leaves and dropout_rng of shape [local devices, ...], ready to be
-        replicated.
+        Each leaf of `target` (a `jax.ShapeDtypeStruct`) gives the shape and dtype, checked against the
+        checkpoint first, and where the value goes: into that sharding when it has one, else the host
+        (numpy). The dropout keys come back as saved, one row per key of the run that saved them.
         """
-        step = self.check_compatible(step, template_state)
-        target = self._abstract_target(template_state)
-        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+        step = self.check_compatible(step, target)
+        saved_keys = self.saved_shapes(step)[KEYS][0]
+        target = target.replace(dropout_rng=jax.ShapeDtypeStruct(saved_keys, target.dropout_rng.dtype))
+        restore_args = jax.tree.map(_restore_args, target)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -233,25 +225,19 @@ class Checkpointer:
                 meta=ocp.args.JsonRestore(),
             ),
         )
-        state = restored["state"]
-        n_local = jax.local_device_count()
-        first = jax.process_index() * n_local
         logger.info("Restored checkpoint at step %d from %s", step, self.directory)
-        return state.replace(dropout_rng=state.dropout_rng[first : first + n_local]), restored["meta"]
+        return restored["state"], restored["meta"]
 
-    def check_compatible(self, step: int | None, template_state) -> int:
-        """Check, from the checkpoint's metadata alone, that `template_state` can restore `step` (None:
-        the latest): the same tree, shapes, dtypes and number of devices. Returns the step; ValueError
-        names the first difference."""
+    def saved_shapes(self, step: int) -> dict:
+        """{"params/...": (shape, dtype)} of the checkpoint of `step`, from its metadata alone."""
+        return _shape_dtypes(self._manager.item_metadata(step)["state"].tree)
+
+    def check_compatible(self, step: int | None, target) -> int:
+        """Check, from the checkpoint's metadata alone, that `target` can restore `step` (None: the
+        latest): the same tree, shapes and dtypes. Returns the step; ValueError names the first
+        difference."""
         step = self._resolve_step(step)
-        saved = _shape_dtypes(self._manager.item_metadata(step)["state"].tree)
-        saved_devices = saved["dropout_rng"][0][0]
-        if saved_devices != jax.device_count():
-            raise ValueError(
-                f"checkpoint at step {step} was saved by a run on {saved_devices} devices, this run has "
-                f"{jax.device_count()}: its per-device dropout keys cannot resume exactly"
-            )
-        _check_compatible(step, saved, _shape_dtypes(self._abstract_target(template_state)))
+        _check_compatible(step, self.saved_shapes(step), _shape_dtypes(target))
         return step
 
     def _resolve_step(self, step: int | None) -> int:
@@ -263,14 +249,6 @@ class Checkpointer:
         if step not in steps:
             raise FileNotFoundError(f"no checkpoint at step {step} in {self.directory} (found steps {steps})")
         return step
-
-    @staticmethod
-    def _abstract_target(template_state):
-        """Shapes/dtypes of what the checkpoint must hold: the template, one key per device of the run."""
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), template_state)
-        key = abstract.dropout_rng
-        keys = jax.ShapeDtypeStruct((jax.device_count(), *key.shape), key.dtype)
-        return abstract.replace(dropout_rng=keys)
 
     def wait(self):
         """Block until pending async saves are written (and old steps pruned)."""

@@ -267,7 +267,7 @@ def epoch_order(num_examples, seed, epoch):
 def train_batch_indices(num_examples, global_batch_size, seed, epoch, step_in_epoch, rows=None):
     """Indices of one training batch (the incomplete last batch of an epoch is never used).
 
-    `rows` selects this process's part of the global batch (`sharding.process_slice`).
+    `rows` selects this process's part of the global batch (`devices.process_slice`).
     """
     start = step_in_epoch * global_batch_size
     indices = epoch_order(num_examples, seed, epoch)[start: start + global_batch_size]

@@ -11,7 +11,7 @@ import logging
 import jax
 import numpy as np
 
-from utils import data, perf, sharding
+from utils import data, perf, devices
 from utils.errors import RunError
 from utils.metrics import token_weighted_means
 from utils.saving import SavePolicy
@@ -20,26 +20,28 @@ logger = logging.getLogger(__name__)
 
 
 def host_means(device_sums, keep_tokens=False):
-    """Token-weighted means of a list of psum'd per-step sums (device 0's copy of each).
+    """Token-weighted means of a list of per-step sums over the global batch (under "dp" every device
+    holds a copy: the first is taken).
 
     With `keep_tokens` also "tokens", how many target tokens were scored: evaluations report it,
     so that a wrong loss mask shows as a wrong count.
     """
     # Fetched whole, indexed on the host: indexing a device array would compile a gather.
     host = jax.device_get(device_sums)
-    return token_weighted_means([{k: np.asarray(v)[0] for k, v in sums.items()} for sums in host],
+    return token_weighted_means([{k: np.asarray(v).reshape(-1)[0] for k, v in sums.items()} for sums in host],
                                 keep_weight=keep_tokens)
 
 
-def train_batches(arrays, num_examples, global_batch_size, seed, steps_per_epoch, start_step, total_steps,
+def train_batches(arrays, num_examples, global_batch_size, seed, steps_per_epoch, start_step, total_steps, layout,
                   transform=None):
-    """This process's rows of each training batch from `start_step` on, prefetched to the devices.
+    """This process's rows of each training batch from `start_step` on, placed on the devices by
+    `layout` ahead of the step that needs them.
 
     `transform(batch, step, first_row)` runs on the host before sharding (e.g. MLM masking), with
     the index of this process's first row in the global batch; it must be a pure function of its
     arguments so that a resumed run sees the same batches.
     """
-    rows = sharding.process_slice(global_batch_size)
+    rows = devices.process_slice(global_batch_size)
 
     def batches():
         for step in range(start_step, total_steps):
@@ -48,22 +50,30 @@ def train_batches(arrays, num_examples, global_batch_size, seed, steps_per_epoch
             batch = data.gather(arrays, indices)
             yield transform(batch, step, rows.start) if transform else batch
 
-    return sharding.prefetch(batches())
+    return layout.prefetch(batches())
 
 
-def eval_batches(arrays, num_examples, global_batch_size, transform=None):
-    """(sharded batch, valid rows) for every eval batch in order; the last one is padded.
+def example_batch(arrays, global_batch_size, transform=None):
+    """This process's rows of one batch shaped as every training batch is (the train step compiles
+    ahead of time for it)."""
+    rows = devices.process_slice(global_batch_size)
+    batch = data.gather(arrays, np.arange(global_batch_size)[rows])
+    return transform(batch, 0, rows.start) if transform else batch
+
+
+def eval_batches(arrays, num_examples, global_batch_size, layout, transform=None):
+    """(batch placed by `layout`, valid rows) for every eval batch in order; the last one is padded.
 
     Each batch carries `example_weight` (1 for real rows, 0 for padding) for the loss.
     """
-    rows = sharding.process_slice(global_batch_size)
+    rows = devices.process_slice(global_batch_size)
     for start, stop in data.eval_batch_ranges(num_examples, global_batch_size):
         batch = data.gather(arrays, np.arange(start, stop))
         if transform:
             batch = transform(batch, 0, start)  # every evaluation alike: step 0, rows by example index
-        batch, valid = sharding.pad_to(batch, global_batch_size)
-        batch["example_weight"] = sharding.example_mask(valid, global_batch_size)
-        yield sharding.shard({k: v[rows] for k, v in batch.items()}), valid
+        batch, valid = devices.pad_to(batch, global_batch_size)
+        batch["example_weight"] = devices.example_mask(valid, global_batch_size)
+        yield layout.place_batch({k: v[rows] for k, v in batch.items()}), valid
 
 
 class TrainLoop:

@@ -6,6 +6,8 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core.frozen_dict import unfreeze
+from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.auto import modeling_flax_auto
 
@@ -229,43 +231,53 @@ def load_tokenizer(model_args):
         raise _hub_error("tokenizer", name, e)
 
 
-def _initialized_from_config(auto_class, config, seed, dtype, trust_remote_code):
-    """A model with fresh weights from one compiled init program.
+def cast_floats(tree, dtype):
+    """Every floating-point leaf of `tree` as `dtype` (host arrays, or traced ones inside a jit)."""
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
-    transformers initializes op by op: a hundred or so small programs, each compiled (or fetched from
-    the persistent cache) on every start. One jitted init is a single cache entry; same weights.
+
+def _on_host():
+    """Where weights that must be made whole are made: the host's CPU device, never an accelerator."""
+    return jax.default_device(jax.local_devices(backend="cpu")[0])
+
+
+def _with_missing_initialised(model, params):
+    """`params` plus fresh weights for what the checkpoint lacks (a task head, say), made on the host."""
+    expected, loaded = flatten_dict(unfreeze(model.params_shape_tree)), flatten_dict(params)
+    missing = set(expected) - set(loaded)
+    if not missing:
+        return params
+    with _on_host():
+        fresh = flatten_dict(jax.jit(model.init_weights, static_argnums=1)(model.key, model.input_shape))
+    return unflatten_dict({**loaded, **{key: fresh[key] for key in missing}})
+
+
+def load_model(auto_class, model_args, config, dtype, seed, layout):
+    """(model, params): the model (its code and config, no weights) and its parameters, placed by
+    `layout` (`utils.layout`): pretrained, or fresh ones from `config`.
+
+    No device ever holds weights it would not hold in training: pretrained ones are read into host
+    memory (transformers' `_do_init=False`) and placed leaf by leaf; fresh ones come from one
+    compiled init that writes them where they belong (transformers inits op by op, a hundred or so
+    small programs compiled on every start). `dtype` is the compute dtype (activations); the weights
+    are stored in `--param_dtype`, float32 master weights by default whatever the checkpoint holds
+    (hub Flax weights are sometimes bf16).
     """
-    kwargs = dict(seed=seed, dtype=dtype, trust_remote_code=trust_remote_code)
+    param_dtype = jnp.dtype(model_args.param_dtype)
+    kwargs = dict(seed=seed, dtype=dtype, trust_remote_code=model_args.trust_remote_code)
+    if model_args.model_name_or_path:
+        try:
+            model, params = auto_class.from_pretrained(
+                model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir, token=model_args.token,
+                _do_init=False, **kwargs)
+        except (OSError, ValueError) as e:
+            raise _hub_error("model", model_args.model_name_or_path, e)
+        return model, layout.place_params(cast_floats(_with_missing_initialised(model, params), param_dtype))
     try:
         model = auto_class.from_config(config, _do_init=False, **kwargs)
     except ValueError:
-        # Some classes (FlaxEncoderDecoderModel) refuse to be built without their weights: their own
-        # init then (a different error recurs there).
-        return auto_class.from_config(config, **kwargs)
-    params = jax.jit(model.init_weights, static_argnums=1)(model.key, model.input_shape)
-    model._is_initialized = True  # what `_do_init=True` would have set; the params setter requires it
-    model.params = params
-    return model
-
-
-def load_model(auto_class, model_args, config, dtype, seed):
-    """Pretrained weights, or fresh ones from `config`.
-
-    `dtype` is the compute dtype (activations); the weights are stored in `--param_dtype`, float32
-    master weights by default whatever the checkpoint holds (hub Flax weights are sometimes bf16).
-    """
-    if model_args.model_name_or_path:
-        try:
-            model = auto_class.from_pretrained(
-                model_args.model_name_or_path, config=config, seed=seed, dtype=dtype,
-                cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
-            )
-        except (OSError, ValueError) as e:
-            raise _hub_error("model", model_args.model_name_or_path, e)
-    else:
-        model = _initialized_from_config(auto_class, config, seed, dtype, model_args.trust_remote_code)
-    param_dtype = jnp.dtype(model_args.param_dtype)
-    floats = [x.dtype for x in jax.tree_util.tree_leaves(model.params) if jnp.issubdtype(x.dtype, jnp.floating)]
-    if any(d != param_dtype for d in floats):
-        model.params = (model.to_bf16 if param_dtype == jnp.bfloat16 else model.to_fp32)(model.params)
-    return model
+        # FlaxEncoderDecoderModel refuses to be built without its weights: it makes them itself, on the host.
+        with _on_host():
+            model = auto_class.from_config(config, **kwargs)
+        return model, layout.place_params(cast_floats(model.params, param_dtype))
+    return model, layout.init_params(lambda: cast_floats(model.init_weights(model.key, model.input_shape), param_dtype))

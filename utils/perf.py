@@ -1,7 +1,7 @@
 """Performance instruments: which programs JAX compiles and when, what each pmap'd step costs, peak memory.
 
 The scripts log with `seconds_since_start` and `memory_report`. `StepRecorder` is for tests, benchmarks
-and anyone chasing a slow run: it watches every step a script builds, without changing the script:
+and anyone chasing a slow run: it watches every step a script's layout builds, without changing the script:
 
     python -m utils.perf steps.json run_clm_flax.py config.json   # which steps compiled on which call
 """
@@ -16,6 +16,7 @@ import threading
 
 import jax
 
+from utils import layout
 from utils.errors import run_main
 
 # Emitted once per program JAX lowers (a trace-cache miss), whether or not the persistent
@@ -49,11 +50,13 @@ def compiled_since(count):
 
 
 class RecordedStep:
-    """A pmap'd function that remembers its calls: the programs lowered during each, its last inputs
-    (donated arguments left out: they are deleted by the call) and its last outputs."""
+    """A step that remembers its calls: the programs lowered during each (those lowered while it was
+    built, ahead of time, count for its first call), its last inputs (donated arguments left out:
+    the call deletes them) and its last outputs."""
 
-    def __init__(self, function, name, donated=(), keep_inputs=4):
+    def __init__(self, function, name, donated=(), keep_inputs=4, compiled_when_built=()):
         self.function, self.name, self.donated, self.keep_inputs = function, name, donated, keep_inputs
+        self.compiled_when_built = list(compiled_when_built)
         self.compiles = []  # per call: names of the programs lowered during that call
         self.inputs = []
         self.outputs = None
@@ -61,7 +64,8 @@ class RecordedStep:
     def __call__(self, *args):
         before = compile_count()
         self.outputs = self.function(*args)
-        self.compiles.append(compiled_since(before))
+        early = self.compiled_when_built if not self.compiles else []
+        self.compiles.append(early + compiled_since(before))
         if self.keep_inputs:
             kept = tuple(None if i in self.donated else arg for i, arg in enumerate(args))
             self.inputs = (self.inputs + [kept])[-self.keep_inputs:]
@@ -77,7 +81,8 @@ class RecordedStep:
 
 
 class StepRecorder:
-    """While `active()`, every `jax.pmap` returns a `RecordedStep`, kept in `steps` by function name."""
+    """While `active()`, every step a layout hands out (`utils.layout.step_wrapper`) is a
+    `RecordedStep`, kept in `steps` by name."""
 
     def __init__(self, keep_inputs=4):
         self.keep_inputs = keep_inputs
@@ -85,21 +90,20 @@ class StepRecorder:
 
     @contextlib.contextmanager
     def active(self):
-        original = jax.pmap
+        original = layout.step_wrapper
 
-        def recording_pmap(function, *args, **kwargs):
-            donated = kwargs.get("donate_argnums", ())
-            step = RecordedStep(original(function, *args, **kwargs), function.__name__,
-                                (donated,) if isinstance(donated, int) else tuple(donated), self.keep_inputs)
-            self.steps[step.name] = step
-            return step
+        def recording(name, build, donated=()):
+            before = compile_count()
+            function = build()
+            self.steps[name] = RecordedStep(function, name, donated, self.keep_inputs, compiled_since(before))
+            return self.steps[name]
 
         compile_count()
-        jax.pmap = recording_pmap
+        layout.step_wrapper = recording
         try:
             yield self
         finally:
-            jax.pmap = original
+            layout.step_wrapper = original
 
 
 def seconds_since_start():

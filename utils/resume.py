@@ -13,9 +13,10 @@ from typing import NamedTuple
 
 import jax
 
-from utils import sharding
+from utils import devices
 from utils.checkpoint import Checkpointer, checkpoint_steps, locate_checkpoint
 from utils.errors import UsageError
+from utils.layout import resized_keys
 
 logger = logging.getLogger(__name__)
 
@@ -48,40 +49,47 @@ _CONFIG_METADATA = ("_name_or_path", "_commit_hash", "transformers_version", "ar
 # How to get each fingerprint entry back to the checkpoint's value.
 _FINGERPRINT_HINTS = {
     "model config": "the model config (--model_name_or_path, --config_name, --config_overrides)",
-    "global batch size": "per_device_train_batch_size x devices x gradient_accumulation_steps",
+    "global batch size": "per_device_train_batch_size x devices x gradient_accumulation_steps, or "
+                         "--total_train_batch_size",
     "training examples": "the training data and --max_train_samples",
     "seed": "--seed",
     "optimizer": "--adafactor",
-    "devices": "the machine: every device has its own dropout key",
 }
+# Entries a resumed run may change: its weights and optimizer state continue exactly, but the
+# dropout keys (one per device under "dp", one under "fsdp") are derived anew, so the continuation
+# is not bitwise the one the saving run would have computed.
+_LAYOUT_ENTRIES = ("layout", "devices")
 
 
-def run_fingerprint(config, training_args, train_examples=None):
+def run_fingerprint(config, training_args, layout, train_examples=None):
     """The settings a resumed run must share with the checkpoint it continues, by name.
 
     The model config (shapes and everything the model computes with); when training also the
     global batch size, the number of training examples and the seed (together they fix the examples
-    of every step), the optimizer (the structure of its state) and the number of devices (one dropout
-    key each). Anything else may change.
+    of every step) and the optimizer (the structure of its state). The layout and the number of
+    devices are recorded too: changing them is allowed (see `resume_or_start`). Anything else may
+    change.
     """
     config = json.loads(config.to_json_string(use_diff=False))
     fingerprint = {"model config": {k: v for k, v in config.items() if k not in _CONFIG_METADATA}}
     if train_examples is not None:
         fingerprint.update({
-            "global batch size": sharding.global_batch_size(training_args.per_device_train_batch_size,
+            "global batch size": devices.global_batch_size(training_args.per_device_train_batch_size,
                                                             training_args.gradient_accumulation_steps),
             "training examples": train_examples,
             "seed": training_args.seed,
             "optimizer": "adafactor" if training_args.adafactor else "adamw",
+            "layout": layout.name,
             "devices": jax.device_count(),
         })
     return fingerprint
 
 
 def fingerprint_difference(saved, current):
-    """The first difference between two fingerprints as a phrase, or None (entries only one has are skipped)."""
+    """The first difference between two fingerprints that forbids a resume, as a phrase, or None
+    (entries only one has are skipped, and so are the layout and the device count)."""
     for name, value in current.items():
-        if name not in saved or saved[name] == value:
+        if name in _LAYOUT_ENTRIES or name not in saved or saved[name] == value:
             continue
         what, saved_value = name, saved[name]
         if name == "model config":
@@ -92,17 +100,20 @@ def fingerprint_difference(saved, current):
     return None
 
 
-def resume_or_start(resume, fingerprint, template_state, total_steps):
-    """The state on the devices and the step to start from: the checkpoint's, or `template_state`
-    (the fresh host state) at step 0 when `resume` is None.
+def resume_or_start(resume, fingerprint, state, total_steps, layout):
+    """The state to train from and its step: the checkpoint's, or `state` (placed by `layout`) at
+    step 0 when `resume` is None.
 
     The last check of a run, before it writes anything: the checkpoint must have this run's
-    `fingerprint`, parameter shapes and dtypes (those of `template_state`), and, when training
+    `fingerprint`, parameter shapes and dtypes (those of `state`), and, when training
     (`total_steps`, the run's last step; 0 when not training), a step that is not past the last one.
+    It may come from another layout or device count: the weights and optimizer state restore
+    exactly, the dropout keys are derived anew (a warning says so).
     """
     if resume is None:
-        return sharding.replicate_state(template_state), 0
+        return state, 0
     where = f"{resume.directory}/{resume.step}"
+    target = layout.checkpoint_target(state)
     reader = Checkpointer(resume.directory, read_only=True)
     try:
         saved = reader.read_meta(resume.step).get("fingerprint", {})
@@ -111,14 +122,24 @@ def resume_or_start(resume, fingerprint, template_state, total_steps):
             raise UsageError(f"cannot resume from {where}: {difference}; resume with the same settings, or start a "
                              "new run with --overwrite_output_dir or another --output_dir")
         try:
-            reader.check_compatible(resume.step, template_state)
-        except ValueError as error:  # shapes, dtypes (e.g. --param_dtype) or device count differ
+            reader.check_compatible(resume.step, target)
+        except ValueError as error:  # shapes or dtypes (e.g. --param_dtype) differ
             raise UsageError(f"cannot resume from {where}: {error}") from error
         if total_steps and resume.step > total_steps:
             raise UsageError(f"the checkpoint {where} is at step {resume.step}, past the {total_steps} steps of this "
                              "run: raise --max_steps or --num_train_epochs")
-        state, meta = reader.restore(resume.step, template_state)
+        # The fresh state only told the shapes and places: its memory goes before the restore needs it.
+        jax.tree_util.tree_map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
+        restored, meta = reader.restore(resume.step, target)
     finally:
         reader.close()
+    keys = restored.dropout_rng
+    if len(keys) != layout.dropout_key_count():
+        restored = restored.replace(dropout_rng=resized_keys(keys, layout.dropout_key_count()))
+        if total_steps:  # evaluation draws no dropout
+            logger.warning("the checkpoint was saved by a %s run on %s devices, this is a %s run on %d: the weights "
+                           "and optimizer state continue exactly, the dropout keys are derived anew, so training is "
+                           "no longer bitwise what the saving run would have done", saved.get("layout", "dp"),
+                           saved.get("devices", len(keys)), layout.name, jax.device_count())
     logger.info("resumed from the checkpoint of step %d in %s", resume.step, resume.directory)
-    return sharding.replicate_state(state), int(meta["step"])
+    return layout.from_checkpoint(restored), int(meta["step"])

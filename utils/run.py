@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from huggingface_hub import get_token
 
-from utils import compat, data, hub, sharding
+from utils import compat, data, hub, devices
 from utils.args import check_output_dir, check_phases
 from utils.checkpoint import checkpoint_steps, find_checkpoint_dir
 from utils.errors import UsageError
@@ -76,11 +76,11 @@ def needed_splits(training_args, splits=("train", "validation", "test")):
 
 def set_up(training_args):
     """Multi-host start-up, version shims, compilation cache, logging; returns (logger, is_main_process)."""
-    sharding.initialize_processes(training_args.coordinator_address, training_args.num_processes,
+    devices.initialize_processes(training_args.coordinator_address, training_args.num_processes,
                                   training_args.process_id)
-    sharding.check_tpu_backend()
+    devices.check_tpu_backend()
     compat.apply()
-    sharding.enable_compilation_cache(training_args.compilation_cache_dir)
+    devices.enable_compilation_cache(training_args.compilation_cache_dir)
     fit_batch_to_devices(training_args)
     is_main = jax.process_index() == 0
     logger = setup_logging(is_main, debug=training_args.debug)
@@ -103,7 +103,7 @@ def fit_batch_to_devices(training_args):
 
 def training_plan(training_args, num_train_examples):
     """(global train batch, steps per epoch, total optimizer steps)."""
-    batch = sharding.global_batch_size(training_args.per_device_train_batch_size,
+    batch = devices.global_batch_size(training_args.per_device_train_batch_size,
                                        training_args.gradient_accumulation_steps)
     steps_per_epoch = data.steps_per_epoch(num_train_examples, batch)
     if steps_per_epoch == 0:

@@ -14,11 +14,9 @@ import os
 import shutil
 import tempfile
 
-import jax
-
-from utils import sharding
+from utils import devices
 from utils.args import public_args, save_args
-from utils.checkpoint import CHECKPOINT_SUBDIR, disk_full_is_fatal, host_copy
+from utils.checkpoint import CHECKPOINT_SUBDIR, disk_full_is_fatal
 from utils.errors import UsageError, at_exit
 from utils.hub import HubPusher
 from utils.logging import MetricsLogger
@@ -65,17 +63,15 @@ def remove_run_outputs(output_dir):
 
 
 def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process: bool = True):
-    """Write what `from_pretrained(output_dir)` loads: config, weights, and the tokenizer if given.
-
-    `params` may be the pmap-replicated ones; the first device's copy is written.
-    """
+    """Write what `from_pretrained(output_dir)` loads: config, weights (`params`, host arrays), and
+    the tokenizer if given."""
     if not is_main_process:
         return
     # Written beside and then moved into place, so a failed write (a full disk) leaves the previous
     # export whole: each file is replaced by a rename, which needs no space.
     staging = tempfile.mkdtemp(prefix=".export-", dir=output_dir)
     try:
-        model.save_pretrained(staging, params=jax.tree.map(host_copy, params))
+        model.save_pretrained(staging, params=params)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         for name in os.listdir(staging):
@@ -100,10 +96,12 @@ class RunDirectory:
 
     `resume` is the `utils.resume.ResumePoint` the run continues (a resumed training run drops the
     metrics logged after its step, so the files read like one uninterrupted run); a training run
-    that is not resumed starts from an empty directory. Every process makes one; only process 0 writes.
+    that is not resumed starts from an empty directory. `train_step_memory` (`utils.layout`) is
+    recorded as `train_step_device_bytes`. Every process makes one; only process 0 writes.
     """
 
-    def __init__(self, training_args, all_args, model, tokenizer, is_main, total_steps=None, resume=None):
+    def __init__(self, training_args, all_args, model, tokenizer, is_main, total_steps=None, resume=None,
+                 train_step_memory=None):
         out = self.output_dir = training_args.output_dir
         self.model, self.tokenizer, self.is_main = model, tokenizer, is_main
         self.pusher = None
@@ -120,7 +118,7 @@ class RunDirectory:
             if is_main and os.path.isdir(out):
                 remove_run_outputs(out)
         # No process may look at the checkpoints before process 0 has removed an earlier run's.
-        sharding.sync_processes("flaxtune: output_dir ready")
+        devices.sync_processes("flaxtune: output_dir ready")
         os.makedirs(out, exist_ok=True)
         if is_main:
             save_args(out, *all_args)
@@ -129,6 +127,11 @@ class RunDirectory:
         if training_args.do_train and resume is not None:
             self._metrics.rewind(resume.step)
         self._results = {}
+        if train_step_memory:  # known before the first step (`utils.layout`): logged at the start step
+            memory = {f"train_step_device_bytes{'' if key == 'total' else '_' + key}": value
+                      for key, value in train_step_memory.items()}
+            self.log(resume.step if resume else 0, memory, split="memory")
+            self.add_results(train_step_device_bytes=train_step_memory["total"])
         at_exit(self.close)
 
     def log(self, step, metrics, split="train"):
@@ -160,7 +163,8 @@ class RunDirectory:
                 f.writelines(" ".join(line.split()) + "\n" for line in lines)
 
     def export(self, params, commit_message):
-        """The Hugging Face export of `params` (a full disk keeps the previous one), then a hub push."""
+        """The Hugging Face export of `params` (host arrays; a full disk keeps the previous export),
+        then a hub push."""
         export_pretrained(self.model, params, self.tokenizer, self.output_dir, is_main_process=self.is_main)
         if self.pusher:
             self.pusher.push(commit_message)

@@ -47,8 +47,8 @@ class Saver:
     current step. Every process makes one (checkpoint saves are collective); only process 0 writes.
     """
 
-    def __init__(self, training_args, run_dir, fingerprint, steps_per_epoch, total_steps, start_step, is_main):
-        self.output_dir, self.run_dir, self.fingerprint = training_args.output_dir, run_dir, fingerprint
+    def __init__(self, training_args, run_dir, layout, fingerprint, steps_per_epoch, total_steps, start_step, is_main):
+        self.output_dir, self.run_dir, self.layout, self.fingerprint = training_args.output_dir, run_dir, layout, fingerprint
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.checkpointer = Checkpointer(find_checkpoint_dir(self.output_dir),
                                          max_to_keep=training_args.save_total_limit, is_main_process=is_main)
@@ -70,14 +70,14 @@ class Saver:
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
         meta = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "fingerprint": self.fingerprint}
         with self._disk_full_is_fatal():
-            self.checkpointer.save(step, state, meta)
+            self.checkpointer.save(step, self.layout.checkpoint_tree(state), meta)
             if reason == STOP:  # the grace period before a machine goes is short: the checkpoint only
                 self.close()
                 signal = preemption.stop_signal()
                 raise Stopped(f"{signal.name} received: saved the checkpoint of step {step} in "
                               f"{self.checkpointer.directory}. To resume, rerun the same command with "
                               f"--resume_from_checkpoint latest: {preemption.resume_command()}", signal)
-            self.run_dir.export(state.params, f"step {step}")
+            self.run_dir.export(self.layout.params_to_host(state.params), f"step {step}")
         if step == self.total_steps:
             preemption.uninstall()  # training is over: nothing left to stop cleanly
 

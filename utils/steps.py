@@ -1,15 +1,14 @@
-"""Building blocks of pmap'd train/eval steps: token-weighted losses and gradients.
+"""Building blocks of train/eval steps: token-weighted losses and gradients, in any layout.
 
-Every loss here is a *sum* over tokens plus a token count. Sums and counts are psum'd over all
-devices before dividing, so each token weighs the same whatever device or micro-batch it lands
-on (the classic scripts averaged per device, which over-weights short sequences).
+Every loss here is a *sum* over tokens plus a token count. Sums and counts are summed over the
+whole global batch (`layout.batch_sum`: a psum under "dp", nothing under "fsdp", whose step sees
+the global batch) before dividing, so each token weighs the same whatever device or micro-batch it
+lands on (the classic scripts averaged per device, which over-weights short sequences).
 """
 
 import jax
 import jax.numpy as jnp
 import optax
-
-from utils.sharding import AXIS
 
 
 def cross_entropy_sums(logits, labels, weights, label_smoothing=0.0):
@@ -28,17 +27,26 @@ def cross_entropy_sums(logits, labels, weights, label_smoothing=0.0):
     return (losses * weights).sum(), weights.sum()
 
 
-def _split_micro_batches(batch, steps):
-    return jax.tree_util.tree_map(lambda x: x.reshape((steps, -1) + x.shape[1:]), batch)
+def split_micro_batches(batch, steps, shards=1):
+    """`[rows, ...]` -> `[steps, rows / steps, ...]`, micro-batch i made of the i-th part of each of the
+    batch's `shards` (the devices holding its rows), so every micro-batch spans all of them and holds
+    the same rows in every layout."""
+
+    def split(x):
+        parts = x.reshape((shards, steps, -1) + x.shape[1:]).swapaxes(0, 1)
+        return parts.reshape((steps, -1) + x.shape[1:])
+
+    return jax.tree_util.tree_map(split, batch)
 
 
-def token_weighted_grads(loss_fn, params, batch, rng, accumulation_steps=1):
-    """Gradients of the mean token loss over the global batch, and psum'd metric sums.
+def token_weighted_grads(loss_fn, params, batch, rng, accumulation_steps, layout):
+    """Gradients of the mean token loss over the global batch, and the batch's metric sums.
 
     `loss_fn(params, batch, rng) -> (loss_sum, sums)` where `sums` is a dict of per-batch sums
-    holding at least "loss" and "tokens". With accumulation the device's rows are split into
-    `accumulation_steps` micro-batches scanned in sequence: one compiled body, activation
-    memory of a single micro-batch, and exactly the gradient of the whole batch.
+    holding at least "loss" and "tokens"; `layout` (`utils.layout`) sums over the global batch and
+    says how its rows lie over the devices. With accumulation the rows are split into
+    `accumulation_steps` micro-batches scanned in sequence: one compiled body, activation memory of
+    a single micro-batch, and exactly the gradient of the whole batch.
     """
     # Why a scan and not optax.MultiSteps (one pmap call per micro-batch), measured with
     # benchmarks/gradient_accumulation.py (tiny T5, 1M params, 4 micro-batches of 8 x 112 tokens,
@@ -51,7 +59,7 @@ def token_weighted_grads(loss_fn, params, batch, rng, accumulation_steps=1):
     if accumulation_steps == 1:
         grads, sums = grad_fn(params, batch, rng)
     else:
-        micro = _split_micro_batches(batch, accumulation_steps)
+        micro = split_micro_batches(batch, accumulation_steps, layout.batch_shards)
 
         def accumulate(carry, inputs):
             index, micro_batch = inputs
@@ -62,6 +70,6 @@ def token_weighted_grads(loss_fn, params, batch, rng, accumulation_steps=1):
         shapes = jax.eval_shape(grad_fn, params, first, rng)
         zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(accumulation_steps), micro))
-    sums = jax.lax.psum(sums, AXIS)
-    grads = jax.tree_util.tree_map(lambda g: jax.lax.psum(g, AXIS) / jnp.maximum(sums["tokens"], 1.0), grads)
+    sums, grads = layout.batch_sum((sums, grads))
+    grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)
     return grads, sums

@@ -1,12 +1,12 @@
-"""Devices and data placement for `jax.pmap` loops, single host or pod.
+"""Processes and devices: joining a multi-host run, the busy-TPU check, the compilation cache,
+and the geometry of a global batch.
 
-Conventions: the pmap axis is `AXIS`; a *global* batch is what all devices of all processes
-consume in one step; each process loads only its own contiguous slice of it.
+A *global* batch is what all devices of all processes consume in one step; each process loads
+only its own contiguous slice of it (`process_slice`). Where the state and the batches then live
+on the devices is the layout's business (`utils.layout`).
 """
 
-import collections
 import os
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,6 @@ from jax.experimental import multihost_utils
 from utils.args import check_distributed
 from utils.errors import RunError, UsageError
 
-AXIS = "batch"
 # Where the multi-host settings come from when their flags are not given.
 DISTRIBUTED_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
                    "process_id": "JAX_PROCESS_ID"}
@@ -108,113 +107,11 @@ def sync_processes(name):
         multihost_utils.sync_global_devices(name)
 
 
-def _mesh_sharding():
-    # pmap outputs carry a NamedSharding over AXIS; putting inputs on the same sharding avoids a
-    # second compilation at step 2.
-    mesh = jax.sharding.Mesh(np.array(jax.local_devices()), (AXIS,))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
-
-
-def replicate(tree):
-    """Copy a host pytree to every local device (leading device axis), placed as the steps' outputs are."""
-    n, placement = jax.local_device_count(), _mesh_sharding()
-
-    def put(x):
-        # Every device's slice of a broadcast view is `x` itself: one transfer per device and no
-        # n-fold copy on the host (5-30x faster than flax's replicate for a model's state on CPU).
-        x = np.asarray(x)
-        return jax.device_put(np.broadcast_to(x, (n,) + x.shape), placement)
-
-    return jax.tree_util.tree_map(put, tree)
-
-
-def unreplicate(tree):
-    """Device 0's copy of a replicated pytree, fetched to the host."""
-    return jax.device_get(jax.tree_util.tree_map(lambda x: x[0], tree))
-
-
-def per_device_keys(seed_or_key, num_devices=None):
-    """Distinct RNG keys for this process's devices, stacked on the device axis.
-
-    Keys are split for all devices of all processes and each process takes its own, so a run's
-    randomness does not depend on how devices are spread over hosts.
-    """
-    key = jax.random.PRNGKey(seed_or_key) if isinstance(seed_or_key, int) else seed_or_key
-    keys = jax.random.split(key, jax.device_count())
-    start = jax.process_index() * jax.local_device_count()
-    return keys[start: start + (num_devices or jax.local_device_count())]
-
-
-def replicate_state(state):
-    """Replicate a host TrainState, giving each device its own dropout key.
-
-    A fresh state carries one key (`[2]`), split here into one per device of the run. A restored
-    state carries the saved keys of this process's devices (`[local devices, 2]`, from
-    `Checkpointer.restore`); they are used as they are, or the resumed run would draw different
-    dropout masks than the uninterrupted one.
-    """
-    key = np.asarray(state.dropout_rng)
-    if key.ndim == 1:
-        keys = per_device_keys(state.dropout_rng)
-    elif key.shape[0] == jax.local_device_count():
-        keys = key
-    else:
-        raise ValueError(f"dropout keys for {key.shape[0]} devices, this process has {jax.local_device_count()}")
-    return replicate(state.replace(dropout_rng=None)).replace(dropout_rng=jax.device_put(keys, _mesh_sharding()))
-
-
 def process_slice(global_batch_size):
     """The slice of a global batch this process loads."""
     local = global_batch_size // jax.process_count()
     start = jax.process_index() * local
     return slice(start, start + local)
-
-
-def shard(batch):
-    """Host arrays `[local_batch, ...]` -> device arrays `[local_devices, local_batch / devices, ...]`."""
-    n = jax.local_device_count()
-    sharding = _mesh_sharding()
-
-    def put(x):
-        x = np.asarray(x)
-        if x.shape[0] % n:
-            raise ValueError(f"batch of {x.shape[0]} does not split over {n} devices")
-        return jax.device_put(x.reshape((n, -1) + x.shape[1:]), sharding)
-
-    return jax.tree_util.tree_map(put, batch)
-
-
-def prefetch(batches, size=2):
-    """Shard batches onto the devices `size` steps ahead, so transfers overlap the running step."""
-    queue = collections.deque()
-    batches = iter(batches)
-    for batch in itertools.islice(batches, size):
-        queue.append(shard(batch))
-    while queue:
-        yield queue.popleft()
-        for batch in itertools.islice(batches, 1):
-            queue.append(shard(batch))
-
-
-def unshard(x):
-    """Device output `[local_devices, per_device, ...]` -> host `[local_batch, ...]`."""
-    x = np.asarray(jax.device_get(x))
-    return x.reshape((-1,) + x.shape[2:])
-
-
-def gather_from_processes(x):
-    """Concatenate each process's host rows in process order (identity on a single host)."""
-    if jax.process_count() == 1:
-        return x
-    gathered = multihost_utils.process_allgather(x, tiled=False)
-    return np.asarray(gathered).reshape((-1,) + np.shape(x)[1:])
-
-
-def sum_over_processes(tree):
-    """Sum host scalars/arrays over processes (identity on a single host)."""
-    if jax.process_count() == 1:
-        return tree
-    return jax.tree_util.tree_map(lambda x: np.asarray(multihost_utils.process_allgather(x)).sum(0), tree)
 
 
 def pad_to(batch, size):
@@ -232,12 +129,6 @@ def pad_to(batch, size):
 
 def example_mask(valid, size):
     return (np.arange(size) < valid).astype(np.float32)
-
-
-def device_get_scalars(tree):
-    """Fetch (possibly per-device) metrics to host floats, taking device 0 of replicated values."""
-    host = jax.device_get(tree)
-    return {k: float(np.asarray(v).reshape(-1)[0]) for k, v in host.items()}
 
 
 def global_batch_size(per_device, accumulation=1):

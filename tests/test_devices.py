@@ -1,0 +1,144 @@
+"""utils/devices.py: processes and devices: multi-host start-up, the busy-TPU check, process slices, padding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from utils import devices
+from utils.errors import RunError, UsageError
+
+N = 8
+
+
+def test_eight_virtual_devices():
+    assert jax.local_device_count() == N
+
+
+def test_pad_to_and_example_mask():
+    batch, valid = devices.pad_to({"x": np.array([[1, 2], [3, 4], [5, 6]])}, 8)
+    assert valid == 3 and batch["x"].shape == (8, 2)
+    np.testing.assert_array_equal(batch["x"][3:], np.tile([1, 2], (5, 1)))
+    np.testing.assert_array_equal(devices.example_mask(valid, 8), [1, 1, 1, 0, 0, 0, 0, 0])
+    full = {"x": np.arange(8)}
+    assert devices.pad_to(full, 8) == (full, 8)
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4, 8])
+def test_process_slice_partitions_global_batch(monkeypatch, processes):
+    global_batch = 64
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
+    rows = []
+    for index in range(processes):
+        monkeypatch.setattr(jax, "process_index", lambda index=index: index)
+        rows.extend(range(global_batch)[devices.process_slice(global_batch)])
+    assert rows == list(range(global_batch))
+
+
+def test_global_batch_size_and_dtype():
+    assert devices.global_batch_size(4) == 32 and devices.global_batch_size(4, accumulation=3) == 96
+    assert devices.to_dtype("bfloat16") == jnp.bfloat16
+
+
+# --- multi-host start-up (jax.distributed itself is exercised end to end by test_multihost.py) ---------
+
+
+@pytest.fixture
+def fake_initialize(monkeypatch):
+    """Record `jax.distributed.initialize` calls instead of joining a cluster."""
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(devices, "_on_cloud_tpu_vm", lambda: False)
+    return calls
+
+
+def test_single_host_by_default(fake_initialize):
+    devices.initialize_processes(environ={})
+    devices.initialize_processes(num_processes=1, environ={})
+    assert fake_initialize == []
+
+
+def test_explicit_settings_start_jax_distributed(fake_initialize):
+    devices.initialize_processes("10.0.0.1:1234", 2, 1, environ={})
+    assert fake_initialize == [{"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}]
+
+
+def test_environment_fills_in_missing_flags(fake_initialize):
+    environ = {"JAX_COORDINATOR_ADDRESS": "head:99", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    devices.initialize_processes(process_id=2, environ=environ)  # a flag beats its variable
+    assert fake_initialize == [{"coordinator_address": "head:99", "num_processes": 4, "process_id": 2}]
+    with pytest.raises(UsageError, match=r"\$JAX_PROCESS_ID must be a non-negative integer"):
+        devices.initialize_processes(environ={**environ, "JAX_PROCESS_ID": "one"})
+    with pytest.raises(UsageError, match="--process_id must be in"):
+        devices.initialize_processes(environ={**environ, "JAX_PROCESS_ID": "4"})
+
+
+def test_incomplete_settings_name_the_missing_ones(fake_initialize):
+    with pytest.raises(UsageError, match=r"also pass --num_processes \(\$JAX_NUM_PROCESSES\), --process_id"):
+        devices.initialize_processes("10.0.0.1:1234", environ={})
+    assert fake_initialize == []
+
+
+def test_cloud_tpu_vm_lets_jax_find_the_pod(fake_initialize, monkeypatch):
+    monkeypatch.setattr(devices, "_on_cloud_tpu_vm", lambda: True)
+    devices.initialize_processes(environ={})
+    devices.initialize_processes(process_id=0, environ={})
+    assert fake_initialize == [{}, {"process_id": 0}]
+    devices.initialize_processes(num_processes=1, environ={})  # opting out
+    assert len(fake_initialize) == 2
+
+
+def test_failure_to_join_is_a_run_error(monkeypatch):
+    def refuse(**kwargs):
+        raise RuntimeError("DEADLINE_EXCEEDED: barrier timed out")
+
+    monkeypatch.setattr(jax.distributed, "initialize", refuse)
+    with pytest.raises(RunError, match="could not join the other processes via 10.0.0.1:1234: DEADLINE"):
+        devices.initialize_processes("10.0.0.1:1234", 2, 0, environ={})
+
+
+def test_not_a_cloud_tpu_vm_here():
+    assert devices._on_cloud_tpu_vm() is False
+
+
+# --- a busy TPU: JAX falls back to the CPU ----------------------------------------------------------------
+BUSY_TPU = (r"^this is a Cloud TPU VM, but JAX opened the CPU instead of the TPU{}: another process probably holds "
+            r"the TPU; find it with `sudo lsof -w /dev/accel\* /dev/vfio/\*` or `ps aux \| grep python` and stop it, "
+            r"or set JAX_PLATFORMS=cpu to run on the CPU on purpose$")
+
+
+@pytest.fixture
+def tpu_vm(monkeypatch):
+    """This CPU machine passes for a Cloud TPU VM whose TPU JAX could not open (its backend is the CPU)."""
+    from jax._src import xla_bridge
+
+    monkeypatch.setattr(devices, "_on_cloud_tpu_vm", lambda: True)
+    errors = {}
+    monkeypatch.setattr(xla_bridge, "_backend_errors", errors)
+    return errors
+
+
+def test_cpu_fallback_on_a_cloud_tpu_vm_is_refused(tpu_vm, jax_platforms):
+    jax_platforms(None)  # JAX chose the platform
+    with pytest.raises(UsageError, match=BUSY_TPU.format("")):
+        devices.check_tpu_backend()
+    tpu_vm["tpu"] = "TPU initialization failed: The TPU is already in use by process with pid 4242.\nmore"
+    with pytest.raises(UsageError, match=BUSY_TPU.format(r" \(TPU initialization failed: The TPU is already in use "
+                                                         r"by process with pid 4242\.\)")):
+        devices.check_tpu_backend()
+
+
+def test_cpu_on_a_cloud_tpu_vm_on_purpose(tpu_vm, jax_platforms):
+    jax_platforms("cpu")  # JAX_PLATFORMS=cpu
+    devices.check_tpu_backend()
+
+
+def test_tpu_backend_on_a_cloud_tpu_vm(tpu_vm, jax_platforms, monkeypatch):
+    jax_platforms(None)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    devices.check_tpu_backend()
+
+
+def test_cpu_elsewhere_is_fine(jax_platforms):
+    jax_platforms(None)  # no JAX_PLATFORMS, and not a Cloud TPU VM: a CPU machine (or a GPU one without GPUs)
+    devices.check_tpu_backend()

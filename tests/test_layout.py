@@ -1,0 +1,270 @@
+"""utils/layout.py: the two layouts on 8 virtual devices: placing the state and batches, the sharding
+rule, one step definition giving the same numbers in both, checkpoints that move between them,
+and the train step's memory known (and checked) before it runs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from jax.sharding import PartitionSpec
+
+from utils import layout as layouts
+from utils.checkpoint import Checkpointer
+from utils.errors import UsageError
+from utils.layout import DataParallel, FullySharded, leaf_spec, make_layout
+from utils.steps import token_weighted_grads
+
+N = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# The sharding rule
+# ---------------------------------------------------------------------------------------------
+def test_leaf_spec_splits_the_largest_dimension_the_fsdp_size_divides():
+    assert leaf_spec((1024, 4096), 8) == PartitionSpec(None, "fsdp")
+    assert leaf_spec((50257, 1024), 8) == PartitionSpec(None, "fsdp")  # GPT-2's vocabulary: the width then
+    assert leaf_spec((32128, 512), 8) == PartitionSpec("fsdp", None)
+    assert leaf_spec((3, 1024, 1024), 8) == PartitionSpec(None, "fsdp", None)  # the first of equal ones
+
+
+def test_leaf_spec_keeps_small_or_indivisible_leaves_whole():
+    for shape in ((1024,), (), (7,), (50257, 1023), (64, 64)):
+        assert leaf_spec(shape, 8) == PartitionSpec(), shape
+    assert leaf_spec((1024, 4096), 1) == PartitionSpec()
+
+
+def test_make_layout_checks_the_fsdp_size():
+    args = lambda **kw: type("Args", (), {"sharding": "fsdp", "fsdp_size": None, **kw})  # noqa: E731
+    assert isinstance(make_layout(args(sharding="dp")), DataParallel)
+    assert make_layout(args()).mesh.shape == {"data": 1, "fsdp": 8}
+    assert make_layout(args(fsdp_size=4)).mesh.shape == {"data": 2, "fsdp": 4}
+    with pytest.raises(UsageError, match="--fsdp_size 3 does not divide the 8 devices"):
+        make_layout(args(fsdp_size=3))
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny model, trained the way the scripts train: one step definition for both layouts
+# ---------------------------------------------------------------------------------------------
+class TinyLM(nn.Module):
+    vocab: int = 64
+    width: int = 256
+
+    @nn.compact
+    def __call__(self, ids, train=False):
+        x = nn.Embed(self.vocab, self.width)(ids)
+        x = nn.Dropout(0.0, deterministic=not train)(nn.relu(nn.Dense(self.width)(x)))
+        return nn.Dense(self.vocab)(x)
+
+
+MODEL = TinyLM()
+
+
+def init():
+    return MODEL.init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))["params"]
+
+
+def make_state(layout):
+    return layout.create_state(MODEL.apply, layout.init_params(init), optax.adamw(1e-2), seed=0)
+
+
+def steps_of(layout, accumulation=1):
+    def loss_fn(params, batch, rng):
+        logits = MODEL.apply({"params": params}, batch["ids"][:, :-1], train=True, rngs={"dropout": rng})
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:])
+        return losses.sum(), {"loss": losses.sum(), "tokens": jnp.float32(losses.size)}
+
+    def train_step(state, batch):
+        rng, state = state.next_dropout_rng()
+        grads, sums = token_weighted_grads(loss_fn, state.params, batch, rng, accumulation, layout)
+        return state.apply_gradients(grads=grads), sums
+
+    def eval_step(params, batch):
+        return layout.batch_sum(loss_fn(params, batch, jax.random.PRNGKey(0))[1])
+
+    return train_step, eval_step
+
+
+def batches(count, rows=16, length=9):
+    rng = np.random.default_rng(0)
+    return [{"ids": rng.integers(0, 64, (rows, length)).astype(np.int32)} for _ in range(count)]
+
+
+def train(layout, accumulation=1, count=4):
+    state = make_state(layout)
+    train_step, eval_step = steps_of(layout, accumulation)
+    data = batches(count)
+    step = layout.compile_train_step(train_step, state, data[0], accumulation)
+    losses = []
+    for batch in layout.prefetch(iter(data)):
+        state, sums = step(state, batch)
+        losses.append(float(np.asarray(sums["loss"]).reshape(-1)[0] / np.asarray(sums["tokens"]).reshape(-1)[0]))
+    evaluated = layout.compile_step("eval_step", eval_step)(state.params, layout.place_batch(data[0]))
+    return state, losses, float(np.asarray(evaluated["loss"]).reshape(-1)[0])
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return {"dp": train(DataParallel()), "fsdp": train(FullySharded(8)), "fsdp 2x4": train(FullySharded(4)),
+            "fsdp accumulated": train(FullySharded(8), accumulation=2), "dp accumulated": train(DataParallel(), 2)}
+
+
+def params_on_host(layout, state):
+    return layout.params_to_host(state.params)
+
+
+def test_the_same_step_trains_the_same_in_both_layouts(trained):
+    dp_state, dp_losses, dp_eval = trained["dp"]
+    for name in ("fsdp", "fsdp 2x4"):
+        state, losses, evaluated = trained[name]
+        assert losses == pytest.approx(dp_losses, rel=1e-5), name
+        assert evaluated == pytest.approx(dp_eval, rel=1e-5), name
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5),
+                               params_on_host(FullySharded(8), state), params_on_host(DataParallel(), dp_state))
+
+
+def test_accumulation_cuts_the_same_micro_batches_in_both_layouts(trained):
+    _, dp_losses, _ = trained["dp accumulated"]
+    _, fsdp_losses, _ = trained["fsdp accumulated"]
+    assert fsdp_losses == pytest.approx(dp_losses, rel=1e-5)
+    assert fsdp_losses == pytest.approx(trained["dp"][1], rel=1e-5)  # and the same as one big batch
+
+
+def test_fsdp_splits_each_large_parameter_and_its_optimizer_state_eight_ways(trained):
+    state = trained["fsdp"][0]
+    kernel = state.params["Dense_0"]["kernel"]  # 256 x 256
+    assert kernel.shape == (256, 256) and len(kernel.addressable_shards) == N
+    assert {shard.data.shape for shard in kernel.addressable_shards} == {(32, 256)}  # the first of equal dims
+    mu = state.opt_state[0].mu["Dense_0"]["kernel"]
+    assert mu.sharding == kernel.sharding
+    bias = state.params["Dense_0"]["bias"]  # small: whole on every device
+    assert {shard.data.shape for shard in bias.addressable_shards} == {(256,)}
+
+
+def test_dp_replicates_the_state_with_a_key_per_device(trained):
+    state = trained["dp"][0]
+    assert state.params["Dense_0"]["kernel"].shape == (N, 256, 256)
+    keys = np.asarray(state.dropout_rng)
+    assert keys.shape == (N, 2) and len({k.tobytes() for k in keys}) == N
+
+
+def test_the_train_step_memory_is_known_before_it_runs_and_fsdp_needs_less(trained):
+    dp, fsdp = DataParallel(), FullySharded(8)
+    for layout in (dp, fsdp):
+        train_step, _ = steps_of(layout)
+        layout.compile_train_step(train_step, make_state(layout), batches(1)[0], 1)
+    assert set(dp.train_step_memory) == {"arguments", "outputs", "temporaries", "aliased", "total"}
+    assert fsdp.train_step_memory["arguments"] < dp.train_step_memory["arguments"] / 4
+    assert fsdp.train_step_memory["total"] < dp.train_step_memory["total"]
+
+
+def test_a_step_that_cannot_fit_stops_before_training(monkeypatch):
+    monkeypatch.setattr(layouts, "device_memory_limit", lambda: 100_000)
+    layout = DataParallel()
+    train_step, _ = steps_of(layout)
+    with pytest.raises(UsageError, match=r"^the train step needs \d+\.\d MiB per device but a device has 97\.7 KiB: "
+                                         r"use --sharding fsdp, a smaller --per_device_train_batch_size with more "
+                                         r"--gradient_accumulation_steps \(now 1\), --dtype bfloat16, or "
+                                         r"--gradient_checkpointing$"):
+        layout.compile_train_step(train_step, make_state(layout), batches(1)[0], 1)
+
+
+def test_no_recompile_after_the_first_step():
+    """Each layout's step outputs carry the placement of its inputs: step 2 runs step 1's program."""
+    from utils import perf
+
+    for layout in (DataParallel(), FullySharded(8)):
+        recorder = perf.StepRecorder()
+        with recorder.active():
+            train(layout)
+        assert recorder.steps["train_step"].calls_that_compiled() == [1], layout.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches and outputs
+# ---------------------------------------------------------------------------------------------
+def test_dp_places_rows_per_device_and_brings_them_back_in_order():
+    dp = DataParallel()
+    batch = {"x": np.arange(16 * 3).reshape(16, 3)}
+    placed = dp.place_batch(batch)
+    assert placed["x"].shape == (N, 2, 3)
+    np.testing.assert_array_equal(np.asarray(placed["x"][1]), batch["x"][2:4])  # device 1 gets rows 2, 3
+    np.testing.assert_array_equal(dp.rows_to_host(placed["x"]), batch["x"])
+    with pytest.raises(ValueError, match="batch of 12 does not split over 8 devices"):
+        dp.place_batch({"x": np.zeros((12, 2))})
+
+
+def test_fsdp_places_one_global_array_over_all_devices():
+    fsdp = FullySharded(4)
+    batch = {"x": np.arange(16 * 3).reshape(16, 3)}
+    placed = fsdp.place_batch(batch)
+    assert placed["x"].shape == (16, 3) and len(placed["x"].addressable_shards) == N
+    assert {shard.data.shape for shard in placed["x"].addressable_shards} == {(2, 3)}
+    np.testing.assert_array_equal(fsdp.rows_to_host(placed["x"]), batch["x"])
+
+
+@pytest.mark.parametrize("layout", [DataParallel(), FullySharded(8)], ids=["dp", "fsdp"])
+def test_prefetch_yields_every_batch_in_order(layout):
+    data = [{"x": np.full((8, 2), i)} for i in range(5)]
+    out = [int(layout.rows_to_host(b["x"])[0, 0]) for b in layout.prefetch(iter(data))]
+    assert out == [0, 1, 2, 3, 4]
+    assert list(layout.prefetch(iter([]))) == []
+
+
+def test_pretrained_weights_go_from_the_host_straight_to_their_shards():
+    fsdp = FullySharded(8)
+    host = jax.tree_util.tree_map(np.asarray, init())
+    placed = fsdp.place_params(host)
+    assert {s.data.shape for s in placed["Dense_0"]["kernel"].addressable_shards} == {(32, 256)}
+    jax.tree_util.tree_map(np.testing.assert_array_equal, fsdp.params_to_host(placed), host)
+
+
+def test_fresh_weights_are_initialised_into_their_shards():
+    """The init program writes each device's part only: no device holds a whole large parameter."""
+    fsdp = FullySharded(8)
+    params = fsdp.init_params(init)
+    assert {s.data.shape for s in params["Embed_0"]["embedding"].addressable_shards} == {(64, 32)}
+    jax.tree_util.tree_map(np.testing.assert_array_equal, fsdp.params_to_host(params),
+                           jax.tree_util.tree_map(np.asarray, init()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints move between layouts
+# ---------------------------------------------------------------------------------------------
+def save_and_restore(tmp_path, saving, state, restoring):
+    checkpointer = Checkpointer(str(tmp_path / saving.name), async_save=False)
+    checkpointer.save(4, saving.checkpoint_tree(state), {"step": 4})
+    restored, _ = checkpointer.restore(4, restoring.checkpoint_target(make_state(restoring)))
+    checkpointer.close()
+    return restored
+
+
+@pytest.mark.parametrize("saving, restoring", [(DataParallel(), FullySharded(8)), (FullySharded(8), DataParallel()),
+                                               (FullySharded(8), FullySharded(4))],
+                         ids=["dp->fsdp", "fsdp->dp", "fsdp 8->2x4"])
+def test_a_checkpoint_restores_exactly_in_another_layout(tmp_path, trained, saving, restoring):
+    state = trained["dp" if saving.name == "dp" else "fsdp"][0]
+    restored = save_and_restore(tmp_path, saving, state, restoring)
+    if restoring.name == "fsdp":  # straight into the target's shards
+        kernel = restored.params["Dense_0"]["kernel"]
+        assert {s.data.shape for s in kernel.addressable_shards} == {(256 // restoring.fsdp_size, 256)}
+    expected = jax.device_get(saving.checkpoint_tree(state))
+    got = jax.device_get(restored)
+    for name in ("params", "opt_state", "step"):
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                               getattr(got, name), getattr(expected, name))
+    placed = restoring.from_checkpoint(restored.replace(
+        dropout_rng=layouts.resized_keys(restored.dropout_rng, restoring.dropout_key_count())))
+    train_step, _ = steps_of(restoring)
+    step = restoring.compile_train_step(train_step, placed, batches(1)[0], 1)
+    placed, sums = step(placed, restoring.place_batch(batches(1)[0]))  # it trains on
+    assert np.isfinite(np.asarray(sums["loss"])).all()
+
+
+def test_resized_keys_are_distinct_and_derived_from_the_saved_ones():
+    saved = np.asarray(jax.random.split(jax.random.PRNGKey(3), 8))
+    eight = layouts.resized_keys(saved[:1], 8)
+    assert eight.shape == (8, 2) and len({k.tobytes() for k in eight}) == 8
+    np.testing.assert_array_equal(layouts.resized_keys(saved, 1), saved[:1])
+    np.testing.assert_array_equal(layouts.resized_keys(saved[:1], 8), eight)  # deterministic

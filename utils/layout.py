@@ -1,0 +1,376 @@
+"""Where the train state lives and how a step runs: the two layouts, `--sharding dp|fsdp`.
+
+- `DataParallel` ("dp", the default): `jax.pmap` over this process's devices. Every device holds
+  the whole state and its own dropout key; a batch is `[local devices, rows per device, ...]`; the
+  steps sum loss sums, token counts and gradients over devices with an explicit `psum`.
+- `FullySharded` ("fsdp"): `jax.jit` over a `Mesh` of all devices of all processes, shaped
+  (devices / fsdp_size) x fsdp_size with axes ("data", "fsdp"). Each parameter (and the optimizer
+  state that follows it) is split along one dimension over the "fsdp" axis (`leaf_spec`), so a
+  device holds 1/fsdp_size of the state; the batch is one global array split over all devices,
+  and sums over it are global sums without any collective in the step's code.
+
+The scripts define each step once, for both: `layout.batch_sum` is the one collective they name,
+and `utils.steps.token_weighted_grads` asks the layout how to cut micro-batches. Everything else
+that differs lives here: making and placing the state (fresh weights initialised straight into
+their sharding; pretrained ones placed leaf by leaf from host memory), compiling the steps (the
+train step ahead of time, so its per-device memory is known and checked before any step runs),
+placing batches, gathering outputs, the dropout key, the state as checkpoints store it (global
+arrays, so a run can move between layouts and device counts), and the parameters on the host for
+the Hugging Face export.
+"""
+
+import collections
+import itertools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from utils.errors import UsageError
+from utils.state import TrainState
+
+logger = logging.getLogger(__name__)
+
+AXIS = "batch"  # the pmap axis of "dp"
+MESH_AXES = ("data", "fsdp")
+# Leaves smaller than this stay whole on every device under "fsdp" (biases, norm scales, scalars):
+# splitting them saves nothing and costs a gather each.
+MIN_SHARDED_ELEMENTS = 2**14
+PREFETCH = 2  # batches placed on the devices ahead of the running step
+
+
+def make_layout(training_args):
+    """The layout `--sharding` names, for this run's devices (after `utils.run.set_up`)."""
+    if training_args.sharding == "dp":
+        return DataParallel()
+    fsdp_size = training_args.fsdp_size or jax.device_count()
+    if jax.device_count() % fsdp_size:
+        raise UsageError(f"--fsdp_size {fsdp_size} does not divide the {jax.device_count()} devices: use a divisor "
+                         "(the mesh is devices / fsdp_size x fsdp_size)")
+    return FullySharded(fsdp_size)
+
+
+def leaf_spec(shape, fsdp_size):
+    """How `utils.layout.FullySharded` splits one array: along its largest dimension that `fsdp_size`
+    divides; whole (replicated) when it is small or no dimension divides (GPT-2's 50257-token
+    vocabulary is split along the width instead)."""
+    if fsdp_size == 1 or math.prod(shape) < MIN_SHARDED_ELEMENTS:
+        return PartitionSpec()
+    for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        if shape[dim] % fsdp_size == 0:
+            return PartitionSpec(*(MESH_AXES[1] if d == dim else None for d in range(len(shape))))
+    return PartitionSpec()
+
+
+def _memory_line(stats):
+    return (f"{_readable(stats['total'])} per device (arguments {_readable(stats['arguments'])}, temporaries "
+            f"{_readable(stats['temporaries'])}, outputs {_readable(stats['outputs'])}, aliased {_readable(stats['aliased'])})")
+
+
+def _readable(n):
+    """Bytes in the unit that reads best: 512 KiB, 3.4 MiB, 12.25 GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n} B"
+
+
+def memory_stats(compiled):
+    """Per-device bytes of a compiled step from XLA's memory analysis; `total` counts an output that
+    reuses a donated input once."""
+    analysis = compiled.memory_analysis()
+    stats = {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
+             "temporaries": analysis.temp_size_in_bytes, "aliased": analysis.alias_size_in_bytes}
+    stats["total"] = stats["arguments"] + stats["outputs"] + stats["temporaries"] - stats["aliased"]
+    return stats
+
+
+def device_memory_limit():
+    """Bytes one device may allocate, where the backend says (TPU, GPU); None on CPUs."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # backends without memory statistics raise rather than return None
+        return None
+    return (stats or {}).get("bytes_limit")
+
+
+def check_fits(stats, gradient_accumulation_steps):
+    """Stop before training when the train step cannot fit the device (where its limit is known)."""
+    limit = device_memory_limit()
+    if limit is None or stats["total"] <= limit:
+        return
+    raise UsageError(f"the train step needs {_readable(stats['total'])} per device but a device has {_readable(limit)}: use "
+                     "--sharding fsdp, a smaller --per_device_train_batch_size with more "
+                     f"--gradient_accumulation_steps (now {gradient_accumulation_steps}), --dtype bfloat16, or "
+                     "--gradient_checkpointing")
+
+
+def step_wrapper(name, build, donated=()):
+    """The callable a layout hands out for a step: `build()` itself (`donated`: the positions of the
+    arguments the step consumes). `utils.perf.StepRecorder` puts its own wrapper here to count each
+    step's calls and compilations."""
+    return build()
+
+
+class Layout:
+    """What both layouts share; see `DataParallel` and `FullySharded`."""
+
+    name = None
+    train_step_memory = None  # per-device bytes of the compiled train step (`memory_stats`), once compiled
+
+    def prefetch(self, batches):
+        """Place host batches on the devices `PREFETCH` steps ahead, so transfers overlap the running step."""
+        queue = collections.deque(self.place_batch(batch) for batch in itertools.islice(batches, PREFETCH))
+        batches = iter(batches)
+        while queue:
+            yield queue.popleft()
+            queue.extend(self.place_batch(batch) for batch in itertools.islice(batches, 1))
+
+    def compile_train_step(self, train_step, state, example_batch, gradient_accumulation_steps):
+        """`train_step(state, batch) -> (state, sums)` compiled ahead of time for `state` and batches
+        like `example_batch` (host rows of this process); its per-device memory is logged, kept in
+        `train_step_memory`, and checked against the device's limit before any step runs."""
+
+        def build():
+            compiled = self._jit_train_step(train_step, state).lower(state, self.place_batch(example_batch)).compile()
+            self.train_step_memory = memory_stats(compiled)
+            return compiled
+
+        step = step_wrapper("train_step", build, donated=(0,))
+        logger.info("train step (%s): %s", self.name, _memory_line(self.train_step_memory))
+        check_fits(self.train_step_memory, gradient_accumulation_steps)
+        return step
+
+
+class DataParallel(Layout):
+    """`jax.pmap` over this process's devices; the state replicated, one dropout key per device."""
+
+    name = "dp"
+    batch_shards = 1  # a device's micro-batches are cut from its own rows
+
+    def __init__(self):
+        # pmap outputs carry a NamedSharding over AXIS; inputs placed the same way reuse step 1's program.
+        self._placement = NamedSharding(Mesh(np.array(jax.local_devices()), (AXIS,)), PartitionSpec(AXIS))
+
+    def describe(self):
+        return f"dp: jax.pmap over {jax.local_device_count()} local devices ({jax.device_count()} in all)"
+
+    # -- the state ----------------------------------------------------------------------------------
+    def init_params(self, init):
+        """Fresh weights `init()` from one compiled program (on the default device)."""
+        return jax.jit(init)()
+
+    def place_params(self, host_params):
+        return host_params
+
+    def create_state(self, apply_fn, params, tx, seed):
+        """The state on every device, with one dropout key per device of the run."""
+        state = TrainState.create(apply_fn=apply_fn, params=params, tx=tx, dropout_rng=jax.random.PRNGKey(seed))
+        return self._replicate(state, _device_keys(state.dropout_rng, jax.device_count())[self._local_rows()])
+
+    def _local_rows(self):
+        start = jax.process_index() * jax.local_device_count()
+        return slice(start, start + jax.local_device_count())
+
+    def _replicate(self, state, local_keys):
+        n = jax.local_device_count()
+
+        def put(x):
+            # Every device's slice of a broadcast view is `x` itself: one transfer per device, no n-fold host copy.
+            x = np.asarray(x)
+            return jax.device_put(np.broadcast_to(x, (n,) + x.shape), self._placement)
+
+        placed = jax.tree_util.tree_map(put, state.replace(dropout_rng=None))
+        return placed.replace(dropout_rng=jax.device_put(np.asarray(local_keys), self._placement))
+
+    def dropout_key_count(self):
+        return jax.device_count()
+
+    def checkpoint_tree(self, state):
+        """The state as a checkpoint stores it: host copies of the (identical) replicas, and the
+        dropout keys of every device of the run, one row each."""
+        # `tiled` concatenates each process's local keys: one row per device of the whole run.
+        keys = multihost_utils.process_allgather(state.dropout_rng, tiled=True)
+        # Copies are made now, not by the background writer: the next step donates the device buffers.
+        return jax.tree_util.tree_map(_first_replica, state.replace(dropout_rng=None)).replace(dropout_rng=keys)
+
+    def checkpoint_target(self, state):
+        """What a checkpoint restores into: the global shapes of `state`; no sharding, so every leaf
+        comes back as a host array (`from_checkpoint` replicates it)."""
+        target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                                        state.replace(dropout_rng=None))
+        return target.replace(dropout_rng=jax.ShapeDtypeStruct((jax.device_count(), 2), state.dropout_rng.dtype))
+
+    def from_checkpoint(self, restored):
+        """The restored host state on the devices, each with its own saved dropout key."""
+        return self._replicate(restored, np.asarray(restored.dropout_rng)[self._local_rows()])
+
+    def params_to_host(self, params):
+        return jax.tree_util.tree_map(_first_replica, params)
+
+    # -- steps ----------------------------------------------------------------------------------------
+    def batch_sum(self, tree):
+        return jax.lax.psum(tree, AXIS)
+
+    def _jit_train_step(self, train_step, state):
+        return jax.pmap(train_step, AXIS, donate_argnums=(0,))
+
+    def compile_step(self, name, step):
+        """A step without state: `step(params, batch)` (eval, generate), compiled at its first call."""
+        return step_wrapper(name, lambda: jax.pmap(step, AXIS))
+
+    # -- data -----------------------------------------------------------------------------------------
+    def place_batch(self, host_rows):
+        """This process's rows `[rows, ...]` -> `[local devices, rows / devices, ...]` on the devices."""
+        n = jax.local_device_count()
+
+        def put(x):
+            x = np.asarray(x)
+            if x.shape[0] % n:
+                raise ValueError(f"batch of {x.shape[0]} does not split over {n} devices")
+            return jax.device_put(x.reshape((n, -1) + x.shape[1:]), self._placement)
+
+        return jax.tree_util.tree_map(put, host_rows)
+
+    def rows_to_host(self, device_rows):
+        """A step's per-row output -> every row of the global batch on the host, in order."""
+        x = np.asarray(jax.device_get(device_rows))
+        x = x.reshape((-1,) + x.shape[2:])
+        if jax.process_count() == 1:
+            return x
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+class FullySharded(Layout):
+    """`jax.jit` over a (data, fsdp) mesh of all devices: parameters, gradients and optimizer state
+    split over "fsdp", the batch over all devices, one dropout key for the whole global batch."""
+
+    name = "fsdp"
+
+    def __init__(self, fsdp_size):
+        self.fsdp_size = fsdp_size
+        devices = np.array(jax.devices()).reshape(jax.device_count() // fsdp_size, fsdp_size)
+        self.mesh = Mesh(devices, MESH_AXES)
+        self.batch_shards = jax.device_count()
+        self._rows = NamedSharding(self.mesh, PartitionSpec(MESH_AXES))
+        self._whole = NamedSharding(self.mesh, PartitionSpec())
+
+    def describe(self):
+        return (f"fsdp: jax.jit over a {self.mesh.shape['data']} x {self.fsdp_size} (data x fsdp) mesh of "
+                f"{jax.device_count()} devices")
+
+    def sharding_of(self, shape):
+        return NamedSharding(self.mesh, leaf_spec(shape, self.fsdp_size))
+
+    def _shardings(self, tree):
+        return jax.tree_util.tree_map(lambda x: self.sharding_of(x.shape), tree)
+
+    # -- the state ----------------------------------------------------------------------------------
+    def init_params(self, init):
+        """Fresh weights `init()` computed straight into their shards: no device ever holds them all."""
+        return jax.jit(init, out_shardings=self._shardings(jax.eval_shape(init)))()
+
+    def place_params(self, host_params):
+        """Pretrained weights from host memory, each leaf sent in shards to the devices that hold them."""
+        return jax.tree_util.tree_map(lambda x: jax.device_put(x, self.sharding_of(np.shape(x))), host_params)
+
+    def create_state(self, apply_fn, params, tx, seed):
+        """The optimizer state made next to its (sharded) parameter, inside one compiled program."""
+
+        def create(params):
+            return TrainState.create(apply_fn=apply_fn, params=params, tx=tx, dropout_rng=jax.random.PRNGKey(seed))
+
+        shardings = self._state_shardings(jax.eval_shape(create, params))
+        # Donated: the parameters move into the state instead of being held twice.
+        state = jax.jit(create, out_shardings=shardings, donate_argnums=0)(params)
+        self._log_split(state)
+        return state
+
+    def _state_shardings(self, abstract_state):
+        shardings = self._shardings(abstract_state.replace(dropout_rng=None))
+        return shardings.replace(dropout_rng=self._whole)
+
+    def _log_split(self, state):
+        sharded = replicated = 0
+        for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state)):
+            nbytes = leaf.size * leaf.dtype.itemsize
+            if leaf_spec(leaf.shape, self.fsdp_size) == PartitionSpec():
+                replicated += nbytes
+            else:
+                sharded += nbytes // self.fsdp_size
+        logger.info("fsdp: parameters and optimizer state take %s per device split %d ways + %s whole on every device",
+                    _readable(sharded), self.fsdp_size, _readable(replicated))
+
+    def dropout_key_count(self):
+        return 1
+
+    def checkpoint_tree(self, state):
+        """The global arrays as they are (each process writes its shards); the one key as one row."""
+        return state.replace(dropout_rng=np.asarray(state.dropout_rng.addressable_data(0))[None])
+
+    def checkpoint_target(self, state):
+        """What a checkpoint restores into: every leaf straight into its shards (no host copy of the
+        whole state), the key as a host row."""
+        target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                        state.replace(dropout_rng=None))
+        return target.replace(dropout_rng=jax.ShapeDtypeStruct((1, 2), state.dropout_rng.dtype))
+
+    def from_checkpoint(self, restored):
+        return restored.replace(dropout_rng=jax.device_put(np.asarray(restored.dropout_rng)[0], self._whole))
+
+    def params_to_host(self, params):
+        """Leaf by leaf, so host memory holds one full copy of the parameters, never a device."""
+        if jax.process_count() == 1:
+            return jax.tree_util.tree_map(np.asarray, params)
+        return jax.tree_util.tree_map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)),
+                                      params)
+
+    # -- steps ----------------------------------------------------------------------------------------
+    def batch_sum(self, tree):
+        return tree  # the step sees the whole global batch: its sums are already global
+
+    def _jit_train_step(self, train_step, state):
+        shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
+        return jax.jit(train_step, in_shardings=(shardings, self._rows), out_shardings=(shardings, self._whole),
+                       donate_argnums=(0,))
+
+    def compile_step(self, name, step):
+        return step_wrapper(name, lambda: jax.jit(step))
+
+    # -- data -----------------------------------------------------------------------------------------
+    def place_batch(self, host_rows):
+        """This process's rows of the global batch -> one global array split over all devices."""
+
+        def put(x):
+            x = np.asarray(x)
+            global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
+            return jax.make_array_from_process_local_data(self._rows, x, global_shape)
+
+        return jax.tree_util.tree_map(put, host_rows)
+
+    def rows_to_host(self, device_rows):
+        if jax.process_count() == 1:
+            return np.asarray(jax.device_get(device_rows))
+        return np.asarray(multihost_utils.process_allgather(device_rows, tiled=True))
+
+
+def _first_replica(x):
+    """Device 0's copy of a pmap-replicated array, on the host; a host array as it is."""
+    if isinstance(x, jax.Array) and not isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
+        return np.asarray(x.addressable_data(0)).reshape(x.shape[1:])
+    return np.asarray(x)
+
+
+def _device_keys(key, count):
+    """`count` distinct dropout keys from one: all devices of the run, so a process takes its own rows
+    and the run's randomness does not depend on how devices are spread over hosts."""
+    return np.asarray(jax.random.split(key, count))
+
+
+def resized_keys(saved_keys, count):
+    """Dropout keys for `count` devices from a checkpoint saved with another number of them."""
+    return _device_keys(jnp.asarray(saved_keys[0]), count) if count > 1 else np.asarray(saved_keys[:1])
