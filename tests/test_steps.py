@@ -130,3 +130,13 @@ def test_micro_batch_i_takes_the_ith_part_of_every_shard():
     micro = split_micro_batches({"x": rows}, 2, shards=2)["x"]
     np.testing.assert_array_equal(micro, [[0, 1, 4, 5], [2, 3, 6, 7]])
     np.testing.assert_array_equal(split_micro_batches({"x": rows}, 2)["x"], [[0, 1, 2, 3], [4, 5, 6, 7]])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_parameters_get_bf16_gradients(layout):
+    """--param_dtype bfloat16: dividing by the float32 token count must not make the gradients (and,
+    after the first update, the optimizer state) float32."""
+    params, batch = make_problem(16)
+    params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
+    grads, _, _ = layout_grads(layout, params, batch, accumulation=2)
+    assert {g.dtype for g in jax.tree_util.tree_leaves(grads)} == {jnp.dtype(jnp.bfloat16)}

@@ -190,6 +190,13 @@ class DataParallel(Layout):
     def dropout_key_count(self):
         return jax.device_count()
 
+    def abstract_state(self, shapes):
+        """The state `shapes` (`jax.eval_shape` of a TrainState) as this layout places it, without
+        values: what sizes a train step (`compile_train_step`) of a model too big to build here."""
+        n = jax.local_device_count()
+        return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((n,) + x.shape, x.dtype, sharding=self._placement),
+                                      shapes.replace(dropout_rng=jax.ShapeDtypeStruct((2,), shapes.dropout_rng.dtype)))
+
     def checkpoint_tree(self, state):
         """The state as a checkpoint stores it: host copies of the (identical) replicas, and the
         dropout keys of every device of the run, one row each."""
@@ -307,6 +314,13 @@ class FullySharded(Layout):
 
     def dropout_key_count(self):
         return 1
+
+    def abstract_state(self, shapes):
+        """The state `shapes` as this layout places it, without values (see `DataParallel.abstract_state`)."""
+        sharded = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding_of(x.shape)),
+                                         shapes.replace(dropout_rng=None))
+        return sharded.replace(dropout_rng=jax.ShapeDtypeStruct(shapes.dropout_rng.shape, shapes.dropout_rng.dtype,
+                                                                sharding=self._whole))
 
     def checkpoint_tree(self, state):
         """The global arrays as they are (each process writes its shards); the one key as one row."""

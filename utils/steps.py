@@ -71,5 +71,7 @@ def token_weighted_grads(loss_fn, params, batch, rng, accumulation_steps, layout
         zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(accumulation_steps), micro))
     sums, grads = layout.batch_sum((sums, grads))
-    grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)
+    # In the gradient's own dtype: a float32 count would turn bf16 gradients (--param_dtype bfloat16)
+    # into float32 ones, and with them the optimizer state after the first step.
+    grads = jax.tree_util.tree_map(lambda g: (g / jnp.maximum(sums["tokens"], 1.0)).astype(g.dtype), grads)
     return grads, sums
