@@ -28,7 +28,8 @@ from utils.layout import make_layout
 from utils.logging import throughput_meter
 from utils.loop import TrainLoop, eval_batches, example_batch, host_means, train_batches
 from utils.metrics import perplexity
-from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
+from utils.models import (enable_gradient_checkpointing, fit_config_to_tokenizer, load_config, load_model,
+                          load_tokenizer)
 from utils.optim import create_optimizer, learning_rate_schedule
 from utils.resume import resume_or_start, run_fingerprint
 from utils.run import needed_splits, set_up, training_plan
@@ -129,7 +130,7 @@ def main(argv=None):
     model, params = load_model(FlaxAutoModelForMaskedLM, model_args, config, devices.to_dtype(model_args.dtype), training_args.seed,
                                layout)
     if training_args.gradient_checkpointing:
-        model.enable_gradient_checkpointing()
+        enable_gradient_checkpointing(model)
 
     # ------------------------------------------------------------------------------------------
     # Optimizer, state, steps (placed and compiled by the layout)

@@ -27,8 +27,8 @@ from utils.layout import make_layout
 from utils.logging import throughput_meter
 from utils.loop import TrainLoop, eval_batches, example_batch, host_means, train_batches
 from utils.metrics import rouge
-from utils.models import (decoder_input_ids, fit_config_to_tokenizer, fit_length, load_config, load_model,
-                          load_tokenizer, max_positions)
+from utils.models import (decoder_input_ids, enable_gradient_checkpointing, fit_config_to_tokenizer, fit_length,
+                          load_config, load_model, load_tokenizer, max_positions)
 from utils.optim import create_optimizer, learning_rate_schedule
 from utils.resume import resume_or_start, run_fingerprint
 from utils.run import SPLIT_FLAGS, check_before_work, needed_splits, set_up, training_plan
@@ -204,7 +204,7 @@ def main(argv=None):
     model, params = load_model(FlaxAutoModelForSeq2SeqLM, model_args, config, devices.to_dtype(model_args.dtype), training_args.seed,
                                layout)
     if training_args.gradient_checkpointing:
-        model.enable_gradient_checkpointing()
+        enable_gradient_checkpointing(model)
 
     arrays, sizes = {}, {}
     for split in splits:

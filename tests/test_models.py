@@ -334,3 +334,18 @@ def test_fresh_encoder_decoder(tokenizer):
     ids = np.full((1, 4), 3, np.int32)
     logits = model(ids, decoder_input_ids=ids, params=params).logits
     assert logits.shape == (1, 4, len(tokenizer)) and bool(jnp.isfinite(logits).all())
+
+
+def test_gradient_checkpointing_where_the_family_has_it(tokenizer):
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config, T5Config
+
+    from utils.models import enable_gradient_checkpointing
+
+    compat.apply()  # the T5 clip shim
+    with pytest.raises(UsageError, match=r"--gradient_checkpointing is not implemented by transformers' Flax gpt2 "
+                                         r"model: drop it"):
+        enable_gradient_checkpointing(FlaxGPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2), _do_init=False))
+    t5 = FlaxAutoModelForSeq2SeqLM.from_config(T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8),
+                                               _do_init=False)
+    enable_gradient_checkpointing(t5)
+    assert t5.module.gradient_checkpointing

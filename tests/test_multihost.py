@@ -85,7 +85,8 @@ def single(tmp_path_factory):
                                            **TRAIN_ONLY},
             # bf16 matmuls are emulated on CPUs, twice as slow: 10 steps show the loss falling.
             "bf16": {"dtype": "bfloat16", "param_dtype": "bfloat16", "learning_rate": 0.01, "max_steps": 10,
-                     **TRAIN_ONLY}}
+                     **TRAIN_ONLY},
+            "fsdp": {"sharding": "fsdp"}}
     commands = [command({**CONFIG, **overrides, "output_dir": tmp / name}) for name, overrides in runs.items()]
     run_processes(commands, [tmp / f"{name}.log" for name in runs], [script_env()] * len(runs))
     return {name: tmp / name for name in runs}
@@ -100,6 +101,17 @@ def multihost(tmp_path_factory):
     logs = [tmp / "process0.log", tmp / "process1.log"]
     run_processes(commands, logs, [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
     return outs, logs
+
+
+@pytest.fixture(scope="module")
+def multihost_fsdp(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multihost_fsdp")
+    outs, port = [tmp / "host0", tmp / "host1"], free_port()
+    commands = [command({**CONFIG, "sharding": "fsdp", "output_dir": outs[i], "coordinator_address": f"127.0.0.1:{port}",
+                         "num_processes": 2, "process_id": i}) for i in range(2)]
+    run_processes(commands, [tmp / "process0.log", tmp / "process1.log"],
+                  [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
+    return outs
 
 
 def losses(out, split="train"):
@@ -180,3 +192,19 @@ def test_watchdog_kills_a_straggler(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "TIMEOUT", 1)
     with pytest.raises(pytest.fail.Exception, match="still running after 1 s"):
         run_processes([[sys.executable, "-c", "import time; time.sleep(600)"]], [tmp_path / "a.log"], [None])
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_match_one(single, multihost_fsdp):
+    """The mesh spans both processes' devices: each process places its rows of the global batch and
+    writes its shards of every checkpoint; the numbers are those of one process with 8 devices."""
+    reference, (out, other) = single["fsdp"], multihost_fsdp
+    assert [loss for _, loss in losses(out)] == pytest.approx([loss for _, loss in losses(reference)], rel=1e-6)
+    for name in SAME_FILES:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5),
+                           saved_params(out), saved_params(reference))
+    assert sorted(os.listdir(other)) == [] and sorted(os.listdir(out / "checkpoints")) == ["10", "20"]
+    # And fsdp is dp's run: same losses as the data-parallel reference.
+    assert [loss for _, loss in losses(reference)] == pytest.approx([loss for _, loss in losses(single["reference"])],
+                                                                    rel=1e-5)

@@ -93,6 +93,8 @@ SCRIPTS = {
         "--config_overrides", "n_embd=32,n_layer=1,n_head=2,n_positions=32",  # GPT-2's dropouts are 0.1
         "--train_file", "data/lm/train.txt", "--block_size", 16]),
 }
+# The same run with the state split over the devices (one dropout key for the whole batch).
+SCRIPTS["clm fsdp"] = (SCRIPTS["clm"][0], SCRIPTS["clm"][1] + ["--sharding", "fsdp"])
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from utils.devices import fetch_replicated
 from utils.errors import RunError, UsageError, is_disk_full
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def _leaves_finite(leaves):
 def all_finite(tree) -> bool:
     """Whether every floating-point value of `tree` (e.g. replicated params) is finite, checked on device."""
     leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
-    return bool(_leaves_finite(leaves)) if leaves else True
+    return bool(fetch_replicated(_leaves_finite(leaves))) if leaves else True
 
 
 def _shape_dtypes(tree) -> dict:

@@ -107,6 +107,19 @@ def sync_processes(name):
         multihost_utils.sync_global_devices(name)
 
 
+def fetch_replicated(tree):
+    """A pytree of replicated device values on the host. A value that spans other processes' devices
+    (a step's sums under "fsdp" on several hosts) cannot be fetched whole, and need not be: every
+    local copy holds it."""
+
+    def fetch(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree_util.tree_map(fetch, tree)
+
+
 def process_slice(global_batch_size):
     """The slice of a global batch this process loads."""
     local = global_batch_size // jax.process_count()

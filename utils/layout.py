@@ -20,6 +20,7 @@ the Hugging Face export.
 """
 
 import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -27,6 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import linen as nn
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -136,9 +138,10 @@ class Layout:
         `train_step_memory`, and checked against the device's limit before any step runs."""
 
         def build():
-            compiled = self._jit_train_step(train_step, state).lower(state, self.place_batch(example_batch)).compile()
+            jitted = self._jit_train_step(train_step, state)
+            compiled = jitted.lower(state, self.place_batch(example_batch)).compile()
             self.train_step_memory = memory_stats(compiled)
-            return compiled
+            return self._callable(jitted, compiled)
 
         step = step_wrapper("train_step", build, donated=(0,))
         logger.info("train step (%s): %s", self.name, _memory_line(self.train_step_memory))
@@ -223,8 +226,18 @@ class DataParallel(Layout):
     def batch_sum(self, tree):
         return jax.lax.psum(tree, AXIS)
 
+    def keep_batch_split(self, rows):
+        return contextlib.nullcontext()  # each device computes on its own rows already
+
     def _jit_train_step(self, train_step, state):
         return jax.pmap(train_step, AXIS, donate_argnums=(0,))
+
+    @staticmethod
+    def _callable(jitted, compiled):
+        # A compiled pmap takes the global shapes on several hosts, where each process holds its own
+        # devices' rows: there the pmap itself runs the step (it compiles again, or finds the
+        # program in the compilation cache).
+        return compiled if jax.process_count() == 1 else jitted
 
     def compile_step(self, name, step):
         """A step without state: `step(params, batch)` (eval, generate), compiled at its first call."""
@@ -347,13 +360,39 @@ class FullySharded(Layout):
     def batch_sum(self, tree):
         return tree  # the step sees the whole global batch: its sums are already global
 
+    @contextlib.contextmanager
+    def keep_batch_split(self, rows):
+        """While a step is traced, every output of the model's modules whose leading axis is the
+        batch (`rows` long) stays split over the devices by rows. Left free, XLA may move the
+        activations to meet a weight's split (a whole-batch copy per device) instead of bringing the
+        weight to the data: the point of fsdp is the reverse."""
+
+        def keep(x):
+            if isinstance(x, jax.Array) and x.ndim >= 3 and x.shape[0] == rows:
+                return jax.lax.with_sharding_constraint(x, self._rows)
+            return x
+
+        def interceptor(method, args, kwargs, context):
+            return jax.tree_util.tree_map(keep, method(*args, **kwargs))
+
+        with nn.intercept_methods(interceptor):
+            yield
+
+    @staticmethod
+    def _callable(jitted, compiled):
+        return compiled
+
     def _jit_train_step(self, train_step, state):
         shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
         return jax.jit(train_step, in_shardings=(shardings, self._rows), out_shardings=(shardings, self._whole),
                        donate_argnums=(0,))
 
     def compile_step(self, name, step):
-        return step_wrapper(name, lambda: jax.jit(step))
+        def split_step(params, batch):
+            with self.keep_batch_split(len(jax.tree_util.tree_leaves(batch)[0])):
+                return step(params, batch)
+
+        return step_wrapper(name, lambda: jax.jit(split_step))
 
     # -- data -----------------------------------------------------------------------------------------
     def place_batch(self, host_rows):

@@ -27,7 +27,7 @@ def host_means(device_sums, keep_tokens=False):
     so that a wrong loss mask shows as a wrong count.
     """
     # Fetched whole, indexed on the host: indexing a device array would compile a gather.
-    host = jax.device_get(device_sums)
+    host = devices.fetch_replicated(device_sums)
     return token_weighted_means([{k: np.asarray(v).reshape(-1)[0] for k, v in sums.items()} for sums in host],
                                 keep_weight=keep_tokens)
 
@@ -115,7 +115,7 @@ class TrainLoop:
 
         Fetching the window is the only host sync of the loop (besides saves).
         """
-        window = jax.device_get(self.window)
+        window = devices.fetch_replicated(self.window)
         first = step - len(window) + 1
         for offset, sums in enumerate(window):
             loss = np.asarray(sums["loss"]).reshape(-1)[0]

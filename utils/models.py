@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.frozen_dict import unfreeze
 from flax.traverse_util import flatten_dict, unflatten_dict
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, FlaxPreTrainedModel
 from transformers.models.auto import modeling_flax_auto
 
 from utils import hub
@@ -281,3 +281,13 @@ def load_model(auto_class, model_args, config, dtype, seed, layout):
             model = auto_class.from_config(config, **kwargs)
         return model, layout.place_params(cast_floats(model.params, param_dtype))
     return model, layout.init_params(lambda: cast_floats(model.init_weights(model.key, model.input_shape), param_dtype))
+
+
+def enable_gradient_checkpointing(model):
+    """--gradient_checkpointing: recompute each layer's activations in the backward pass. Only some
+    of transformers' Flax families implement it; the others are told apart up front."""
+    if type(model).enable_gradient_checkpointing is FlaxPreTrainedModel.enable_gradient_checkpointing:
+        raise UsageError(f"--gradient_checkpointing is not implemented by transformers' Flax {model.config.model_type} "
+                         "model: drop it (--per_device_train_batch_size with --gradient_accumulation_steps, or "
+                         "--sharding fsdp, also save memory)")
+    model.enable_gradient_checkpointing()

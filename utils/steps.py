@@ -56,6 +56,17 @@ def token_weighted_grads(loss_fn, params, batch, rng, accumulation_steps, layout
     # MultiSteps would also all-reduce gradients after every micro-batch instead of once, count
     # micro-batches in `state.step`, and average per-micro-batch means instead of weighting tokens.
     grad_fn = jax.grad(loss_fn, has_aux=True)
+    with layout.keep_batch_split(len(jax.tree_util.tree_leaves(batch)[0]) // accumulation_steps):
+        grads, sums = _summed_grads(grad_fn, params, batch, rng, accumulation_steps, layout)
+    sums, grads = layout.batch_sum((sums, grads))
+    # In the gradient's own dtype: a float32 count would turn bf16 gradients (--param_dtype bfloat16)
+    # into float32 ones, and with them the optimizer state after the first step.
+    grads = jax.tree_util.tree_map(lambda g: (g / jnp.maximum(sums["tokens"], 1.0)).astype(g.dtype), grads)
+    return grads, sums
+
+
+def _summed_grads(grad_fn, params, batch, rng, accumulation_steps, layout):
+    """(gradient sums, metric sums) of the rows in hand, micro-batch by micro-batch with accumulation."""
     if accumulation_steps == 1:
         grads, sums = grad_fn(params, batch, rng)
     else:
@@ -70,8 +81,4 @@ def token_weighted_grads(loss_fn, params, batch, rng, accumulation_steps, layout
         shapes = jax.eval_shape(grad_fn, params, first, rng)
         zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(accumulation_steps), micro))
-    sums, grads = layout.batch_sum((sums, grads))
-    # In the gradient's own dtype: a float32 count would turn bf16 gradients (--param_dtype bfloat16)
-    # into float32 ones, and with them the optimizer state after the first step.
-    grads = jax.tree_util.tree_map(lambda g: (g / jnp.maximum(sums["tokens"], 1.0)).astype(g.dtype), grads)
     return grads, sums
