@@ -91,8 +91,8 @@ def train_step_bytes(model, layout):
     shapes = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.__call__, params=p, tx=optax.adamw(1e-4),
                                                         dropout_rng=jax.random.PRNGKey(0)), params)
     rows = jax.device_count()
-    batch = {"input_ids": np.ones((rows, SEQUENCE), np.int32), "labels": np.ones((rows, TARGET if seq2seq else SEQUENCE),
-                                                                                np.int32)}
+    batch = {"input_ids": np.ones((rows, SEQUENCE), np.int32),
+             "labels": np.ones((rows, TARGET if seq2seq else SEQUENCE), np.int32)}
     layout.compile_train_step(train_step, layout.abstract_state(shapes), batch, 1)
     return layout.train_step_memory["total"]
 

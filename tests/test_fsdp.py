@@ -97,7 +97,8 @@ def test_the_train_step_memory_is_written(runs, name):
         out = runs[(name, sharding)]
         memory = read_metrics(out, "memory")
         assert len(memory) == 1 and memory[0]["step"] == 0
-        assert read_json(out / "all_results.json")["train_step_device_bytes"] == memory[0]["train_step_device_bytes"] > 0
+        written = read_json(out / "all_results.json")["train_step_device_bytes"]
+        assert written == memory[0]["train_step_device_bytes"] > 0
         assert {"train_step_device_bytes_arguments", "train_step_device_bytes_temporaries"} <= set(memory[0])
     dp, fsdp = (read_metrics(runs[(name, sharding)], "memory")[0] for sharding in ("dp", "fsdp"))
     # Tiny models: most leaves are below the size worth splitting (utils/layout.py), yet the state shrinks.

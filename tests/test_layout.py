@@ -168,6 +168,9 @@ def test_a_step_that_cannot_fit_stops_before_training(monkeypatch):
                                          r"--gradient_accumulation_steps \(now 1\), --dtype bfloat16, or "
                                          r"--gradient_checkpointing$"):
         layout.compile_train_step(train_step, make_state(layout), batches(1)[0], 1)
+    fsdp = FullySharded(8)  # already split: the other levers only
+    with pytest.raises(UsageError, match=r"per device but a device has 97\.7 KiB: use a smaller "):
+        fsdp.compile_train_step(steps_of(fsdp)[0], make_state(fsdp), batches(1)[0], 1)
 
 
 def test_no_recompile_after_the_first_step():

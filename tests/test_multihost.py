@@ -5,7 +5,8 @@ Runs, all on the tiny T5 and shapes of test_run_summarization.py (20 optimizer s
 - multihost: the same config on 2 processes x 4 devices (loopback coordinator, gloo collectives).
   Process 1 gets its own output_dir, as a second host has its own disk: it must stay empty;
 - big_batch: per-device batch 8 x 1 (the same global batch without accumulation);
-- bf16: bfloat16 computation and parameters (10 steps).
+- bf16: bfloat16 computation and parameters (10 steps);
+- fsdp: the reference's config with the state split over the devices, on 1 x 8 and on 2 x 4.
 """
 
 import os
@@ -105,13 +106,15 @@ def multihost(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def multihost_fsdp(tmp_path_factory):
+    """fsdp on 2 x 4: one --output_dir for both, as on shared storage (every process writes its
+    shards of each checkpoint into it); a second run points process 1 at a disk of its own."""
     tmp = tmp_path_factory.mktemp("multihost_fsdp")
-    outs, port = [tmp / "host0", tmp / "host1"], free_port()
-    commands = [command({**CONFIG, "sharding": "fsdp", "output_dir": outs[i], "coordinator_address": f"127.0.0.1:{port}",
+    out, port = tmp / "shared", free_port()
+    commands = [command({**CONFIG, "sharding": "fsdp", "output_dir": out, "coordinator_address": f"127.0.0.1:{port}",
                          "num_processes": 2, "process_id": i}) for i in range(2)]
     run_processes(commands, [tmp / "process0.log", tmp / "process1.log"],
                   [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
-    return outs
+    return out
 
 
 def losses(out, split="train"):
@@ -198,13 +201,29 @@ def test_watchdog_kills_a_straggler(tmp_path, monkeypatch):
 def test_fsdp_two_processes_match_one(single, multihost_fsdp):
     """The mesh spans both processes' devices: each process places its rows of the global batch and
     writes its shards of every checkpoint; the numbers are those of one process with 8 devices."""
-    reference, (out, other) = single["fsdp"], multihost_fsdp
+    reference, out = single["fsdp"], multihost_fsdp
     assert [loss for _, loss in losses(out)] == pytest.approx([loss for _, loss in losses(reference)], rel=1e-6)
     for name in SAME_FILES:
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5),
                            saved_params(out), saved_params(reference))
-    assert sorted(os.listdir(other)) == [] and sorted(os.listdir(out / "checkpoints")) == ["10", "20"]
+    assert sorted(os.listdir(out / "checkpoints")) == ["10", "20"]
     # And fsdp is dp's run: same losses as the data-parallel reference.
     assert [loss for _, loss in losses(reference)] == pytest.approx([loss for _, loss in losses(single["reference"])],
                                                                     rel=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_on_hosts_without_shared_storage_says_so(tmp_path):
+    """Process 1 on a disk of its own would wait for ever for the checkpoint directory process 0
+    makes: the run stops at its start instead, with the fix."""
+    outs, port = [tmp_path / "host0", tmp_path / "host1"], free_port()
+    config = {**CONFIG, **TRAIN_ONLY, "sharding": "fsdp", "max_steps": 2}
+    commands = [command({**config, "output_dir": outs[i], "coordinator_address": f"127.0.0.1:{port}",
+                         "num_processes": 2, "process_id": i}) for i in range(2)]
+    logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
+    with pytest.raises(pytest.fail.Exception, match="exited with 1"):
+        run_processes(commands, logs, [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
+    last = logs[0].read_text().strip().splitlines()[-1]
+    assert last.startswith(f"error: --output_dir {outs[0]} is not shared by all hosts (--sharding fsdp: every "
+                           "process writes its shards of each checkpoint there): put it on storage every host mounts")

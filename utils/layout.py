@@ -48,12 +48,15 @@ PREFETCH = 2  # batches placed on the devices ahead of the running step
 def make_layout(training_args):
     """The layout `--sharding` names, for this run's devices (after `utils.run.set_up`)."""
     if training_args.sharding == "dp":
-        return DataParallel()
-    fsdp_size = training_args.fsdp_size or jax.device_count()
-    if jax.device_count() % fsdp_size:
-        raise UsageError(f"--fsdp_size {fsdp_size} does not divide the {jax.device_count()} devices: use a divisor "
-                         "(the mesh is devices / fsdp_size x fsdp_size)")
-    return FullySharded(fsdp_size)
+        layout = DataParallel()
+    else:
+        fsdp_size = training_args.fsdp_size or jax.device_count()
+        if jax.device_count() % fsdp_size:
+            raise UsageError(f"--fsdp_size {fsdp_size} does not divide the {jax.device_count()} devices: use a "
+                             "divisor (the mesh is devices / fsdp_size x fsdp_size)")
+        layout = FullySharded(fsdp_size)
+    logger.info("layout: %s", layout.describe())
+    return layout
 
 
 def leaf_spec(shape, fsdp_size):
@@ -69,8 +72,8 @@ def leaf_spec(shape, fsdp_size):
 
 
 def _memory_line(stats):
-    return (f"{_readable(stats['total'])} per device (arguments {_readable(stats['arguments'])}, temporaries "
-            f"{_readable(stats['temporaries'])}, outputs {_readable(stats['outputs'])}, aliased {_readable(stats['aliased'])})")
+    parts = ", ".join(f"{name} {_readable(stats[name])}" for name in ("arguments", "temporaries", "outputs", "aliased"))
+    return f"{_readable(stats['total'])} per device ({parts})"
 
 
 def _readable(n):
@@ -100,13 +103,14 @@ def device_memory_limit():
     return (stats or {}).get("bytes_limit")
 
 
-def check_fits(stats, gradient_accumulation_steps):
+def check_fits(stats, gradient_accumulation_steps, layout_name):
     """Stop before training when the train step cannot fit the device (where its limit is known)."""
     limit = device_memory_limit()
     if limit is None or stats["total"] <= limit:
         return
-    raise UsageError(f"the train step needs {_readable(stats['total'])} per device but a device has {_readable(limit)}: use "
-                     "--sharding fsdp, a smaller --per_device_train_batch_size with more "
+    split = "--sharding fsdp, " if layout_name == "dp" else ""
+    raise UsageError(f"the train step needs {_readable(stats['total'])} per device but a device has "
+                     f"{_readable(limit)}: use {split}a smaller --per_device_train_batch_size with more "
                      f"--gradient_accumulation_steps (now {gradient_accumulation_steps}), --dtype bfloat16, or "
                      "--gradient_checkpointing")
 
@@ -145,7 +149,7 @@ class Layout:
 
         step = step_wrapper("train_step", build, donated=(0,))
         logger.info("train step (%s): %s", self.name, _memory_line(self.train_step_memory))
-        check_fits(self.train_step_memory, gradient_accumulation_steps)
+        check_fits(self.train_step_memory, gradient_accumulation_steps, self.name)
         return step
 
 
@@ -154,6 +158,7 @@ class DataParallel(Layout):
 
     name = "dp"
     batch_shards = 1  # a device's micro-batches are cut from its own rows
+    writes_shards = False  # checkpoints hold host copies, written by process 0
 
     def __init__(self):
         # pmap outputs carry a NamedSharding over AXIS; inputs placed the same way reuse step 1's program.
@@ -270,6 +275,7 @@ class FullySharded(Layout):
     split over "fsdp", the batch over all devices, one dropout key for the whole global batch."""
 
     name = "fsdp"
+    writes_shards = True  # every process writes its shards of each checkpoint
 
     def __init__(self, fsdp_size):
         self.fsdp_size = fsdp_size
@@ -330,8 +336,8 @@ class FullySharded(Layout):
 
     def abstract_state(self, shapes):
         """The state `shapes` as this layout places it, without values (see `DataParallel.abstract_state`)."""
-        sharded = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding_of(x.shape)),
-                                         shapes.replace(dropout_rng=None))
+        place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding_of(x.shape))  # noqa: E731
+        sharded = jax.tree_util.tree_map(place, shapes.replace(dropout_rng=None))
         return sharded.replace(dropout_rng=jax.ShapeDtypeStruct(shapes.dropout_rng.shape, shapes.dropout_rng.dtype,
                                                                 sharding=self._whole))
 

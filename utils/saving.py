@@ -8,14 +8,42 @@ Face export beside it and a hub push; it never saves a non-finite state, and aft
 """
 
 import logging
+import os
+import secrets
 
-from utils import preemption
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from utils import devices, preemption
 from utils.checkpoint import Checkpointer, all_finite, disk_full_is_fatal, find_checkpoint_dir
 from utils.errors import RunError, Stopped, at_exit
 
 logger = logging.getLogger(__name__)
 
 STOP = "stop requested"
+
+
+def check_shared(directory, why):
+    """RunError unless every process sees the files process 0 writes in `directory` (a shared file
+    system): process 0 leaves a token there, the others must read it back."""
+    marker = os.path.join(directory, ".flaxtune-shared")
+    token = int(multihost_utils.broadcast_one_to_all(np.int64(secrets.randbits(62))))
+    if jax.process_index() == 0:
+        with open(marker, "w", encoding="utf-8") as f:
+            f.write(str(token))
+    devices.sync_processes("flaxtune: shared storage written")
+    try:
+        with open(marker, encoding="utf-8") as f:
+            seen = f.read() == str(token)
+    except OSError:
+        seen = False
+    everyone = bool(np.all(multihost_utils.process_allgather(np.int32(seen))))
+    if jax.process_index() == 0:
+        os.remove(marker)
+    if not everyone:
+        raise RunError(f"--output_dir {os.path.dirname(directory)} is not shared by all hosts ({why}): put it on "
+                       "storage every host mounts at the same path (NFS, a gcsfuse bucket)")
 
 
 class SavePolicy:
@@ -48,11 +76,15 @@ class Saver:
     """
 
     def __init__(self, training_args, run_dir, layout, fingerprint, steps_per_epoch, total_steps, start_step, is_main):
-        self.output_dir, self.run_dir, self.layout, self.fingerprint = training_args.output_dir, run_dir, layout, fingerprint
+        self.output_dir, self.run_dir, self.layout = training_args.output_dir, run_dir, layout
+        self.fingerprint = fingerprint
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.checkpointer = Checkpointer(find_checkpoint_dir(self.output_dir),
                                          max_to_keep=training_args.save_total_limit, is_main_process=is_main)
         self._closed = False
+        if layout.writes_shards and jax.process_count() > 1:
+            check_shared(self.checkpointer.directory, "--sharding fsdp: every process writes its shards of each "
+                                                      "checkpoint there")
         if start_step:
             dropped = self.checkpointer.delete_after(start_step)
             if dropped:
