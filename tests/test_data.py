@@ -256,7 +256,8 @@ def test_to_arrays_reads_chunks_files_slices_and_index_mappings(tmp_path):
     np.testing.assert_array_equal(column[45:60], truth[45:60])
     np.testing.assert_array_equal(column[-1], truth[-1])
     np.testing.assert_array_equal(np.stack(list(column)), truth)
-    selections = {"slice": range(5, 66), "reversed": range(69, -1, -2), "shuffled": np.random.default_rng(0).permutation(70)}
+    selections = {"slice": range(5, 66), "reversed": range(69, -1, -2),
+                  "shuffled": np.random.default_rng(0).permutation(70)}
     for name, selection in selections.items():
         selected = both.select(selection)
         assert (selected._indices is None) == (name == "slice")  # a contiguous select slices the table

@@ -171,4 +171,5 @@ def test_host_train_batches_read_dataset_columns_by_the_seeded_order():
         indices = data.train_batch_indices(40, 8, 3, *divmod(step, 5))[rows]
         np.testing.assert_array_equal(batch["input_ids"], np.stack([indices, -indices], 1) * 100 + step)
     resumed = list(loop.host_train_batches(arrays, 40, 8, 3, 5, 7, 12, rows, transform))
-    np.testing.assert_array_equal(np.stack([b["input_ids"] for b in resumed]), np.stack([b["input_ids"] for b in run[7:]]))
+    np.testing.assert_array_equal(np.stack([b["input_ids"] for b in resumed]),
+                                  np.stack([b["input_ids"] for b in run[7:]]))

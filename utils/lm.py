@@ -124,7 +124,8 @@ def has_text(text):
 def encode_texts(tokenizer, texts):
     """The token ids (special tokens included) of each text that is not blank."""
     # verbose=False: lines longer than the model are expected here, grouping cuts them up.
-    return tokenizer([text for text in texts if has_text(text)], return_attention_mask=False, verbose=False)["input_ids"]
+    texts = [text for text in texts if has_text(text)]
+    return tokenizer(texts, return_attention_mask=False, verbose=False)["input_ids"]
 
 
 def encode_lines(tokenizer, texts, max_length):

@@ -284,7 +284,8 @@ class _FileReader:
                 start = self.offset
                 self.offset = start + len(raw)
                 if raw.strip():
-                    yield self._checked(FileSource._json_row(path, raw, start).get(self.source.text_column), path, start)
+                    value = FileSource._json_row(path, raw, start).get(self.source.text_column)
+                    yield self._checked(value, path, start)
 
     def _csv_rows(self, path):
         with data.open_content(path) as f:
@@ -469,7 +470,8 @@ def read_examples(source, encoder, limit=None, start=None):
     parts, count, skip = {name: [] for name in encoder.columns}, 0, taken
     for group_position, texts in _groups_of_texts(source.open(position)):
         rows = encoder(texts)
-        stop = len(rows[encoder.columns[0]]) if limit is None else min(len(rows[encoder.columns[0]]), skip + limit - count)
+        available = len(rows[encoder.columns[0]])
+        stop = available if limit is None else min(available, skip + limit - count)
         for name in encoder.columns:
             parts[name].append(rows[name][skip:stop])
         count += max(stop - skip, 0)
@@ -535,7 +537,8 @@ class Stream:
             raise ValueError(f"batch_size {batch_size} and workers {workers} must be positive, "
                              f"shuffle_buffer_size {shuffle_buffer_size} not negative")
         self.source, self.encoder, self.batch_size = source, encoder, batch_size
-        self.shuffle_buffer_size, self.workers, self.transform, self.agree = shuffle_buffer_size, workers, transform, agree
+        self.shuffle_buffer_size, self.workers = shuffle_buffer_size, workers
+        self.transform, self.agree = transform, agree
         self.settings = {"source": source.describe(), "encoder": encoder.describe(), "batch_size": batch_size,
                          "shuffle_buffer_size": shuffle_buffer_size, "seed": seed}
         capacity = shuffle_buffer_size + batch_size
