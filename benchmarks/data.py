@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Host-side data figures: the in-memory path from 10^4 to 10^7 blocks, the streaming pipeline, resume start-up.
 
-    python benchmarks/data.py                                # everything: ~10 min on 2 CPU cores, ~6 GB under /tmp
+    python benchmarks/data.py                       # everything: ~10 min on 2 CPU cores, ~5 GB under /tmp and 6 GB RAM
     python benchmarks/data.py --parts memory --sizes 10000 1000000
     python benchmarks/data.py --parts stream resume --stream_megabytes 10 --resume_steps 10 200
 
@@ -10,10 +10,13 @@ memory   per size, in a fresh process: a synthetic token cache (`--block` tokens
          it) read through `data.to_arrays`, then the host side of `loop.train_batches`
          (`loop.host_train_batches`: order + gather, no devices) for `--steps` steps of a global
          batch of `--batch`: seconds per step (median; the first step, which computes the epoch's
-         order, apart), and the process's anonymous memory (RssAnon: heap, not the page cache of
-         the mapped file) before, after opening and at its peak; also the old loop (the epoch's
-         permutation recomputed every step) for contrast. Target: per-step time within 2x from
-         10^4 to 10^7, memory growing only by the order's indices (8 bytes per block).
+         order, apart) and the minor page faults per step (the kernel mapping a page of the file on
+         its first touch), the same steps again (their pages mapped), and the same gathers from a
+         copy of the column in RAM (a separate process: 5 GB at 10^7); the process's anonymous
+         memory (RssAnon: heap, not the page cache of the mapped file) before, after opening and at
+         its peak; the old loop (the epoch's permutation recomputed every step) for contrast.
+         Target: per-step time within 2x from 10^4 to 10^7, memory growing only by the order's
+         indices (8 bytes per block).
 stream   tokens/s of `utils.stream` alone: data/lm/train.txt repeated to `--stream_megabytes`,
          read, tokenized (data/lm's tokenizer), grouped into 256-token blocks, shuffled (10,000-block
          pool) into host batches of 32 (the medium clm benchmark's), with 1 (the default) and 2
@@ -29,6 +32,7 @@ import argparse
 import gzip
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -80,36 +84,58 @@ def run_child(*args):
 # ----------------------------------------------------------------------------------------------
 # In-memory path
 # ----------------------------------------------------------------------------------------------
-def memory_child(path, blocks, batch, steps, old_steps):
+def timed_steps(arrays, blocks, batch, steps):
+    """(median seconds per step, minor page faults per step, peak anonymous bytes) of steps 1..steps - 1
+    of `loop.host_train_batches` (step 0, which computes the epoch's order, is timed by the caller)."""
+    from utils import loop
+
+    batches = loop.host_train_batches(arrays, blocks, batch, 0, blocks // batch, 0, steps)
+    next(batches)
+    times, faults, peak = [], 0, memory_status()["anon"]
+    for _ in range(steps - 1):
+        before, clock = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        next(batches)
+        times.append(time.perf_counter() - clock)
+        faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        peak = max(peak, memory_status()["anon"])
+    return statistics.median(times), faults / (steps - 1), peak
+
+
+def memory_child(path, blocks, batch, steps, old_steps, mode):
     import datasets
+    import numpy as np
 
     from utils import data, loop
 
     start = memory_status()
     dataset = datasets.Dataset.from_file(path)
-    arrays = data.to_arrays(dataset, ["input_ids"])
-    opened = memory_status()
-    per_epoch = blocks // batch
-    batches = loop.host_train_batches(arrays, blocks, batch, 0, per_epoch, 0, steps)
     clock = time.perf_counter()
-    next(batches)
+    arrays = data.to_arrays(dataset, ["input_ids"])
+    open_s = time.perf_counter() - clock
+    if mode == "ram":  # the floor: the same gathers from a copy in memory (what to_arrays did before)
+        column = arrays["input_ids"]
+        copy = np.empty(column.shape, np.int32)
+        for first in range(0, len(column), 1 << 20):
+            copy[first: first + (1 << 20)] = column[first: first + (1 << 20)]
+        step_s, _, _ = timed_steps({"input_ids": copy}, blocks, batch, steps)
+        return {"ram_copy_step_s": step_s}
+    opened = memory_status()
+    clock = time.perf_counter()
+    next(loop.host_train_batches(arrays, blocks, batch, 0, blocks // batch, 0, 1))
     first = time.perf_counter() - clock
-    times, peak = [], opened["anon"]
-    for _ in range(steps - 1):
-        clock = time.perf_counter()
-        next(batches)
-        times.append(time.perf_counter() - clock)
-        peak = max(peak, memory_status()["anon"])
+    step_s, faults, peak = timed_steps(arrays, blocks, batch, steps)
+    replay_s, _, _ = timed_steps(arrays, blocks, batch, steps)  # the same rows: their pages are mapped now
     old = []
+    per_epoch = blocks // batch
     for step in range(old_steps):  # the loop before TrainOrder: the permutation in every step
         clock = time.perf_counter()
         data.gather(arrays, data.train_batch_indices(blocks, batch, 0, *divmod(step, per_epoch)))
         old.append(time.perf_counter() - clock)
     end = memory_status()
-    return {"blocks": blocks, "step_s": statistics.median(times), "mean_step_s": statistics.mean(times),
-            "first_step_s": first, "old_step_s": statistics.median(old), "anon_start": start["anon"],
-            "anon_opened": opened["anon"], "anon_peak": peak, "order_bytes": blocks * 8,
-            "peak_rss_with_page_cache": end["peak_rss"]}
+    return {"blocks": blocks, "open_s": open_s, "step_s": step_s, "page_faults_per_step": faults,
+            "mapped_step_s": replay_s, "first_step_s": first, "old_step_s": statistics.median(old),
+            "anon_start": start["anon"], "anon_opened": opened["anon"], "anon_peak": peak,
+            "order_bytes": blocks * 8, "peak_rss_with_page_cache": end["peak_rss"]}
 
 
 def memory_part(args, workdir):
@@ -119,7 +145,8 @@ def memory_part(args, workdir):
         clock = time.time()
         write_token_cache(path, blocks, args.block)
         written = time.time() - clock
-        row = run_child("memory", path, blocks, args.batch, args.steps, args.old_steps)
+        row = run_child("memory", path, blocks, args.batch, args.steps, args.old_steps, "mapped")
+        row.update(run_child("memory", path, blocks, args.batch, args.steps, args.old_steps, "ram"))
         row.update(file_bytes=os.path.getsize(path), write_s=written)
         os.remove(path)
         rows.append(row)
@@ -130,18 +157,23 @@ def memory_part(args, workdir):
 def print_memory(rows, batch, block):
     print(f"\nIn-memory path: host work per step (order + gather of {batch} blocks of {block} tokens), "
           "anonymous memory")
-    print("| blocks | cache file | per step | first step (epoch order) | old per step | anon after open | "
+    print("| blocks | cache file | to_arrays | per step | page faults / step | per step, pages mapped | "
+          "same gathers from a copy in RAM | first step (epoch order) | old per step | anon after open | "
           "anon peak - start | order indices | peak RSS incl. page cache |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     mib = 1 << 20
     for row in rows:
-        print(f"| {row['blocks']:,} | {row['file_bytes'] / (1 << 30):.2f} GiB | {row['step_s'] * 1e6:.0f} us | "
-              f"{row['first_step_s'] * 1e3:.1f} ms | {row['old_step_s'] * 1e3:.1f} ms | "
-              f"{(row['anon_opened'] - row['anon_start']) / mib:+.1f} MiB | "
+        print(f"| {row['blocks']:,} | {row['file_bytes'] / (1 << 30):.2f} GiB | {row['open_s'] * 1e3:.0f} ms | "
+              f"{row['step_s'] * 1e6:.0f} us | {row['page_faults_per_step']:.1f} | "
+              f"{row['mapped_step_s'] * 1e6:.0f} us | "
+              f"{row['ram_copy_step_s'] * 1e6:.0f} us | {row['first_step_s'] * 1e3:.1f} ms | "
+              f"{row['old_step_s'] * 1e3:.1f} ms | {(row['anon_opened'] - row['anon_start']) / mib:+.1f} MiB | "
               f"{(row['anon_peak'] - row['anon_start']) / mib:+.1f} MiB | {row['order_bytes'] / mib:.1f} MiB | "
               f"{row['peak_rss_with_page_cache'] / mib:,.0f} MiB |")
     if len(rows) > 1:
-        print(f"per-step time, largest / smallest: {rows[-1]['step_s'] / rows[0]['step_s']:.2f}x (target <= 2x)")
+        ratio = lambda key: rows[-1][key] / rows[0][key]  # noqa: E731
+        print(f"per step, largest / smallest: {ratio('step_s'):.2f}x (target <= 2x); with the pages mapped "
+              f"{ratio('mapped_step_s'):.2f}x; from a copy in RAM {ratio('ram_copy_step_s'):.2f}x")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,7 +199,9 @@ def make_stream(path, workers=1, state=None):
 
 
 def stream_child(path, workers):
-    import transformers  # noqa: F401  (imported before the first reading: its memory is not the stream's)
+    import transformers  # noqa: F401  (imported before the first reading: their memory is not the stream's)
+
+    from utils import stream  # noqa: F401
 
     start = memory_status()["anon"]
     clock = time.perf_counter()
@@ -260,8 +294,8 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         kind, *rest = sys.argv[2:]
         if kind == "memory":
-            path, blocks, batch, steps, old_steps = rest
-            result = memory_child(path, int(blocks), int(batch), int(steps), int(old_steps))
+            path, blocks, batch, steps, old_steps, mode = rest
+            result = memory_child(path, int(blocks), int(batch), int(steps), int(old_steps), mode)
         elif kind == "stream":
             result = stream_child(*rest)
         else:

@@ -91,6 +91,7 @@ def test_data_benchmark_on_small_sizes(tmp_path):
     assert [row["blocks"] for row in record["memory"]] == [3000, 5000]
     for row in record["memory"]:
         assert row["step_s"] > 0 and row["old_step_s"] > 0 and row["anon_peak"] >= row["anon_opened"] > 0
+        assert row["mapped_step_s"] > 0 and row["ram_copy_step_s"] > 0 and row["page_faults_per_step"] >= 0
         assert row["file_bytes"] > row["blocks"] * 128 * 4
     assert [row["workers"] for row in record["stream"]] == [1, 2]
     assert all(row["tokens"] > 0 and row["tokens_per_second"] > 0 for row in record["stream"])
