@@ -76,3 +76,27 @@ def test_documented_command_on_one_small_row(tmp_path):
         record["script_tokens_per_second"] / record["limit_tokens_per_second"])
     assert record["peak_device_memory_gib"] is None and record["script_mfu"] is None  # CPU: unknown peak
     assert "clm  | tiny" in result.stdout
+
+
+@pytest.mark.slow
+def test_data_benchmark_on_small_sizes(tmp_path):
+    """benchmarks/data.py end to end on a tiny cache and a 1 MB stream: every figure there and sensible."""
+    output = tmp_path / "data.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/data.py", "--sizes", "3000", "5000", "--steps", "20", "--old_steps", "3",
+         "--stream_megabytes", "1", "--resume_steps", "1", "3", "--workdir", str(tmp_path), "--output", str(output)],
+        cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(output.read_text())
+    assert [row["blocks"] for row in record["memory"]] == [3000, 5000]
+    for row in record["memory"]:
+        assert row["step_s"] > 0 and row["old_step_s"] > 0 and row["anon_peak"] >= row["anon_opened"] > 0
+        assert row["mapped_step_s"] > 0 and row["ram_copy_step_s"] > 0 and row["page_faults_per_step"] >= 0
+        assert row["file_bytes"] > row["blocks"] * 128 * 4
+    assert [row["workers"] for row in record["stream"]] == [1, 2]
+    assert all(row["tokens"] > 0 and row["tokens_per_second"] > 0 for row in record["stream"])
+    assert [[row["step"] for row in part["rows"]] for part in record["resume"]] == [[1, 3], [1, 3]]
+    assert [part["file"] for part in record["resume"]] == ["resume.txt", "resume.txt.gz"]
+    assert all(row["first_batch_s"] > 0 for part in record["resume"] for row in part["rows"])
+    assert os.listdir(tmp_path) == ["data.json"]  # the cache files are gone
+    assert "| 5,000 |" in result.stdout and "tokens/s" in result.stdout

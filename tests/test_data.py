@@ -220,6 +220,95 @@ def test_to_arrays_refuses_ragged_sequences():
         data.to_arrays(ds, ["ids"])
 
 
+def write_token_file(path, rows, width, rows_per_chunk=1000, dtype=np.int32):
+    """An Arrow stream file as `datasets` caches a token column (list<int>, one record batch per
+    `rows_per_chunk` rows), row i holding i * width ... i * width + width - 1; returns its Dataset."""
+    import datasets
+    import pyarrow as pa
+
+    schema = pa.schema({"input_ids": pa.list_(pa.from_numpy_dtype(dtype))})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for start in range(0, rows, rows_per_chunk):
+            n = min(rows_per_chunk, rows - start)
+            values = np.arange(start * width, (start + n) * width, dtype=dtype)
+            column = pa.ListArray.from_arrays(np.arange(0, (n + 1) * width, width, dtype=np.int32), values)
+            writer.write_batch(pa.record_batch([column], schema=schema))
+    return datasets.Dataset.from_file(str(path))
+
+
+def expected_rows(rows, width):
+    rows = np.asarray(rows)
+    return (rows[..., None] * width + np.arange(width)).astype(np.int32)
+
+
+def test_to_arrays_reads_chunks_files_slices_and_index_mappings(tmp_path):
+    import datasets
+
+    first = write_token_file(tmp_path / "a.arrow", 50, 3, rows_per_chunk=7)
+    second = write_token_file(tmp_path / "b.arrow", 20, 3, rows_per_chunk=6)  # rows 0..19 again
+    both = datasets.concatenate_datasets([first, second])  # two memory-mapped files, 11 + 4 chunks
+    truth = np.concatenate([expected_rows(range(50), 3), expected_rows(range(20), 3)])
+    column = data.to_arrays(both, ["input_ids"])["input_ids"]
+    assert column.shape == (70, 3) and len(column) == 70 and column.dtype == np.int32
+    rows = np.array([69, 0, 49, 50, 6, 7, 13, 14, 55, 3, 3])
+    np.testing.assert_array_equal(column[rows], truth[rows])
+    np.testing.assert_array_equal(np.asarray(column), truth)
+    np.testing.assert_array_equal(column[45:60], truth[45:60])
+    np.testing.assert_array_equal(column[-1], truth[-1])
+    np.testing.assert_array_equal(np.stack(list(column)), truth)
+    selections = {"slice": range(5, 66), "reversed": range(69, -1, -2),
+                  "shuffled": np.random.default_rng(0).permutation(70)}
+    for name, selection in selections.items():
+        selected = both.select(selection)
+        assert (selected._indices is None) == (name == "slice")  # a contiguous select slices the table
+        np.testing.assert_array_equal(data.to_arrays(selected, ["input_ids"])["input_ids"][np.arange(len(selection))],
+                                      truth[np.asarray(selection)], err_msg=name)
+    twice = both.select(range(60, 10, -1)).select([0, 5, 49])  # a mapping of a mapping
+    np.testing.assert_array_equal(np.asarray(data.to_arrays(twice, ["input_ids"])["input_ids"]), truth[[60, 55, 11]])
+    with pytest.raises(IndexError, match="rows 3..70 of column 'input_ids', which has 70"):
+        column[[3, 70]]
+
+
+def test_to_arrays_narrows_integers_to_int32():
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"ids": [[1, 2], [3, 4]], "mask": [[1, 0], [1, 1]], "score": [0.5, 1.5]})
+    ds = ds.cast_column("mask", datasets.Sequence(datasets.Value("int8")))
+    arrays = data.to_arrays(ds, ["ids", "mask", "score"])
+    assert ds.features["ids"].feature.dtype == "int64"
+    assert arrays["ids"][[1]].dtype == arrays["mask"][[1]].dtype == np.int32
+    np.testing.assert_array_equal(arrays["mask"][[0, 1]], [[1, 0], [1, 1]])
+    assert arrays["score"][[1]].dtype == np.float64 and arrays["score"].shape == (2,)
+
+
+def test_to_arrays_refuses_text_and_missing_values():
+    import datasets
+
+    with pytest.raises(ValueError, match="column 'text' holds string: only numbers and fixed-length lists"):
+        data.to_arrays(datasets.Dataset.from_dict({"text": ["a", "b"]}), ["text"])
+    with pytest.raises(ValueError, match="column 'ids' has missing values"):
+        data.to_arrays(datasets.Dataset.from_dict({"ids": [[1, 2], None]}), ["ids"])
+
+
+def anonymous_memory():
+    """Bytes of this process's anonymous memory (heap, not the page cache of mapped files)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_to_arrays_copies_no_tokens_into_memory(tmp_path):
+    """A 64 MB token column is read in place: gathering every row once (touching every page of the
+    file) adds far less anonymous memory than a copy of the column would."""
+    dataset = write_token_file(tmp_path / "big.arrow", 1 << 17, 128)
+    before = anonymous_memory()
+    column = data.to_arrays(dataset, ["input_ids"])["input_ids"]
+    checksum = sum(int(column[start: start + 4096][:, -1].sum()) for start in range(0, len(column), 4096))
+    grown = anonymous_memory() - before
+    assert checksum == int(expected_rows(np.arange(1 << 17), 128)[:, -1].sum())
+    assert grown < 16 << 20, f"{grown >> 20} MB more anonymous memory for a 64 MB column"
+
+
 # ---------------------------------------------------------------------------------------------
 # Batches
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +328,30 @@ def test_train_batches_deterministic_and_without_repeats():
     assert not np.array_equal(np.concatenate(epoch_batches(num, batch, 0, 1)), flat)  # next epoch reshuffles
     assert not np.array_equal(np.concatenate(epoch_batches(num, batch, 1, 0)), flat)  # other seed
     np.testing.assert_array_equal(data.train_batch_indices(num, batch, 0, 0, 5), first[5])  # resume mid-epoch
+
+
+def todays_batch_indices(num_examples, global_batch_size, seed, epoch, step_in_epoch, rows=None):
+    """How a batch's indices were defined before `TrainOrder` (the permutation recomputed every step):
+    the order of a seed must never change, or resuming an older run would see other batches."""
+    start = step_in_epoch * global_batch_size
+    indices = np.random.default_rng([seed, epoch]).permutation(num_examples)[start: start + global_batch_size]
+    return indices[rows] if rows is not None else indices
+
+
+def test_train_order_keeps_the_order_of_every_seed_and_resumes_mid_epoch():
+    num, batch, seed = 103, 8, 5
+    per_epoch = data.steps_per_epoch(num, batch)
+    reference = [todays_batch_indices(num, batch, seed, *divmod(step, per_epoch)) for step in range(4 * per_epoch)]
+    order = data.TrainOrder(num, batch, seed, per_epoch)
+    for step, indices in enumerate(reference):
+        np.testing.assert_array_equal(order.batch_indices(step), indices, err_msg=f"step {step}")
+        np.testing.assert_array_equal(data.train_batch_indices(num, batch, seed, *divmod(step, per_epoch)), indices)
+    resumed = data.TrainOrder(num, batch, seed, per_epoch)  # a run resumed in the middle of epoch 2
+    for step in range(2 * per_epoch + 5, 4 * per_epoch):
+        np.testing.assert_array_equal(resumed.batch_indices(step), reference[step], err_msg=f"step {step}")
+    rows = slice(2, 6)
+    np.testing.assert_array_equal(data.TrainOrder(num, batch, seed, per_epoch).batch_indices(3 * per_epoch + 1, rows),
+                                  reference[3 * per_epoch + 1][rows])
 
 
 @pytest.mark.parametrize("processes", [2, 4])

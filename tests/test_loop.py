@@ -170,3 +170,27 @@ def test_train_batches_follow_seeded_order_and_resume():
     resumed = [DP.rows_to_host(b["x"])
                for b in train_batches(arrays, 40, 16, 1, 2, start_step=3, total_steps=5, layout=DP)]
     np.testing.assert_array_equal(np.stack(resumed), np.stack(run[3:]))
+
+
+def test_host_train_batches_read_dataset_columns_by_the_seeded_order():
+    """The host side of `train_batches` on columns read in place from a dataset: this process's rows of
+    each batch of the seeded order, transformed with their step, and a resumed run's batches are the rest."""
+    import datasets
+
+    from utils import data, loop
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[i, -i] for i in range(40)]})
+    arrays = data.to_arrays(ds, ["input_ids"])
+    rows = slice(4, 8)  # the second of two processes
+    def transform(batch, step, first_row):
+        assert first_row == rows.start  # this process's first row of the global batch
+        return {"input_ids": batch["input_ids"] * 100 + step}
+
+    run = list(loop.host_train_batches(arrays, 40, 8, 3, 5, 0, 12, rows, transform))
+    assert len(run) == 12
+    for step, batch in enumerate(run):
+        indices = data.train_batch_indices(40, 8, 3, *divmod(step, 5))[rows]
+        np.testing.assert_array_equal(batch["input_ids"], np.stack([indices, -indices], 1) * 100 + step)
+    resumed = list(loop.host_train_batches(arrays, 40, 8, 3, 5, 7, 12, rows, transform))
+    np.testing.assert_array_equal(np.stack([b["input_ids"] for b in resumed]),
+                                  np.stack([b["input_ids"] for b in run[7:]]))

@@ -2,7 +2,12 @@
 
 Training batches are a pure function of (seed, epoch, step): the order of an epoch is a seeded
 permutation, so a resumed run sees exactly the remaining batches of the uninterrupted one, and
-every process of a pod derives the same order and loads only its own slice.
+every process of a pod derives the same order and loads only its own slice. `TrainOrder` computes
+each epoch's permutation once, so a batch costs O(batch) on the host whatever the dataset's size.
+
+Token columns are read in place from the Arrow tables of the `datasets` cache (`to_arrays` ->
+`ArrowColumn`): the cache files are memory-mapped, so the corpus is never copied into the process's
+memory; only the rows of a batch are.
 """
 
 import bz2
@@ -18,7 +23,6 @@ import zlib
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from utils import hub
 from utils.errors import UsageError, is_disk_full
@@ -56,7 +60,7 @@ def _extensions(path):
 
 
 @contextlib.contextmanager
-def _open_content(path):
+def open_content(path):
     """The file's content as a binary stream, decompressed on the fly when the name says it is compressed.
 
     A corrupt or truncated compressed file shows when it is read: a UsageError naming the file.
@@ -86,7 +90,7 @@ def check_file(path, allowed=("json", "csv", "text"), limit=PREREAD_BYTES):
     """
     builder = file_builder(path, allowed)
     _check_utf8(path)
-    with _open_content(path) as f:
+    with open_content(path) as f:
         head = f.read() if limit is None else f.read(limit)
         complete = not f.read(1)
     if complete and not head:  # a compressed file can be empty inside
@@ -106,7 +110,7 @@ def check_file(path, allowed=("json", "csv", "text"), limit=PREREAD_BYTES):
 def _check_utf8(path):
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
-    with _open_content(path) as f:
+    with open_content(path) as f:
         while True:
             chunk = f.read(_CHUNK_BYTES)
             pending = len(decoder.getstate()[0])  # bytes of a character split across chunks
@@ -121,7 +125,7 @@ def _check_utf8(path):
 
 def _not_utf8(path, offset, byte):
     line, remaining = 1, offset
-    with _open_content(path) as f:
+    with open_content(path) as f:
         while remaining:
             chunk = f.read(min(remaining, _CHUNK_BYTES))
             line, remaining = line + chunk.count(b"\n"), remaining - len(chunk)
@@ -235,24 +239,144 @@ def take(dataset, max_samples):
 
 
 def to_arrays(dataset, columns):
-    """Materialise columns (fixed-length token lists, or scalars) as numpy arrays for fast row gathering.
+    """{name: ArrowColumn} of columns (fixed-length number lists, or numbers) for fast row gathering.
 
-    Read straight from Arrow (the numpy format converts row by row: seconds of start-up for a few
-    thousand examples); integers become int32, which is what JAX computes with anyway.
+    Nothing is copied: the columns are read where `datasets` keeps them (its memory-mapped cache
+    files, several of them after a multi-process map), through the dataset's indices mapping when it
+    has one (after `select`, `shuffle`, `filter`). Gathered rows of integer columns are int32, which
+    is what JAX computes with anyway.
     """
-    table = dataset.with_format("arrow", columns=list(columns))
-    arrays = {}
-    for name in columns:
-        column = table[name].combine_chunks()
-        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
-            shortest, longest = pc.min_max(pc.list_value_length(column)).values()
-            if len(column) and shortest != longest:
-                raise ValueError(f"column {name!r} holds sequences of {shortest} to {longest} items; pad them first")
-            values = column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), -1)
+    table = dataset.data.table
+    # `_indices` is how `datasets` keeps a row selection without rewriting the table; reading through
+    # it costs one lookup per gathered row, where `flatten_indices` would rewrite the whole corpus.
+    mapping = dataset._indices
+    indices = ArrowColumn(mapping.column(0), "indices") if mapping is not None else None
+    return {name: ArrowColumn(table.column(name), name, indices) for name in columns}
+
+
+def _root(buffer):
+    while buffer.parent is not None:
+        buffer = buffer.parent
+    return buffer
+
+
+class ArrowColumn:
+    """One Arrow column of numbers or fixed-length number lists, gathered by row without copying it.
+
+    Each chunk's values are located inside the buffer that holds them (for a memory-mapped cache file:
+    the whole file), and the chunks of one buffer are read through one numpy view of it, so a
+    gather costs one numpy indexing per buffer, not per chunk (a `datasets` cache has a chunk per
+    1000 rows). Indexing (`column[rows]`, `column[a:b]`, `column[i]`) returns numpy rows; integers
+    come back as int32. With `indices` (another ArrowColumn) row i is the table's row `indices[i]`.
+    """
+
+    def __init__(self, chunked, name, indices=None):
+        self.name, self._indices = name, indices
+        views, view_ids = [], {}
+        starts, firsts, segments, widths = [0], [], [], set()
+        for chunk in chunked.chunks:
+            if not len(chunk):
+                continue
+            values, chunk_widths = self._values(chunk, name)
+            widths.update(chunk_widths)
+            itemsize = values.type.byte_width
+            buffer = values.buffers()[1]
+            root = _root(buffer)
+            byte = buffer.address - root.address + values.offset * itemsize
+            # One view per buffer (and alignment: a view's elements start where the values do).
+            key = (root.address, root.size, byte % itemsize)
+            if key not in view_ids:
+                view_ids[key] = len(views)
+                views.append(np.frombuffer(root, values.type.to_pandas_dtype(), count=(root.size - key[2]) // itemsize,
+                                           offset=key[2]))
+            segments.append(view_ids[key])
+            firsts.append(byte // itemsize)
+            starts.append(starts[-1] + len(chunk))
+        if len(widths) > 1:
+            shortest, longest = min(widths), max(widths)
+            raise ValueError(f"column {name!r} holds sequences of {shortest} to {longest} items; pad them first")
+        self.width = widths.pop() if widths else None
+        stored = views[0].dtype if views else np.dtype(np.int32)
+        self.dtype = np.dtype(np.int32) if np.issubdtype(stored, np.integer) else stored
+        self._starts, self._firsts, self._segments = np.array(starts), np.array(firsts, np.int64), np.array(segments)
+        # Row views: row k of `views[s]` holds the `width` values from element k on.
+        self._views = [view if self.width is None else np.lib.stride_tricks.as_strided(
+            view, (max(len(view) - self.width + 1, 0), self.width), (view.itemsize, view.itemsize), writeable=False)
+            for view in views]
+        self._table_rows = starts[-1]
+
+    @staticmethod
+    def _values(chunk, name):
+        """(flat values, the row lengths found: {items per row}, or {None} for numbers) of one chunk, zero-copy."""
+        kind = chunk.type
+        if pa.types.is_fixed_size_list(kind):
+            values, widths = chunk.flatten(), {kind.list_size}
+        elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
+            lengths = np.diff(np.asarray(chunk.offsets))
+            values, widths = chunk.flatten(), {int(lengths.min()), int(lengths.max())}
         else:
-            values = column.to_numpy(zero_copy_only=False)
-        arrays[name] = values.astype(np.int32) if np.issubdtype(values.dtype, np.integer) else values
-    return arrays
+            values, widths = chunk, {None}
+        if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+            raise ValueError(f"column {name!r} holds {kind}: only numbers and fixed-length lists of numbers "
+                             "become arrays")
+        if chunk.null_count or values.null_count:
+            raise ValueError(f"column {name!r} has missing values: fill or drop them first")
+        return values, widths
+
+    def __len__(self):
+        return len(self._indices) if self._indices is not None else self._table_rows
+
+    @property
+    def shape(self):
+        return (len(self),) if self.width is None else (len(self), self.width)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def _table_values(self, rows):
+        """The values of table `rows` (int64, in range), in their stored dtype."""
+        chunk = np.searchsorted(self._starts, rows, side="right") - 1
+        first = self._firsts[chunk] + (rows - self._starts[chunk]) * (self.width or 1)
+        segments = self._segments[chunk]
+        if len(self._views) == 1:
+            return self._views[0][first]
+        out = np.empty((len(rows),) + self.shape[1:], self._views[0].dtype)
+        for segment in np.unique(segments):
+            where = segments == segment
+            out[where] = self._views[segment][first[where]]
+        return out
+
+    def _take(self, rows):
+        rows = np.asarray(rows, np.int64)
+        if not rows.size:
+            return np.empty((0,) + self.shape[1:], self.dtype)
+        if rows.min() < 0 or rows.max() >= len(self):
+            raise IndexError(f"rows {rows.min()}..{rows.max()} of column {self.name!r}, which has {len(self)}")
+        if self._indices is not None:
+            rows = self._indices._table_values(rows).astype(np.int64)
+        return self._table_values(rows)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            rows = np.arange(*key.indices(len(self)))
+        elif isinstance(key, (int, np.integer)):
+            return self[np.array([key])][0]
+        else:
+            rows = np.asarray(key)
+            if rows.dtype == bool:
+                rows = np.flatnonzero(rows)
+        rows = np.where(rows < 0, rows + len(self), rows)
+        values = self._take(rows.reshape(-1)).astype(self.dtype, copy=False)
+        return values.reshape(rows.shape + self.shape[1:])
+
+    def __iter__(self):
+        for start in range(0, len(self), 4096):
+            yield from self[start: start + 4096]
+
+    def __array__(self, dtype=None, copy=None):
+        values = self[:]
+        return values if dtype is None else values.astype(dtype, copy=False)
 
 
 def steps_per_epoch(num_examples, global_batch_size):
@@ -267,10 +391,15 @@ def epoch_order(num_examples, seed, epoch):
 def train_batch_indices(num_examples, global_batch_size, seed, epoch, step_in_epoch, rows=None):
     """Indices of one training batch (the incomplete last batch of an epoch is never used).
 
-    `rows` selects this process's part of the global batch (`devices.process_slice`).
+    `rows` selects this process's part of the global batch (`devices.process_slice`). This computes
+    the epoch's permutation anew: a loop over batches uses `TrainOrder`, which keeps it.
     """
+    return _batch_of(epoch_order(num_examples, seed, epoch), global_batch_size, step_in_epoch, rows)
+
+
+def _batch_of(order, global_batch_size, step_in_epoch, rows):
     start = step_in_epoch * global_batch_size
-    indices = epoch_order(num_examples, seed, epoch)[start: start + global_batch_size]
+    indices = order[start: start + global_batch_size]
     return indices[rows] if rows is not None else indices
 
 
@@ -279,6 +408,23 @@ def row_uniforms(key, first_row, shape, count=1):
     generator, seeded with (*key, first_row + i), so it does not depend on the other rows of its batch."""
     rows = [np.random.default_rng([*key, first_row + i]).random((count, *shape[1:])) for i in range(shape[0])]
     return np.stack(rows, axis=1) if rows else np.zeros((count, *shape))
+
+
+class TrainOrder:
+    """`train_batch_indices` of every step, with each epoch's permutation computed once (when the
+    step after an epoch's last is asked for, or the first step of a resumed run)."""
+
+    def __init__(self, num_examples, global_batch_size, seed, steps_per_epoch):
+        self.num_examples, self.global_batch_size, self.seed = num_examples, global_batch_size, seed
+        self.steps_per_epoch = steps_per_epoch
+        self._epoch, self._order = None, None
+
+    def batch_indices(self, step, rows=None):
+        """Indices of the batch of (0-based) `step`; `rows` as in `train_batch_indices`."""
+        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, epoch_order(self.num_examples, self.seed, epoch)
+        return _batch_of(self._order, self.global_batch_size, step_in_epoch, rows)
 
 
 def gather(arrays, indices):

@@ -111,15 +111,39 @@ def sequence_length(requested, default_cap, tokenizer, config, flag, logger):
 # ----------------------------------------------------------------------------------------------
 # Tokenizing
 # ----------------------------------------------------------------------------------------------
-def _non_blank(texts):
+# Rows per `datasets.map` batch. Grouping concatenates one batch's texts and drops its tail shorter
+# than a block, so the blocks depend on it: `utils.stream` groups the same number of texts.
+GROUP_ROWS = 1000
+
+
+def has_text(text):
     # Blank lines carry no text: alone they would only add special tokens.
-    return [text for text in texts if text and not text.isspace()]
+    return bool(text) and not text.isspace()
+
+
+def encode_texts(tokenizer, texts):
+    """The token ids (special tokens included) of each text that is not blank."""
+    # verbose=False: lines longer than the model are expected here, grouping cuts them up.
+    texts = [text for text in texts if has_text(text)]
+    return tokenizer(texts, return_attention_mask=False, verbose=False)["input_ids"]
+
+
+def encode_lines(tokenizer, texts, max_length):
+    """{"input_ids", "attention_mask"} of each text that is not blank, truncated and padded to `max_length`."""
+    encoded = tokenizer([text for text in texts if has_text(text)], padding="max_length", truncation=True,
+                        max_length=max_length)
+    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+
+
+def check_lines_tokenizer(tokenizer):
+    if tokenizer.pad_token is None:
+        raise UsageError("one example per line needs a tokenizer with a padding token: set one, or drop --line_by_line")
 
 
 def group_texts(examples, block_size):
     """Concatenate every column and cut it into `block_size` chunks; the remainder is dropped.
 
-    Applied per `datasets.map` batch (1000 rows), so each batch drops its own short tail.
+    Applied per `datasets.map` batch (`GROUP_ROWS` rows), so each batch drops its own short tail.
     """
     concatenated = {key: list(itertools.chain.from_iterable(values)) for key, values in examples.items()}
     total = len(next(iter(concatenated.values()), [])) // block_size * block_size
@@ -128,17 +152,19 @@ def group_texts(examples, block_size):
 
 
 def _map(dataset, function, data_args, desc, remove_columns=None):
-    return dataset.map(function, batched=True, num_proc=data_args.preprocessing_num_workers,
+    return dataset.map(function, batched=True, batch_size=GROUP_ROWS, num_proc=data_args.preprocessing_num_workers,
                        remove_columns=remove_columns, load_from_cache_file=not data_args.overwrite_cache, desc=desc)
 
 
 def tokenize_and_group(dataset, tokenizer, text_column, block_size, data_args):
-    """Every non-blank text tokenized (special tokens included), concatenated, cut into blocks."""
+    """Every non-blank text tokenized (special tokens included), concatenated, cut into blocks.
+
+    With `preprocessing_num_workers` each worker's part of the rows is grouped on its own, so the
+    blocks at the parts' borders differ from a run without workers (and from `utils.stream`'s).
+    """
 
     def tokenize(examples):
-        # verbose=False: lines longer than the model are expected here, grouping cuts them up.
-        ids = tokenizer(_non_blank(examples[text_column]), return_attention_mask=False, verbose=False)["input_ids"]
-        return {"input_ids": ids}
+        return {"input_ids": encode_texts(tokenizer, examples[text_column])}
 
     tokens = _map(dataset, tokenize, data_args, "tokenizing", remove_columns=dataset.column_names)
     return _map(tokens, partial(group_texts, block_size=block_size), data_args, f"grouping into blocks of {block_size}")
@@ -146,13 +172,10 @@ def tokenize_and_group(dataset, tokenizer, text_column, block_size, data_args):
 
 def tokenize_lines(dataset, tokenizer, text_column, max_length, data_args):
     """One example per non-blank text, truncated and always padded to `max_length` (fixed shapes)."""
-    if tokenizer.pad_token is None:
-        raise UsageError("one example per line needs a tokenizer with a padding token: set one, or drop --line_by_line")
+    check_lines_tokenizer(tokenizer)
 
     def tokenize(examples):
-        encoded = tokenizer(_non_blank(examples[text_column]), padding="max_length", truncation=True,
-                            max_length=max_length)
-        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+        return encode_lines(tokenizer, examples[text_column], max_length)
 
     return _map(dataset, tokenize, data_args, "tokenizing lines", remove_columns=dataset.column_names)
 

@@ -42,15 +42,21 @@ def train_batches(arrays, num_examples, global_batch_size, seed, steps_per_epoch
     arguments so that a resumed run sees the same batches.
     """
     rows = devices.process_slice(global_batch_size)
+    return layout.prefetch(host_train_batches(arrays, num_examples, global_batch_size, seed, steps_per_epoch,
+                                              start_step, total_steps, rows, transform))
 
-    def batches():
-        for step in range(start_step, total_steps):
-            epoch, step_in_epoch = divmod(step, steps_per_epoch)
-            indices = data.train_batch_indices(num_examples, global_batch_size, seed, epoch, step_in_epoch, rows)
-            batch = data.gather(arrays, indices)
-            yield transform(batch, step, rows.start) if transform else batch
 
-    return layout.prefetch(batches())
+def host_train_batches(arrays, num_examples, global_batch_size, seed, steps_per_epoch, start_step, total_steps,
+                       rows=None, transform=None):
+    """`train_batches` on the host: the numpy rows `rows` (None: all) of each global batch, transformed.
+
+    The host work per batch is O(batch): the epoch's order is computed once per epoch.
+    """
+    order = data.TrainOrder(num_examples, global_batch_size, seed, steps_per_epoch)
+    first_row = rows.start if rows is not None else 0
+    for step in range(start_step, total_steps):
+        batch = data.gather(arrays, order.batch_indices(step, rows))
+        yield transform(batch, step, first_row) if transform else batch
 
 
 def example_batch(arrays, global_batch_size, transform=None):

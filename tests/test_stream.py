@@ -1,0 +1,442 @@
+"""utils/stream.py: sources read as `datasets` reads them, the in-memory path's rows, exact resume
+without re-reading, the split over processes and their agreement, held-out eval rows."""
+
+import bz2
+import gzip
+import json
+import os
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from utils import data, lm, stream
+from utils.errors import UsageError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(ROOT, "data", "lm", "train.txt")  # 6000 lines: six groups of texts
+NO_WORKERS = SimpleNamespace(preprocessing_num_workers=None, overwrite_cache=False)
+NO_HUB = SimpleNamespace(dataset_name=None, dataset_config_name=None)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "data", "lm", "tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def corpus_lines():
+    with open(CORPUS, encoding="utf-8") as f:
+        return f.read().splitlines(keepends=True)
+
+
+def rows_of(source, position=None):
+    return list(source.open(source.start() if position is None else position))
+
+
+def batches_of(stream_):
+    with stream_:
+        return [{name: rows.copy() for name, rows in batch.items()} for batch in stream_]
+
+
+def same_batches(a, b):
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+                                    for x, y in zip(a, b))
+
+
+def json_round_trip(state):
+    """A state as a checkpoint gives it back: the meta through JSON, the arrays as saved."""
+    return {"meta": json.loads(json.dumps(state["meta"])), "arrays": {k: v.copy() for k, v in state["arrays"].items()}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources: the rows `datasets` reads, and positions to continue from
+# ---------------------------------------------------------------------------------------------
+TEXT = "\ufefffirst line\r\nsecond\n\n   \nthird\rfourth with a lone CR before\nlast without newline"
+ROWS = [{"text": "one"}, {"text": "two, with a comma"}, {"other": 1}, {"text": ""}, {"text": "multi\nline"},
+        {"text": "caf\u00e9"}]
+COMPRESS = {"": lambda raw: raw, ".gz": gzip.compress, ".bz2": bz2.compress}
+
+
+def write(path, content, compression=""):
+    path = str(path) + compression
+    with open(path, "wb") as f:
+        f.write(COMPRESS[compression](content.encode("utf-8")))
+    return path
+
+
+def csv_text(rows):
+    import csv
+    import io
+
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(["id", "text"])
+    for i, row in enumerate(rows):
+        writer.writerow([i, row.get("text", "")])
+    return out.getvalue().replace("\r\n1,", "\r\n\r\n1,")  # a blank line between records
+
+
+@pytest.mark.parametrize("compression", ["", ".gz", ".bz2"])
+@pytest.mark.parametrize("name, content, kwargs", [
+    ("a.txt", TEXT, {"keep_linebreaks": True}),
+    ("a.txt", TEXT, {"keep_linebreaks": False}),
+    ("a.jsonl", "".join(json.dumps(row) + "\n" + ("\n" if i == 2 else "") for i, row in enumerate(ROWS)), {}),
+    ("a.csv", csv_text(ROWS), {}),
+])
+def test_file_source_reads_the_texts_datasets_reads(tmp_path, name, content, kwargs, compression):
+    """Every text the in-memory path would tokenize, in its order (blank ones aside: neither path keeps them)."""
+    path = write(tmp_path / name, content, compression)
+    source = stream.FileSource(path, **kwargs)
+    builder_kwargs = {"keep_linebreaks": kwargs["keep_linebreaks"]} if name.endswith(".txt") else {}
+    loaded = data.load_splits(NO_HUB, {"train": path}, cache_dir=str(tmp_path / "cache"), **builder_kwargs)["train"]
+    assert source.text_column == "text"
+    expected = [text for text in loaded["text"] if lm.has_text(text)]
+    assert [text for text in rows_of(source) if lm.has_text(text)] == expected and len(expected) >= 4
+    assert len(rows_of(source)) == len(loaded)  # rows (the unit of the split over processes) as datasets counts
+
+
+@pytest.mark.parametrize("name, content", [
+    ("a.txt.gz", TEXT * 3),
+    ("a.jsonl", "".join(json.dumps(row) + "\n\n" for row in ROWS * 3)),
+    ("a.csv", csv_text(ROWS * 3)),
+])
+def test_file_source_continues_from_the_position_after_any_row(tmp_path, name, content):
+    """position() after row k opens a reader that gives rows k + 1, ... (a line holding lone CRs too)."""
+    compression = ".gz" if name.endswith(".gz") else ""
+    source = stream.FileSource(write(tmp_path / name.removesuffix(".gz"), content, compression))
+    reader = source.open(source.start())
+    rows, positions = [], []
+    for text in reader:
+        rows.append(text)
+        positions.append(reader.position())
+    for k, position in enumerate(positions):
+        assert rows_of(source, json.loads(json.dumps(position))) == rows[k + 1:], f"after row {k}"
+
+
+def test_file_source_errors_name_the_file_and_the_fix(tmp_path):
+    bad_json = write(tmp_path / "a.jsonl", '{"text": "a"}\n{"text": "b",}\n')
+    with pytest.raises(UsageError, match=r"a\.jsonl at byte 14 is not a JSON line .*one JSON object per line"):
+        rows_of(stream.FileSource(bad_json))
+    document = write(tmp_path / "b.jsonl", '[{"text": "a"}]\n')
+    with pytest.raises(UsageError, match=r"holds a JSON list, not an object"):
+        stream.FileSource(document)
+    with open(tmp_path / "c.txt", "wb") as f:
+        f.write(b"fine\nnot \xff utf-8\n")
+    with pytest.raises(UsageError, match=r"c\.txt is not UTF-8 text: byte 0xff at offset 9"):
+        rows_of(stream.FileSource(str(tmp_path / "c.txt")))
+    numbers = write(tmp_path / "d.jsonl", '{"text": 3}\n')
+    with pytest.raises(UsageError, match=r"the text column holds int, not text: pass --text_column"):
+        rows_of(stream.FileSource(numbers))
+    with pytest.raises(UsageError, match=r"--text_column 'body' is not a column of .*d\.jsonl; its columns: text"):
+        stream.FileSource(numbers, text_column="body")
+    with pytest.raises(UsageError, match="data files must share one format, got json, text"):
+        stream.FileSource([numbers, str(tmp_path / "c.txt")])
+
+
+def iterable(lines, shards):
+    import datasets
+
+    return datasets.Dataset.from_dict({"text": lines}).to_iterable_dataset(num_shards=shards)
+
+
+def test_dataset_source_continues_from_a_position(corpus_lines):
+    source = stream.DatasetSource(iterable(corpus_lines[:100], 3))
+    reader = source.open(source.start())
+    iterator = iter(reader)
+    rows = [next(iterator) for _ in range(40)]
+    position = json.loads(json.dumps(reader.position()))
+    assert rows == corpus_lines[:40] and rows_of(source, position) == corpus_lines[40:100]
+
+
+# ---------------------------------------------------------------------------------------------
+# The rows of the in-memory path
+# ---------------------------------------------------------------------------------------------
+def test_blocks_equal_those_of_the_in_memory_path(tokenizer):
+    loaded = data.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
+    in_memory = np.asarray(lm.tokenize_and_group(loaded, tokenizer, "text", 32, NO_WORKERS)["input_ids"])
+    for workers in (1, 3):
+        batches = batches_of(stream.Stream(stream.FileSource(CORPUS), stream.Blocks(tokenizer, 32), 16,
+                                           shuffle_buffer_size=0, workers=workers))
+        streamed = np.concatenate([batch["input_ids"] for batch in batches])
+        assert len(streamed) == len(in_memory) // 16 * 16  # the last, short batch is dropped
+        np.testing.assert_array_equal(streamed, in_memory[: len(streamed)])
+        assert streamed.dtype == np.int32
+
+
+def test_lines_equal_those_of_the_in_memory_path(tokenizer):
+    loaded = data.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
+    in_memory = lm.tokenize_lines(loaded, tokenizer, "text", 24, NO_WORKERS)
+    batches = batches_of(stream.Stream(stream.FileSource(CORPUS), stream.Lines(tokenizer, 24), 100,
+                                       shuffle_buffer_size=0))
+    for name in ("input_ids", "attention_mask"):
+        streamed = np.concatenate([batch[name] for batch in batches])
+        np.testing.assert_array_equal(streamed, np.asarray(in_memory[name])[: len(streamed)])
+    assert len(batches) == len(in_memory) // 100
+
+
+# ---------------------------------------------------------------------------------------------
+# Shuffling and exact resume
+# ---------------------------------------------------------------------------------------------
+def sources(tmp_path, corpus_lines):
+    """Makers of the same 3000 lines (three groups of texts) as a txt file, JSON lines compressed, a dataset."""
+    lines = corpus_lines[:3000]
+    txt = write(tmp_path / "c.txt", "".join(lines))
+    jsonl = write(tmp_path / "c.jsonl", "".join(json.dumps({"text": line}) + "\n" for line in lines), ".gz")
+    return {"txt": lambda: stream.FileSource(txt), "jsonl.gz": lambda: stream.FileSource(jsonl),
+            "dataset": lambda: stream.DatasetSource(iterable(lines, 4))}
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl.gz", "dataset"])
+@pytest.mark.parametrize("lines", [False, True])
+def test_a_resumed_stream_continues_exactly(tmp_path, tokenizer, corpus_lines, kind, lines):
+    """Resumed after k batches, from the fill of the pool to its drain at the end, even when the
+    caller had taken 3 batches more (prefetch): the batches of the uninterrupted stream."""
+    make_source = sources(tmp_path, corpus_lines)[kind]
+    encoder = stream.Lines(tokenizer, 24) if lines else stream.Blocks(tokenizer, 32)
+    batch_size = 32 if lines else 16
+
+    def make(**kwargs):
+        return stream.Stream(make_source(), encoder, batch_size, shuffle_buffer_size=100, seed=3, **kwargs)
+
+    full = batches_of(make())
+    every_row = np.concatenate([b["input_ids"] for b in batches_of(stream.Stream(
+        make_source(), encoder, 1, shuffle_buffer_size=0))])
+    shuffled = np.concatenate([b["input_ids"] for b in full])
+    assert len(full) == len(every_row) // batch_size and not np.array_equal(shuffled, every_row[: len(shuffled)])
+    if not lines:  # blocks are distinct: each is drawn at most once (a last short batch's worth is dropped)
+        drawn = set(map(bytes, shuffled))
+        assert len(drawn) == len(shuffled) and drawn <= set(map(bytes, every_row))
+    for k in (0, 1, 7, len(full) - 4, len(full) - 1):  # the last ones: the source is read, the pool drains
+        with make() as interrupted:
+            for _ in range(min(k + 3, len(full))):
+                next(interrupted)
+            state = json_round_trip(interrupted.state_after(k))
+            assert {name: (rows.shape, rows.dtype) for name, rows in state["arrays"].items()} == \
+                interrupted.state_template()
+        assert same_batches(batches_of(make(state=state)), full[k:]), f"resumed after {k} batches"
+
+
+def test_a_resume_reads_nothing_before_its_position(tmp_path, tokenizer):
+    """The part of the file before the saved group is overwritten with bytes that are not UTF-8:
+    the resumed stream never reads them and still gives the uninterrupted stream's batches."""
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(open(CORPUS, "rb").read() * 3)
+
+    def make(**kwargs):
+        return stream.Stream(stream.FileSource(str(path)), stream.Blocks(tokenizer, 32), 16, shuffle_buffer_size=200,
+                             seed=1, **kwargs)
+
+    full = batches_of(make())
+    with make() as interrupted:
+        for _ in range(400):
+            next(interrupted)
+        state = json_round_trip(interrupted.state_after(400))
+    offset = state["meta"]["source"]["offset"]
+    assert offset > 0.5 * os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * offset)
+    assert same_batches(batches_of(make(state=state)), full[400:])
+
+
+def test_state_after_refuses_what_it_no_longer_knows(tokenizer):
+    with stream.Stream(stream.FileSource(CORPUS), stream.Blocks(tokenizer, 32), 16, shuffle_buffer_size=10,
+                       queue_size=2) as made:
+        for _ in range(50):
+            next(made)
+        made.state_after(48)
+        with pytest.raises(ValueError, match=r"the stream can describe batches \d+ to \d+, not 3"):
+            made.state_after(3)
+
+
+def test_a_resume_with_other_settings_is_refused(tokenizer):
+    encoder = stream.Blocks(tokenizer, 32)
+    with stream.Stream(stream.FileSource(CORPUS), encoder, 16, seed=3, shuffle_buffer_size=10) as made:
+        next(made)
+        state = made.state_after(1)
+    with pytest.raises(UsageError, match=r"cannot resume the data stream: seed is 3 in the checkpoint but 4 in this"):
+        stream.Stream(stream.FileSource(CORPUS), encoder, 16, seed=4, shuffle_buffer_size=10, state=state).close()
+    with pytest.raises(UsageError, match=r"source\.process is \[0, 1\] in the checkpoint but \[1, 2\]"):
+        stream.Stream(stream.FileSource(CORPUS, process_index=1, process_count=2), encoder, 16, seed=3,
+                      shuffle_buffer_size=10, state=state).close()
+
+
+def test_transform_gets_each_batch_and_its_index(tokenizer):
+    def make(**kwargs):
+        return stream.Stream(stream.FileSource(CORPUS), stream.Blocks(tokenizer, 32), 16, shuffle_buffer_size=50,
+                             transform=lambda batch, index: {**batch, "index": np.full(1, index)}, **kwargs)
+
+    full = batches_of(make())
+    assert [int(batch["index"][0]) for batch in full] == list(range(len(full)))
+    with make() as interrupted:
+        next(interrupted), next(interrupted)
+        state = interrupted.state_after(2)
+    assert same_batches(batches_of(make(state=state)), full[2:])
+
+
+def test_an_error_while_reading_surfaces_in_the_caller(tmp_path, tokenizer):
+    lines = [json.dumps({"text": f"line {i}"}) for i in range(3000)]
+    lines[2500] = "{broken"
+    path = write(tmp_path / "a.jsonl", "\n".join(lines) + "\n")
+    with pytest.raises(UsageError, match=r"a\.jsonl at byte \d+ is not a JSON line"):
+        batches_of(stream.Stream(stream.FileSource(path), stream.Blocks(tokenizer, 8), 4, shuffle_buffer_size=0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-host: the split, the same global batches, stopping together
+# ---------------------------------------------------------------------------------------------
+class Processes:
+    """`count` processes played by threads: a host allgather through a barrier, results by process."""
+
+    def __init__(self, count):
+        self.count, self._barrier, self._slots = count, threading.Barrier(count, timeout=60), [None] * count
+
+    def allgather(self, index, value):
+        self._slots[index] = value
+        self._barrier.wait()
+        gathered = list(self._slots)
+        self._barrier.wait()
+        return gathered
+
+    def run(self, work):
+        results, errors = [None] * self.count, []
+
+        def target(index):
+            try:
+                results[index] = work(index)
+            except BaseException as error:  # noqa: BLE001 (re-raised below)
+                errors.append(error)
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(index,)) for index in range(self.count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+def test_file_source_deals_rows_round_robin(corpus_lines):
+    parts = [rows_of(stream.FileSource(CORPUS, process_index=p, process_count=3)) for p in range(3)]
+    for p, part in enumerate(parts):
+        assert part == corpus_lines[p::3]
+
+
+@pytest.mark.parametrize("shards", [2, 3])
+def test_dataset_source_splits_over_processes(corpus_lines, shards):
+    parts = [rows_of(stream.DatasetSource(iterable(corpus_lines[:90], shards), process_index=p, process_count=2))
+             for p in range(2)]
+    assert sorted(parts[0] + parts[1]) == sorted(corpus_lines[:90]) and abs(len(parts[0]) - len(parts[1])) <= 15
+
+
+def test_two_processes_see_the_global_batches_of_one_with_lines_in_order(tokenizer):
+    """Lines, no shuffling, no blank rows: at every step the two processes' rows together are the
+    rows of the one process's batch (the documented case), and both stop where it stops."""
+
+    def make(index, count):
+        return stream.Stream(stream.FileSource(CORPUS, process_index=index, process_count=count),
+                             stream.Lines(tokenizer, 24), 16 // count, shuffle_buffer_size=0)
+
+    one = [batch["input_ids"] for batch in batches_of(make(0, 1))]
+    two = [[batch["input_ids"] for batch in batches_of(make(p, 2))] for p in range(2)]
+    assert len(one) == len(two[0]) == len(two[1]) == 6000 // 16
+    for step, rows in enumerate(one):
+        together = np.concatenate([two[0][step], two[1][step]])
+        assert sorted(map(bytes, together)) == sorted(map(bytes, rows)), f"step {step}"
+
+
+def test_processes_stop_at_the_same_step(tmp_path, tokenizer, corpus_lines):
+    """Process 1 has twice the text of process 0: with the agreement both stop when 0 runs dry."""
+    files = [write(tmp_path / f"{p}.txt", "".join(corpus_lines[: 1500 * (p + 1)])) for p in range(2)]
+    processes = Processes(2)
+
+    def work(index, agree):
+        made = stream.Stream(stream.FileSource(files[index]), stream.Blocks(tokenizer, 32), 8, shuffle_buffer_size=20,
+                             agree=agree(index))
+        return len(batches_of(made))
+
+    alone = processes.run(lambda index: work(index, lambda _: bool))
+    together = processes.run(lambda index: work(
+        index, lambda p: lambda flag: all(processes.allgather(p, flag))))
+    assert alone[1] > alone[0] and together == [alone[0], alone[0]]
+
+
+def test_all_processes_have(monkeypatch):
+    import jax
+    from jax.experimental import multihost_utils
+
+    assert stream.all_processes_have(True) and not stream.all_processes_have(False)
+    others = [1]
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda flag: np.array([flag] + others))
+    assert stream.all_processes_have(True)
+    others[0] = 0
+    assert not stream.all_processes_have(True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Eval sets
+# ---------------------------------------------------------------------------------------------
+def test_eval_set_holds_out_the_first_blocks_and_training_skips_them(tokenizer):
+    encoder = stream.Blocks(tokenizer, 32)
+    everything = np.concatenate([b["input_ids"] for b in batches_of(
+        stream.Stream(stream.FileSource(CORPUS), encoder, 1, shuffle_buffer_size=0))])
+    held_out, start = stream.eval_set(stream.FileSource(CORPUS), encoder, 700)  # in the middle of the 2nd group
+    np.testing.assert_array_equal(held_out["input_ids"], everything[:700])
+    training = np.concatenate([b["input_ids"] for b in batches_of(
+        stream.Stream(stream.FileSource(CORPUS), encoder, 1, shuffle_buffer_size=0, start=start))])
+    np.testing.assert_array_equal(training, everything[700:])
+    with pytest.raises(UsageError, match=r"gives only 3427 examples, fewer than the 5000 to hold out"):
+        stream.eval_set(stream.FileSource(CORPUS), encoder, 5000)
+
+
+def test_eval_set_of_two_processes_is_the_same_on_both(tokenizer):
+    encoder = stream.Lines(tokenizer, 24)
+    processes = Processes(2)
+
+    def work(index):
+        source = stream.FileSource(CORPUS, process_index=index, process_count=2)
+        gather = lambda rows: np.concatenate(processes.allgather(index, rows))  # noqa: E731
+        held_out, start = stream.eval_set(source, encoder, 99, gather=gather)
+        training = batches_of(stream.Stream(source, encoder, 1, shuffle_buffer_size=0, start=start))
+        return held_out["input_ids"], np.concatenate([b["input_ids"] for b in training])
+
+    (eval_0, train_0), (eval_1, train_1) = processes.run(work)
+    own = [np.asarray(encoder(rows_of(stream.FileSource(CORPUS, process_index=p, process_count=2)))["input_ids"])
+           for p in range(2)]
+    np.testing.assert_array_equal(eval_0, eval_1)
+    np.testing.assert_array_equal(eval_0, np.concatenate([own[0][:50], own[1][:50]]))
+    np.testing.assert_array_equal(train_0, own[0][50:])
+    np.testing.assert_array_equal(train_1, own[1][50:])
+
+
+def test_eval_set_reads_the_validation_source_when_there_is_one(tokenizer):
+    encoder = stream.Blocks(tokenizer, 32)
+    validation = stream.FileSource(os.path.join(ROOT, "data", "lm", "validation.txt"))
+    arrays, start = stream.eval_set(stream.FileSource(CORPUS), encoder, 700, validation, max_examples=30)
+    everything, _ = stream.read_examples(validation, encoder)
+    assert start is None and len(everything) and len(everything["input_ids"]) > 30
+    np.testing.assert_array_equal(arrays["input_ids"], everything["input_ids"][:30])
+
+
+def test_open_sources_for_files_and_hub_datasets(tmp_path, corpus_lines):
+    args = SimpleNamespace(dataset_name=None, dataset_config_name=None, train_file=CORPUS, text_column=None,
+                           validation_file=os.path.join(ROOT, "data", "lm", "validation.txt"), keep_linebreaks=True)
+    opened = stream.open_sources(args, process_index=1, process_count=2)
+    assert opened["train"].describe()["process"] == [1, 2] and opened["validation"].describe()["process"] == [0, 1]
+    hub = tmp_path / "hub"  # a dataset directory, as load_dataset finds it on the hub or on disk
+    hub.mkdir()
+    (hub / "train.txt").write_text("".join(corpus_lines[:30]))
+    (hub / "validation.txt").write_text("".join(corpus_lines[30:40]))
+    args.dataset_name = str(hub)
+    opened = stream.open_sources(args, process_index=0, process_count=2, cache_dir=str(tmp_path / "cache"))
+    assert sorted(opened) == ["train", "validation"]
+    assert rows_of(opened["train"]) == [line.rstrip("\n") for line in corpus_lines[:30:2]]
+    args.dataset_name = "no-such/dataset"  # conftest: offline
+    with pytest.raises(UsageError, match=r"could not stream dataset 'no-such/dataset': offline mode is on"):
+        stream.open_sources(args)

@@ -1,0 +1,727 @@
+"""Streaming language-modeling data: read, tokenize, group, shuffle and batch on the fly, resumably.
+
+For corpora that should not be tokenized into a `datasets` cache first. Per process:
+
+    source (this process's rows) -> tokenizer thread(s) -> fixed-length rows (blocks, or padded lines)
+        -> seeded shuffle pool -> bounded queue of host batches -> the caller puts them on the devices
+
+Interface
+---------
+Sources (each reads only this process's rows, before tokenization):
+  `FileSource(paths, text_column=None, keep_linebreaks=True, process_index=0, process_count=1)`
+      local txt (a row per line, as `datasets`' text builder), JSON lines (an object per line) or csv
+      files, also .gz / .bz2 / .xz; rows dealt round-robin: process p reads the rows r with
+      r % process_count == p, counted over all files in order.
+  `DatasetSource(dataset, text_column=None, process_index=0, process_count=1)`
+      a `datasets.IterableDataset` (`load_dataset(..., streaming=True)`), split over the processes
+      by `datasets.distributed.split_dataset_by_node`.
+  `open_sources(data_args, process_index, process_count, cache_dir=None)`
+      {"train": source, "validation": source when the data has one} from the scripts' data flags
+      (`dataset_name`, `dataset_config_name`, `train_file`, `validation_file`, `text_column`,
+      `keep_linebreaks`): the training source split over the processes, the validation one whole.
+Encoders (texts -> rows of a fixed length, the same rows as the in-memory path):
+  `Blocks(tokenizer, block_size)`: `lm.tokenize_and_group` (clm; mlm; a T5 span-corruption script
+      would add its noise as the `transform` of the stream).
+  `Lines(tokenizer, max_length)`: `lm.tokenize_lines` (mlm --line_by_line): input_ids + attention_mask.
+`Stream(source, encoder, batch_size, shuffle_buffer_size=10000, seed=0, workers=1, state=None,
+        start=None, transform=None, queue_size=8, agree=all_processes_have)`
+  Iterate it for this process's host batches ({column: int32 [batch_size, length]}), batch_size being
+  this process's rows of a global batch. `transform(batch, index)` runs in the background thread on
+  batch `index` (0-based, counted from the start of training: the step, as in `loop.train_batches`).
+  Reading starts when the stream is made, so the shuffle pool fills while the model compiles.
+  `workers` tokenizer threads (`--preprocessing_num_workers`, default 1), each with its own copy of
+  the tokenizer. `close()` (or `with Stream(...) as stream:`) stops the threads.
+`eval_set(train_source, encoder, held_out, validation_source=None, max_examples=None)`
+  -> (arrays for `loop.eval_batches`, `start` for the training Stream or None).
+`read_examples(source, encoder, limit=None, start=None)` -> (arrays, position after them).
+`all_processes_have(flag)`: True when every process passes True (a host allgather; no-op alone).
+
+How a batch is drawn: fixed-length rows enter a pool of `shuffle_buffer_size + batch_size` rows;
+once it is full, each batch takes `batch_size` distinct random rows of it (numpy Generator seeded by
+(seed, process index)) and the next rows of the stream take their places. When the source runs dry
+the pool drains in random order; a last batch shorter than `batch_size` is dropped.
+`shuffle_buffer_size=0` gives the rows in stream order.
+
+Grouping: like `lm.tokenize_and_group` (which groups per `datasets.map` batch of `lm.GROUP_ROWS`
+rows of the tokenized, i.e. non-blank, texts), the stream concatenates each run of `lm.GROUP_ROWS`
+non-blank texts of this process and drops each run's tail shorter than a block; on one process and
+without shuffling, the rows equal the in-memory path's (with `--preprocessing_num_workers` the
+in-memory path groups each worker's part alone: its rows then differ at the parts' borders).
+
+Exact resume
+------------
+`stream.state_after(n)` -> {"meta": JSON-able dict, "arrays": {column: int32 [shuffle_buffer_size +
+batch_size, length]}} is the stream after its first n batches: the source position of the group of
+texts being read and how many of its rows were taken, the pool (its first meta["size"] rows count,
+the rest are zeros), the RNG state, the batch count. `Stream(..., state=saved)` continues exactly as
+the uninterrupted stream would have (shuffling included); it refuses (UsageError) a state made with
+other settings (source, encoder, batch size, shuffle size, seed, process index and count). The
+arrays have a shape known from the flags (`state_template()`), so they can be one more item of the
+orbax checkpoint, restored into a template. Saving copies the pool (~20 MB for 10,000 blocks of 512
+tokens) and nothing else.
+- n may be any of the last `queue_size + HISTORY` batches the stream has made, not only the last one
+  handed out: a caller that prefetches k batches onto the devices saves step s with
+  `state_after(s)` although it has taken s + k batches (the stream undoes its last pool changes on
+  the copy).
+- With several processes every process has its own state: each saves its own (orbax writes only
+  process 0's host arrays and JSON: gather them with a host allgather, they have one shape on every
+  process, or write one item per process) and resumes from its own.
+- What a resume re-reads: local uncompressed files are opened at the saved byte offset (a seek: the
+  consumed part is never read again), plus the one group of texts being read at the save (at most
+  `lm.GROUP_ROWS` texts, re-tokenized). Compressed files cannot seek: the file being read is
+  decompressed from its start up to the offset (not parsed, not tokenized: 0.14 s more for 71 MB of
+  gzipped text in benchmarks/data.py), the files before it are skipped. `DatasetSource` (hub data) resumes with datasets'
+  `IterableDataset.load_state_dict`, which skips the shards (files) already read but regenerates and
+  discards the examples before the saved one inside the current shard (datasets 5.0.1:
+  `ExamplesIterable.__iter__` islices the shard's generator from its start, `ArrowExamplesIterable`
+  reads and drops its tables): the consumed part of the current shard is downloaded and parsed
+  again, not tokenized.
+- The held-out eval rows (`eval_set`) are not in the state: rebuild them on resume (they are the
+  first rows of the stream, cheap to read) and ignore `start`, which the state supersedes.
+
+Multi-host
+----------
+Each process reads its own rows (above) and makes its own batches; every `next()` asks
+`agree(has_batch)` (default `all_processes_have`, a tiny allgather in the consumer's thread), so all
+processes stop at the same step as soon as one runs dry, dropping the others' last batches. When do
+2 processes x 4 devices see the same global batches (as sets of rows per step) as 1 x 8?
+- One example per row (`Lines`), `shuffle_buffer_size=0`, no blank rows, a `FileSource` (or a
+  `DatasetSource` whose shard count is not a multiple of the process count, which datasets splits by
+  examples too): yes. Process p's i-th row is global row i * P + p, so the P local batches of step s
+  hold exactly global rows [s * B, (s + 1) * B) (B the global batch), as one process's batch s does;
+  only their order within the global batch differs (and MLM masks, drawn per process).
+- Blank rows: no (they are dropped per process after the split, so the processes' rows shift).
+- Blocks: no. Each process concatenates its own texts, so a block mixes other texts.
+- Shuffling: no. Each process has its own pool and RNG (seeded with its index).
+- `DatasetSource` with a shard count that is a multiple of the process count: no (each process
+  reads whole shards of its own).
+The held-out eval set is the first ceil(N / P) rows of each process's stream, gathered in process
+order: the same on every process, but it depends on P.
+"""
+
+import collections
+import copy
+import csv
+import io
+import itertools
+import json
+import os
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from utils import data, lm
+from utils.errors import UsageError, is_disk_full
+
+FORMATS = ("json", "csv", "text")
+STATE_VERSION = 1
+# Batches `state_after` can still describe beyond those in the queue: covers a caller's prefetch.
+HISTORY = 16
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-host
+# ----------------------------------------------------------------------------------------------
+def all_processes_have(flag):
+    """Whether every process passed a true `flag` (call it on every process at the same point)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(np.all(multihost_utils.process_allgather(np.int32(bool(flag)))))
+
+
+def _gather_processes(rows):
+    """Every process's `rows` concatenated in process order (the identity alone)."""
+    if jax.process_count() == 1:
+        return rows
+    return np.asarray(multihost_utils.process_allgather(rows, tiled=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources
+# ----------------------------------------------------------------------------------------------
+def _decode(raw, path, offset):
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"data file {path} is not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {offset + e.start}; "
+                         "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def _text_lines(text, keep_linebreaks):
+    """A file line as `datasets`' text builder reads it: universal newlines (a lone \\r ends a line too)."""
+    if "\r" in text:
+        lines = io.StringIO(text.replace("\r\n", "\n").replace("\r", "\n")).readlines()
+    else:
+        lines = [text]
+    return lines if keep_linebreaks else [line.rstrip("\n") for line in lines]
+
+
+class FileSource:
+    """Local data files read by byte offset, one row after another, this process's rows only.
+
+    Rows: a line of a txt file (its text), an object of a JSON lines file, a record of a csv file (the
+    text column's value; None where it is missing). Blank JSON and csv lines are not rows.
+    """
+
+    def __init__(self, paths, text_column=None, keep_linebreaks=True, process_index=0, process_count=1):
+        self.paths = [os.path.abspath(path) for path in ([paths] if isinstance(paths, str) else paths)]
+        if not self.paths:
+            raise UsageError("no data files to stream: pass --train_file")
+        formats = {data.file_builder(path, FORMATS) for path in self.paths}
+        if len(formats) > 1:
+            raise UsageError(f"data files must share one format, got {', '.join(sorted(formats))}")
+        self.format = formats.pop()
+        self.keep_linebreaks = keep_linebreaks
+        self.process_index, self.process_count = process_index, process_count
+        self.text_column = self._resolve_column(text_column)
+
+    def _resolve_column(self, requested):
+        """`requested`, else "text" when present, else the first column (of the first file)."""
+        if self.format == "text":
+            if requested not in (None, "text"):
+                raise UsageError(f"--text_column {requested!r}: txt files have one column, 'text'")
+            return "text"
+        columns = self._columns(self.paths[0])
+        name = requested or ("text" if "text" in columns else columns[0])
+        if name not in columns:
+            raise UsageError(f"--text_column {name!r} is not a column of {self.paths[0]}; its columns: "
+                             f"{', '.join(columns)}")
+        return name
+
+    def _columns(self, path):
+        with data.open_content(path) as f:
+            offset = 0
+            for raw in f:
+                if self.format == "csv":
+                    return self._header(path, raw)
+                if raw.strip():
+                    return list(self._json_row(path, raw, offset))
+                offset += len(raw)
+        raise UsageError(f"data file {path} has no rows")
+
+    @staticmethod
+    def _header(path, raw):
+        header = next(csv.reader([_decode(raw, path, 0).removeprefix("\ufeff")]), [])
+        if not any(name.strip() for name in header):
+            raise UsageError(f"data file {path} has no CSV header row: its first line must name the columns")
+        return header
+
+    @staticmethod
+    def _json_row(path, raw, offset):
+        text = _decode(raw, path, offset)
+        try:
+            row = json.loads(text.removeprefix("\ufeff") if offset == 0 else text)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"data file {path} at byte {offset} is not a JSON line ({e.msg}): streaming reads "
+                             "one JSON object per line (JSON lines); convert a JSON document, e.g. "
+                             "jq -c '.[]' in.json > out.jsonl") from None
+        if not isinstance(row, dict):
+            raise UsageError(f"data file {path} at byte {offset} holds a JSON {type(row).__name__}, not an object: "
+                             'streaming reads one JSON object per line, e.g. {"text": "..."}')
+        return row
+
+    def describe(self):
+        """What a resumed stream must read again (compared with the checkpoint's)."""
+        return {"files": self.paths, "text_column": self.text_column, "keep_linebreaks": self.keep_linebreaks,
+                "process": [self.process_index, self.process_count]}
+
+    def start(self):
+        return {"file": 0, "offset": 0, "skip": 0, "row": 0}
+
+    def open(self, position):
+        return _FileReader(self, position)
+
+
+class _FileReader:
+    """This process's row texts from `position` on; `position()` is the one after the last row given.
+
+    A position: the file, the byte offset (of the decompressed content) of the next line, how many
+    rows of that line were already given (a txt line holding lone \\r is several rows), the
+    global row number (for the split over processes).
+    """
+
+    def __init__(self, source, position):
+        self.source = source
+        self.file, self.offset, self.skip, self.row = (position[key] for key in ("file", "offset", "skip", "row"))
+
+    def position(self):
+        return {"file": self.file, "offset": self.offset, "skip": self.skip, "row": self.row}
+
+    def __iter__(self):
+        source = self.source
+        while self.file < len(source.paths):
+            path = source.paths[self.file]
+            rows = {"text": self._text_rows, "json": self._json_rows, "csv": self._csv_rows}[source.format]
+            for text in rows(path):
+                mine = self.row % source.process_count == source.process_index
+                self.row += 1
+                if mine:
+                    yield text
+            self.file, self.offset, self.skip = self.file + 1, 0, 0
+
+    def _text_rows(self, path):
+        with data.open_content(path) as f:
+            f.seek(self.offset)  # compressed: decompresses up to there
+            for raw in f:
+                start = self.offset
+                lines = _text_lines(_decode(raw, path, start), self.source.keep_linebreaks)
+                for index in range(self.skip, len(lines)):
+                    if index + 1 < len(lines):
+                        self.skip = index + 1
+                    else:  # the line's last row: the next one starts after it
+                        self.offset, self.skip = start + len(raw), 0
+                    yield lines[index]
+                self.offset, self.skip = start + len(raw), 0
+
+    def _json_rows(self, path):
+        with data.open_content(path) as f:
+            f.seek(self.offset)
+            for raw in f:
+                start = self.offset
+                self.offset = start + len(raw)
+                if raw.strip():
+                    value = FileSource._json_row(path, raw, start).get(self.source.text_column)
+                    yield self._checked(value, path, start)
+
+    def _csv_rows(self, path):
+        with data.open_content(path) as f:
+            header_line = f.readline()
+            header = FileSource._header(path, header_line)
+            if self.source.text_column not in header:
+                raise UsageError(f"--text_column {self.source.text_column!r} is not a column of {path}; its columns: "
+                                 f"{', '.join(header)}")
+            index = header.index(self.source.text_column)
+            self.offset = max(self.offset, len(header_line))
+            f.seek(self.offset)
+            # csv takes a record's lines (a quoted field may span several) and no more: the offset
+            # after each record is where the next one starts.
+            for record in csv.reader(self._counted_lines(f, path)):
+                if record:  # a blank line is no record
+                    yield record[index] if index < len(record) else None
+
+    def _counted_lines(self, f, path):
+        for raw in f:
+            start = self.offset
+            self.offset = start + len(raw)
+            yield _decode(raw, path, start)
+
+    @staticmethod
+    def _checked(value, path, offset):
+        if value is not None and not isinstance(value, str):
+            raise UsageError(f"data file {path} at byte {offset}: the text column holds {type(value).__name__}, "
+                             "not text: pass --text_column")
+        return value
+
+
+class DatasetSource:
+    """The rows of a `datasets.IterableDataset` (hub streaming), this process's part only."""
+
+    def __init__(self, dataset, text_column=None, process_index=0, process_count=1):
+        from datasets.distributed import split_dataset_by_node
+
+        columns = dataset.column_names  # None when the dataset does not declare its features
+        name = text_column or ("text" if not columns or "text" in columns else columns[0])
+        if columns and name not in columns:
+            raise UsageError(f"--text_column {name!r} is not a column of the data; columns: {', '.join(columns)}")
+        self.text_column = name
+        self.process_index, self.process_count = process_index, process_count
+        self.dataset = split_dataset_by_node(dataset, process_index, process_count) if process_count > 1 else dataset
+        self._description = {"dataset": dataset.info.dataset_name, "config": dataset.info.config_name,
+                             "split": str(dataset.split), "text_column": name,
+                             "process": [process_index, process_count]}
+
+    def describe(self):
+        return self._description
+
+    def start(self):
+        return None  # datasets' own state dicts; None: from the beginning
+
+    def open(self, position):
+        return _DatasetReader(self, position)
+
+
+class _DatasetReader:
+    def __init__(self, source, position):
+        self.source, self.opened_at, self.started = source, position, False
+        source.dataset.load_state_dict(position)
+
+    def position(self):
+        return self.source.dataset.state_dict() if self.started else self.opened_at
+
+    def __iter__(self):
+        for example in self.source.dataset:
+            self.started = True
+            value = example.get(self.source.text_column)
+            if value is not None and not isinstance(value, str):
+                raise UsageError(f"column {self.source.text_column!r} holds {type(value).__name__}, not text: "
+                                 "pass --text_column")
+            yield value
+
+
+def open_sources(data_args, process_index=0, process_count=1, cache_dir=None):
+    """{"train": the training source split over the processes, "validation": the whole validation
+    source, when the data has one} for the scripts' data arguments."""
+    if data_args.dataset_name:
+        splits = _stream_hub_dataset(data_args, cache_dir)
+        if "train" not in splits:
+            raise UsageError(f"the dataset has no 'train' split (it has: {', '.join(splits)})")
+        sources = {"train": DatasetSource(splits["train"], data_args.text_column, process_index, process_count)}
+        if "validation" in splits:
+            sources["validation"] = DatasetSource(splits["validation"], data_args.text_column)
+        return sources
+    if not data_args.train_file:
+        raise UsageError("no data: pass --dataset_name or --train_file")
+    text_column, breaks = data_args.text_column, data_args.keep_linebreaks
+    sources = {"train": FileSource(data_args.train_file, text_column, breaks, process_index, process_count)}
+    if data_args.validation_file:
+        sources["validation"] = FileSource(data_args.validation_file, text_column, breaks)
+    return sources
+
+
+def _stream_hub_dataset(data_args, cache_dir):
+    import datasets
+
+    from utils import hub
+
+    name = data_args.dataset_name
+    try:
+        return datasets.load_dataset(name, data_args.dataset_config_name, cache_dir=cache_dir, streaming=True)
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+        if is_disk_full(e):
+            raise
+        offline = hub.offline_reason(datasets=True)
+        if offline and not os.path.exists(name):
+            raise UsageError(f"could not stream dataset {name!r}: {offline}; pass local files (--train_file, ...) "
+                             "or run where the hub is reachable") from e
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"could not stream dataset {name!r}: {first} (check --dataset_name and "
+                         "--dataset_config_name)") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoders
+# ----------------------------------------------------------------------------------------------
+class Blocks:
+    """Texts -> consecutive blocks of `block_size` tokens, the tail shorter than a block dropped."""
+
+    columns = ("input_ids",)
+
+    def __init__(self, tokenizer, block_size):
+        self.tokenizer, self.width = tokenizer, block_size
+
+    def __call__(self, texts):
+        ids = lm.encode_texts(self.tokenizer, texts)
+        tokens = sum(map(len, ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32, count=tokens)
+        return {"input_ids": flat[: tokens // self.width * self.width].reshape(-1, self.width)}
+
+    def copy(self):
+        return type(self)(copy.deepcopy(self.tokenizer), self.width)
+
+    def describe(self):
+        return {"rows": "blocks", "length": self.width, "vocabulary": len(self.tokenizer)}
+
+
+class Lines:
+    """Texts -> one example per text, truncated and padded to `max_length`, with its attention mask."""
+
+    columns = ("input_ids", "attention_mask")
+
+    def __init__(self, tokenizer, max_length):
+        lm.check_lines_tokenizer(tokenizer)
+        self.tokenizer, self.width = tokenizer, max_length
+
+    def __call__(self, texts):
+        encoded = lm.encode_lines(self.tokenizer, texts, self.width)
+        return {name: np.asarray(encoded[name], np.int32).reshape(-1, self.width) for name in self.columns}
+
+    def copy(self):
+        return type(self)(copy.deepcopy(self.tokenizer), self.width)
+
+    def describe(self):
+        return {"rows": "lines", "length": self.width, "vocabulary": len(self.tokenizer)}
+
+
+def _groups_of_texts(reader):
+    """(position before, texts) of each run of `lm.GROUP_ROWS` non-blank texts."""
+    texts = (text for text in reader if lm.has_text(text))
+    while True:
+        position = reader.position()
+        group = list(itertools.islice(texts, lm.GROUP_ROWS))
+        if not group:
+            return
+        yield position, group
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading whole (eval sets)
+# ----------------------------------------------------------------------------------------------
+def read_examples(source, encoder, limit=None, start=None):
+    """(arrays, position after them) of the first `limit` rows (None: all) from `start` on, in order.
+
+    A position is {"source": the source position of a group of texts, "taken": its rows already
+    read}: what `Stream(start=...)` continues from.
+    """
+    position, taken = (start["source"], start["taken"]) if start else (source.start(), 0)
+    parts, count, skip = {name: [] for name in encoder.columns}, 0, taken
+    for group_position, texts in _groups_of_texts(source.open(position)):
+        rows = encoder(texts)
+        available = len(rows[encoder.columns[0]])
+        stop = available if limit is None else min(available, skip + limit - count)
+        for name in encoder.columns:
+            parts[name].append(rows[name][skip:stop])
+        count += max(stop - skip, 0)
+        position, taken, skip = group_position, stop, 0
+        if limit is not None and count >= limit:
+            break
+    arrays = {name: np.concatenate(parts[name]) if parts[name] else np.zeros((0, encoder.width), np.int32)
+              for name in encoder.columns}
+    return arrays, {"source": position, "taken": taken}
+
+
+def eval_set(train_source, encoder, held_out, validation_source=None, max_examples=None, gather=_gather_processes):
+    """(eval arrays, training start) for a streamed run: the validation source's first `max_examples`
+    rows (None: all) and start None when there is one; else the first `held_out` rows of the training
+    stream, which the training Stream skips when made with `start=` the returned start.
+
+    Every process gets the same eval arrays. Held out: each process takes the first
+    ceil(held_out / processes) rows of its own part, gathered in process order (`gather`).
+    """
+    if validation_source is not None:
+        arrays, _ = read_examples(validation_source, encoder, max_examples)
+        if not len(arrays["input_ids"]):
+            raise UsageError("the validation data gives no examples (no text, or fewer tokens than one block)")
+        return arrays, None
+    local = -(-held_out // train_source.process_count)
+    arrays, start = read_examples(train_source, encoder, local)
+    if len(arrays["input_ids"]) < local:
+        raise UsageError(f"the training data of process {train_source.process_index} gives only "
+                         f"{len(arrays['input_ids'])} examples, fewer than the {local} to hold out for evaluation: "
+                         "hold out fewer, pass --validation_file, or add data")
+    return {name: gather(rows) for name, rows in arrays.items()}, start
+
+
+# ----------------------------------------------------------------------------------------------
+# The stream
+# ----------------------------------------------------------------------------------------------
+class _End:
+    pass
+
+
+class _Failed:
+    def __init__(self, error):
+        self.error = error
+
+
+def _first_difference(saved, current, where=""):
+    """(key path, saved value, current value) of the first difference of two JSON values, or None."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key in sorted(set(saved) | set(current)):
+            found = _first_difference(saved.get(key), current.get(key), f"{where}.{key}" if where else key)
+            if found:
+                return found
+        return None
+    return None if saved == current else (where, saved, current)
+
+
+class Stream:
+    """This process's host batches of a streamed source; see the module docstring."""
+
+    def __init__(self, source, encoder, batch_size, shuffle_buffer_size=10000, seed=0, workers=1, state=None,
+                 start=None, transform=None, queue_size=8, agree=all_processes_have):
+        if batch_size <= 0 or shuffle_buffer_size < 0 or workers <= 0:
+            raise ValueError(f"batch_size {batch_size} and workers {workers} must be positive, "
+                             f"shuffle_buffer_size {shuffle_buffer_size} not negative")
+        self.source, self.encoder, self.batch_size = source, encoder, batch_size
+        self.shuffle_buffer_size, self.workers = shuffle_buffer_size, workers
+        self.transform, self.agree = transform, agree
+        self.settings = {"source": source.describe(), "encoder": encoder.describe(), "batch_size": batch_size,
+                         "shuffle_buffer_size": shuffle_buffer_size, "seed": seed}
+        capacity = shuffle_buffer_size + batch_size
+        self._pool = {name: np.zeros((capacity, encoder.width), np.int32) for name in encoder.columns}
+        self._size, self._exhausted, self._batches = 0, False, 0
+        self._rng = np.random.default_rng([seed, source.process_index])
+        self._group = (start["source"], start["taken"]) if start else (source.start(), 0)
+        if state is not None:
+            self._load(state)
+        self._meta = self._snapshot(*self._group)
+        self._history = collections.deque(maxlen=queue_size + HISTORY)
+        self._lock, self._local = threading.Lock(), threading.local()
+        self._queue, self._stop = queue.Queue(maxsize=queue_size), threading.Event()
+        self._finished = False
+        self._thread = threading.Thread(target=self._produce, name="stream", daemon=True)
+        self._thread.start()
+
+    # --- state ---------------------------------------------------------------------------------
+    def state_template(self):
+        """{column: (shape, dtype)} of the state's arrays (e.g. for an orbax restore template)."""
+        return {name: (pool.shape, pool.dtype) for name, pool in self._pool.items()}
+
+    def _snapshot(self, position, taken):
+        return {"version": STATE_VERSION, "settings": self.settings, "source": position, "taken": taken,
+                "size": self._size, "exhausted": self._exhausted, "batches": self._batches,
+                "rng": self._rng.bit_generator.state}
+
+    def _load(self, state):
+        meta, arrays = state["meta"], state["arrays"]
+        if meta.get("version") != STATE_VERSION:
+            raise UsageError(f"cannot resume the data stream: its state has version {meta.get('version')}, this "
+                             f"code reads version {STATE_VERSION}")
+        difference = _first_difference(meta["settings"], self.settings)
+        if difference:
+            key, saved, current = difference
+            raise UsageError(f"cannot resume the data stream: {key} is {saved!r} in the checkpoint but {current!r} "
+                             "in this run; resume with the same data settings")
+        for name, pool in self._pool.items():
+            pool[...] = arrays[name]
+        self._size, self._exhausted, self._batches = meta["size"], meta["exhausted"], meta["batches"]
+        self._rng.bit_generator.state = meta["rng"]
+        self._group = (meta["source"], meta["taken"])
+
+    def state_after(self, batches):
+        """The state after the first `batches` batches (counted from the start of training)."""
+        with self._lock:
+            latest, meta = self._batches, self._meta
+            undo = [entry for entry in self._history if entry[0] > batches]
+            pool = {name: rows.copy() for name, rows in self._pool.items()}
+        if batches > latest or len(undo) != latest - batches:
+            raise ValueError(f"the stream can describe batches {latest - len(self._history)} to {latest}, "
+                             f"not {batches}")
+        for _, meta_before, kept, rows_before in reversed(undo):
+            for name in pool:
+                pool[name][kept] = rows_before[name]
+            meta = meta_before
+        for rows in pool.values():
+            rows[meta["size"]:] = 0
+        return {"meta": copy.deepcopy(meta), "arrays": pool}
+
+    # --- producer (background thread) ----------------------------------------------------------
+    def _encode(self, texts):
+        if not hasattr(self._local, "encoder"):  # tokenizers are not safe to share between threads
+            self._local.encoder = self.encoder.copy()
+        return self._local.encoder(texts)
+
+    def _encoded_groups(self):
+        """(position before, rows) of each group of texts from the group being read on, tokenized by
+        `workers` threads, in order (none once the source was read to its end)."""
+        if self._exhausted:
+            return
+        reader = self.source.open(self._group[0])
+        groups, pending = _groups_of_texts(reader), collections.deque()
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="stream-tokenizer") as pool:
+            for position, texts in groups:
+                pending.append((position, pool.submit(self._encode, texts)))
+                if len(pending) > self.workers:
+                    position, future = pending.popleft()
+                    yield position, future.result()
+                if self._stop.is_set():
+                    return
+            for position, future in pending:
+                yield position, future.result()
+
+    def _draw(self):
+        """(index, batch) of each batch, changing the pool in place and logging how to undo it."""
+        columns = self.encoder.columns
+        capacity = len(self._pool[columns[0]])
+        position, used = self._group
+        skip = used  # rows of the first group read (the one at `position`) taken before
+        rows = None
+        groups = self._encoded_groups()
+        try:
+            while True:
+                size_before = size = self._size
+                while size < capacity and not self._exhausted:
+                    if rows is None or used == len(rows[columns[0]]):
+                        group = next(groups, None)
+                        if group is None:
+                            self._exhausted = True
+                            break
+                        (position, rows), used, skip = group, skip, 0
+                        continue
+                    count = min(capacity - size, len(rows[columns[0]]) - used)
+                    for name in columns:
+                        self._pool[name][size: size + count] = rows[name][used: used + count]
+                    size, used = size + count, used + count
+                if size < self.batch_size:
+                    return
+                if self.shuffle_buffer_size:
+                    chosen = self._rng.choice(size, self.batch_size, replace=False)
+                else:
+                    chosen = np.arange(self.batch_size)
+                batch = {name: self._pool[name][chosen] for name in columns}
+                # The rows left fill the chosen places below the new size; the pool stays contiguous.
+                remaining = size - self.batch_size
+                holes = chosen[chosen < remaining]
+                movers = np.setdiff1d(np.arange(remaining, size), chosen, assume_unique=True)
+                with self._lock:
+                    kept = holes[holes < size_before]  # rows of the pool before this batch that change
+                    undo = (self._batches + 1, self._meta, kept,
+                            {name: self._pool[name][kept].copy() for name in columns})
+                    for name in columns:
+                        self._pool[name][holes] = self._pool[name][movers]
+                    self._size, self._batches = remaining, self._batches + 1
+                    self._meta = self._snapshot(position, used)
+                    self._history.append(undo)
+                yield self._batches - 1, batch
+        finally:
+            groups.close()
+
+    def _put(self, item):
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(self):
+        draws = self._draw()
+        try:
+            for index, batch in draws:
+                if self.transform:
+                    batch = self.transform(batch, index)
+                if not self._put((index, batch)):
+                    return
+            self._put(_End())
+        except BaseException as error:  # raised again in the consumer's thread
+            self._put(_Failed(error))
+        finally:
+            draws.close()  # and with it the tokenizer threads
+
+    # --- consumer ------------------------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._finished:
+            raise StopIteration
+        item = self._queue.get()
+        if isinstance(item, _Failed):
+            self.close()
+            raise item.error
+        if not self.agree(not isinstance(item, _End)):
+            self.close()
+            raise StopIteration
+        return item[1]
+
+    def close(self):
+        """Stop reading (the threads end after the group they are on). Safe to call again."""
+        self._finished = True
+        self._stop.set()
+        while self._thread.is_alive():
+            try:
+                self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
