@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 from transformers import FlaxAutoModelForCausalLM
 
-from utils import data, devices, lm
+from utils import data, devices, lm, stream
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.logging import throughput_meter
-from utils.loop import TrainLoop, eval_batches, example_batch, host_means, train_batches
+from utils.loop import InMemoryData, TrainLoop, eval_batches, host_means
 from utils.metrics import perplexity
 from utils.models import (enable_gradient_checkpointing, fit_config_to_tokenizer, load_config, load_model,
                           load_tokenizer)
@@ -85,28 +85,37 @@ def main(argv=None):
     tokenizer = load_tokenizer(model_args)
     config = fit_config_to_tokenizer(load_config(model_args, task="causal-lm"), tokenizer, model_args)
     block_size = lm.sequence_length(data_args.block_size, 1024, tokenizer, config, "block_size", logger)
-    splits = needed_splits(training_args, ("train", "validation"))
-    raw = lm.load_splits(data_args, training_args, model_args.cache_dir)
-    text_column = lm.resolve_text_column(data_args.text_column, raw[splits[0]])
-    max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
 
     # ------------------------------------------------------------------------------------------
-    # Preprocessing, model (built last: too little data fails first)
+    # Data: blocks read into memory, or streamed (--streaming); the model comes after, so too
+    # little data fails first
     # ------------------------------------------------------------------------------------------
-    arrays, sizes = {}, {}
-    for split in splits:
-        blocks = data.take(lm.tokenize_and_group(raw[split], tokenizer, text_column, block_size, data_args),
-                           max_samples[split])
-        if len(blocks) == 0:
-            raise UsageError(f"the {split} data has fewer than --block_size {block_size} tokens: "
-                             "lower --block_size or add text")
-        arrays[split], sizes[split] = data.to_arrays(blocks, ("input_ids",)), len(blocks)
-        logger.info("%s: %d blocks of %d tokens", split, len(blocks), block_size)
+    if data_args.streaming:
+        train_data = stream.StreamedData(data_args, training_args, stream.Blocks(tokenizer, block_size),
+                                         model_args.cache_dir)
+        eval_arrays = train_data.eval_arrays
+    else:
+        splits = needed_splits(training_args, ("train", "validation"))
+        raw = lm.load_splits(data_args, training_args, model_args.cache_dir)
+        text_column = lm.resolve_text_column(data_args.text_column, raw[splits[0]])
+        max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
+        arrays = {}
+        for split in splits:
+            blocks = data.take(lm.tokenize_and_group(raw[split], tokenizer, text_column, block_size, data_args),
+                               max_samples[split])
+            if len(blocks) == 0:
+                raise UsageError(f"the {split} data has fewer than --block_size {block_size} tokens: "
+                                 "lower --block_size or add text")
+            arrays[split] = data.to_arrays(blocks, ("input_ids",))
+            logger.info("%s: %d blocks of %d tokens", split, len(blocks), block_size)
+        train_data = InMemoryData(arrays["train"], len(arrays["train"]["input_ids"])) if "train" in arrays else None
+        eval_arrays = arrays.get("validation")
+    eval_size = len(eval_arrays["input_ids"]) if eval_arrays is not None else 0
     train_batch_size, steps_per_epoch, total_steps = (
-        training_plan(training_args, sizes["train"]) if training_args.do_train else (0, 0, 0))
+        training_plan(training_args, train_data.size) if training_args.do_train else (0, 0, 0))
 
-    model, params = load_model(FlaxAutoModelForCausalLM, model_args, config, devices.to_dtype(model_args.dtype), training_args.seed,
-                               layout)
+    model, params = load_model(FlaxAutoModelForCausalLM, model_args, config, devices.to_dtype(model_args.dtype),
+                               training_args.seed, layout)
     if training_args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
 
@@ -135,27 +144,29 @@ def main(argv=None):
         return layout.batch_sum(sums)
 
     if training_args.do_train:  # compiled now: its device memory is known (and checked) before anything is written
-        p_train_step = layout.compile_train_step(train_step, state, example_batch(arrays["train"], train_batch_size),
+        p_train_step = layout.compile_train_step(train_step, state, train_data.example_batch(train_batch_size),
                                                  accumulation)
     p_eval_step = layout.compile_step("eval_step", eval_step)
 
     # ------------------------------------------------------------------------------------------
     # Resume, run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    fingerprint = run_fingerprint(config, training_args, layout, sizes.get("train"))
-    state, start_step = resume_or_start(preflight.resume, fingerprint, state, total_steps, layout)  # the last check
+    fingerprint = run_fingerprint(config, training_args, layout, train_data and (train_data.size or "streamed"))
+    state, start_step = resume_or_start(preflight.resume, fingerprint, state, total_steps, layout,  # the last check
+                                        train_data)
     # Nothing has been written so far: a run that stops on a check leaves --output_dir as it was.
     run_dir = RunDirectory(training_args, (model_args, data_args, training_args), model, tokenizer, is_main,
                            total_steps, preflight.resume, layout.train_step_memory)
     if training_args.do_train:
-        saver = Saver(training_args, run_dir, layout, fingerprint, steps_per_epoch, total_steps, start_step, is_main)
+        saver = Saver(training_args, run_dir, layout, train_data, fingerprint, steps_per_epoch, total_steps, start_step,
+                      is_main)
 
     def evaluate():
         """Token-weighted next-token loss over the validation blocks, its perplexity and the tokens scored."""
         sums = [p_eval_step(state.params, batch)
-                for batch, _ in eval_batches(arrays["validation"], sizes["validation"], eval_batch_size, layout)]
+                for batch, _ in eval_batches(eval_arrays, eval_size, eval_batch_size, layout)]
         metrics = host_means(sums, keep_tokens=True)
-        return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": sizes["validation"]}
+        return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": eval_size}
 
     # ------------------------------------------------------------------------------------------
     # Training
@@ -168,8 +179,8 @@ def main(argv=None):
         loop = TrainLoop(training_args, steps_per_epoch, total_steps, start_step, schedule, run_dir,
                          throughput_meter(config, block_size), tokens_per_step=train_batch_size * block_size,
                          examples_per_step=train_batch_size)
-        batches = train_batches(arrays["train"], sizes["train"], train_batch_size, training_args.seed,
-                                steps_per_epoch, start_step, total_steps, layout)
+        batches = train_data.batches(train_batch_size, training_args.seed, steps_per_epoch, start_step, total_steps,
+                                     layout)
         train_start = time.time()
         for step, batch in enumerate(batches, start=start_step + 1):
             state, sums = p_train_step(state, batch)
@@ -180,12 +191,17 @@ def main(argv=None):
             reason = loop.save_reason(step)
             if reason:
                 saver.save(step, state, reason)
-        run_dir.add_results(train_runtime=round(time.time() - train_start, 2), train_samples=sizes["train"])
+        if loop.step < total_steps:  # a stream that ran dry: every process stopped at this step
+            logger.warning("the training data ran out after step %d of %d: training ends there", loop.step,
+                           total_steps)
+            saver.save(loop.step, state, "end of the data")
+        run_dir.add_results(train_runtime=round(time.time() - train_start, 2),
+                            train_samples=train_data.size or (loop.step - start_step) * train_batch_size)
 
     # ------------------------------------------------------------------------------------------
     # Final evaluation, result files
     # ------------------------------------------------------------------------------------------
-    final_step = total_steps if training_args.do_train else start_step
+    final_step = loop.step if training_args.do_train else start_step
     if training_args.do_eval and last_eval_step != final_step:
         run_dir.report("eval", evaluate(), final_step)
     if training_args.do_train:

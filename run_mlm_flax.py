@@ -21,12 +21,12 @@ from typing import Optional
 import jax
 from transformers import FlaxAutoModelForMaskedLM
 
-from utils import data, devices, lm
+from utils import data, devices, lm, stream
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.logging import throughput_meter
-from utils.loop import TrainLoop, eval_batches, example_batch, host_means, train_batches
+from utils.loop import InMemoryData, TrainLoop, eval_batches, host_means
 from utils.metrics import perplexity
 from utils.models import (enable_gradient_checkpointing, fit_config_to_tokenizer, load_config, load_model,
                           load_tokenizer)
@@ -102,33 +102,43 @@ def main(argv=None):
     train_masking = lm.masking(tokenizer, data_args.mlm_probability, training_args.seed, lm.TRAIN_STREAM)
     eval_masking = lm.masking(tokenizer, data_args.mlm_probability, training_args.seed, lm.EVAL_STREAM)
     seq_length = lm.sequence_length(data_args.max_seq_length, 512, tokenizer, config, "max_seq_length", logger)
-    splits = needed_splits(training_args, ("train", "validation"))
-    raw = lm.load_splits(data_args, training_args, model_args.cache_dir)
-    text_column = lm.resolve_text_column(data_args.text_column, raw[splits[0]])
-    max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
 
     # ------------------------------------------------------------------------------------------
-    # Preprocessing, model (built last: too little data fails first)
+    # Data: blocks (or padded lines) read into memory, or streamed (--streaming); the model comes
+    # after, so too little data fails first
     # ------------------------------------------------------------------------------------------
-    # Blocks are all real tokens; padded lines also need their attention mask.
-    columns = ("input_ids", "attention_mask") if data_args.line_by_line else ("input_ids",)
-    arrays, sizes = {}, {}
-    for split in splits:
-        if data_args.line_by_line:
-            examples = lm.tokenize_lines(raw[split], tokenizer, text_column, seq_length, data_args)
-        else:
-            examples = lm.tokenize_and_group(raw[split], tokenizer, text_column, seq_length, data_args)
-        examples = data.take(examples, max_samples[split])
-        if len(examples) == 0:
-            raise UsageError(f"the {split} data has no text (or, in blocks, fewer than --max_seq_length {seq_length} "
-                             "tokens): add text, lower --max_seq_length or use --line_by_line")
-        arrays[split], sizes[split] = data.to_arrays(examples, columns), len(examples)
-        logger.info("%s: %d examples of %d tokens", split, len(examples), seq_length)
+    if data_args.streaming:
+        encoder = (stream.Lines(tokenizer, seq_length) if data_args.line_by_line
+                   else stream.Blocks(tokenizer, seq_length))
+        train_data = stream.StreamedData(data_args, training_args, encoder, model_args.cache_dir)
+        eval_arrays = train_data.eval_arrays
+    else:
+        splits = needed_splits(training_args, ("train", "validation"))
+        raw = lm.load_splits(data_args, training_args, model_args.cache_dir)
+        text_column = lm.resolve_text_column(data_args.text_column, raw[splits[0]])
+        max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
+        # Blocks are all real tokens; padded lines also need their attention mask.
+        columns = ("input_ids", "attention_mask") if data_args.line_by_line else ("input_ids",)
+        arrays = {}
+        for split in splits:
+            if data_args.line_by_line:
+                examples = lm.tokenize_lines(raw[split], tokenizer, text_column, seq_length, data_args)
+            else:
+                examples = lm.tokenize_and_group(raw[split], tokenizer, text_column, seq_length, data_args)
+            examples = data.take(examples, max_samples[split])
+            if len(examples) == 0:
+                raise UsageError(f"the {split} data has no text (or, in blocks, fewer than --max_seq_length "
+                                 f"{seq_length} tokens): add text, lower --max_seq_length or use --line_by_line")
+            arrays[split] = data.to_arrays(examples, columns)
+            logger.info("%s: %d examples of %d tokens", split, len(examples), seq_length)
+        train_data = InMemoryData(arrays["train"], len(arrays["train"]["input_ids"])) if "train" in arrays else None
+        eval_arrays = arrays.get("validation")
+    eval_size = len(eval_arrays["input_ids"]) if eval_arrays is not None else 0
     train_batch_size, steps_per_epoch, total_steps = (
-        training_plan(training_args, sizes["train"]) if training_args.do_train else (0, 0, 0))
+        training_plan(training_args, train_data.size) if training_args.do_train else (0, 0, 0))
 
-    model, params = load_model(FlaxAutoModelForMaskedLM, model_args, config, devices.to_dtype(model_args.dtype), training_args.seed,
-                               layout)
+    model, params = load_model(FlaxAutoModelForMaskedLM, model_args, config, devices.to_dtype(model_args.dtype),
+                               training_args.seed, layout)
     if training_args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
 
@@ -159,27 +169,29 @@ def main(argv=None):
 
     if training_args.do_train:  # compiled now: its device memory is known (and checked) before anything is written
         p_train_step = layout.compile_train_step(
-            train_step, state, example_batch(arrays["train"], train_batch_size, train_masking), accumulation)
+            train_step, state, train_data.example_batch(train_batch_size, train_masking), accumulation)
     p_eval_step = layout.compile_step("eval_step", eval_step)
 
     # ------------------------------------------------------------------------------------------
     # Resume, run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    fingerprint = run_fingerprint(config, training_args, layout, sizes.get("train"))
-    state, start_step = resume_or_start(preflight.resume, fingerprint, state, total_steps, layout)  # the last check
+    fingerprint = run_fingerprint(config, training_args, layout, train_data and (train_data.size or "streamed"))
+    state, start_step = resume_or_start(preflight.resume, fingerprint, state, total_steps, layout,  # the last check
+                                        train_data)
     # Nothing has been written so far: a run that stops on a check leaves --output_dir as it was.
     run_dir = RunDirectory(training_args, (model_args, data_args, training_args), model, tokenizer, is_main,
                            total_steps, preflight.resume, layout.train_step_memory)
     if training_args.do_train:
-        saver = Saver(training_args, run_dir, layout, fingerprint, steps_per_epoch, total_steps, start_step, is_main)
+        saver = Saver(training_args, run_dir, layout, train_data, fingerprint, steps_per_epoch, total_steps, start_step,
+                      is_main)
 
     def evaluate():
         """Token-weighted loss and accuracy over the masked validation tokens (same masks every time), and
         how many tokens the masking selected."""
         sums = [p_eval_step(state.params, batch) for batch, _ in
-                eval_batches(arrays["validation"], sizes["validation"], eval_batch_size, layout, transform=eval_masking)]
+                eval_batches(eval_arrays, eval_size, eval_batch_size, layout, transform=eval_masking)]
         metrics = host_means(sums, keep_tokens=True)
-        return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": sizes["validation"]}
+        return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": eval_size}
 
     # ------------------------------------------------------------------------------------------
     # Training
@@ -192,8 +204,8 @@ def main(argv=None):
         loop = TrainLoop(training_args, steps_per_epoch, total_steps, start_step, schedule, run_dir,
                          throughput_meter(config, seq_length), tokens_per_step=train_batch_size * seq_length,
                          examples_per_step=train_batch_size)
-        batches = train_batches(arrays["train"], sizes["train"], train_batch_size, training_args.seed,
-                                steps_per_epoch, start_step, total_steps, layout, transform=train_masking)
+        batches = train_data.batches(train_batch_size, training_args.seed, steps_per_epoch, start_step, total_steps,
+                                     layout, transform=train_masking)
         train_start = time.time()
         for step, batch in enumerate(batches, start=start_step + 1):
             state, sums = p_train_step(state, batch)
@@ -204,12 +216,17 @@ def main(argv=None):
             reason = loop.save_reason(step)
             if reason:
                 saver.save(step, state, reason)
-        run_dir.add_results(train_runtime=round(time.time() - train_start, 2), train_samples=sizes["train"])
+        if loop.step < total_steps:  # a stream that ran dry: every process stopped at this step
+            logger.warning("the training data ran out after step %d of %d: training ends there", loop.step,
+                           total_steps)
+            saver.save(loop.step, state, "end of the data")
+        run_dir.add_results(train_runtime=round(time.time() - train_start, 2),
+                            train_samples=train_data.size or (loop.step - start_step) * train_batch_size)
 
     # ------------------------------------------------------------------------------------------
     # Final evaluation, result files
     # ------------------------------------------------------------------------------------------
-    final_step = total_steps if training_args.do_train else start_step
+    final_step = loop.step if training_args.do_train else start_step
     if training_args.do_eval and last_eval_step != final_step:
         run_dir.report("eval", evaluate(), final_step)
     if training_args.do_train:

@@ -25,7 +25,7 @@ from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, par
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.logging import throughput_meter
-from utils.loop import TrainLoop, eval_batches, example_batch, host_means, train_batches
+from utils.loop import InMemoryData, TrainLoop, eval_batches, host_means
 from utils.metrics import rouge
 from utils.models import (decoder_input_ids, enable_gradient_checkpointing, fit_config_to_tokenizer, fit_length,
                           load_config, load_model, load_tokenizer, max_positions)
@@ -201,8 +201,8 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Model, preprocessing
     # ------------------------------------------------------------------------------------------
-    model, params = load_model(FlaxAutoModelForSeq2SeqLM, model_args, config, devices.to_dtype(model_args.dtype), training_args.seed,
-                               layout)
+    model, params = load_model(FlaxAutoModelForSeq2SeqLM, model_args, config, devices.to_dtype(model_args.dtype),
+                               training_args.seed, layout)
     if training_args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
 
@@ -247,7 +247,8 @@ def main(argv=None):
         return output.sequences
 
     if training_args.do_train:  # compiled now: its device memory is known (and checked) before anything is written
-        p_train_step = layout.compile_train_step(train_step, state, example_batch(arrays["train"], train_batch_size),
+        train_data = InMemoryData(arrays["train"], sizes["train"])
+        p_train_step = layout.compile_train_step(train_step, state, train_data.example_batch(train_batch_size),
                                                  accumulation)
     p_eval_step = layout.compile_step("eval_step", eval_step)
     p_generate_step = layout.compile_step("generate_step", generate_step)
@@ -261,7 +262,8 @@ def main(argv=None):
     run_dir = RunDirectory(training_args, (model_args, data_args, training_args), model, tokenizer, is_main,
                            total_steps, preflight.resume, layout.train_step_memory)
     if training_args.do_train:
-        saver = Saver(training_args, run_dir, layout, fingerprint, steps_per_epoch, total_steps, start_step, is_main)
+        saver = Saver(training_args, run_dir, layout, train_data, fingerprint, steps_per_epoch, total_steps, start_step,
+                      is_main)
 
     def evaluate(split):
         """Token-weighted loss, the summary tokens scored, and with `predict_with_generate` ROUGE, gen_len
@@ -294,8 +296,8 @@ def main(argv=None):
                          throughput_meter(config, data_args.max_source_length, data_args.max_target_length),
                          tokens_per_step=train_batch_size * data_args.max_source_length,
                          examples_per_step=train_batch_size)
-        batches = train_batches(arrays["train"], sizes["train"], train_batch_size, training_args.seed,
-                                steps_per_epoch, start_step, total_steps, layout)
+        batches = train_data.batches(train_batch_size, training_args.seed, steps_per_epoch, start_step, total_steps,
+                                     layout)
         train_start = time.time()
         for step, batch in enumerate(batches, start=start_step + 1):
             state, sums = p_train_step(state, batch)
@@ -311,7 +313,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Final evaluation, prediction, result files
     # ------------------------------------------------------------------------------------------
-    final_step = total_steps if training_args.do_train else start_step
+    final_step = loop.step if training_args.do_train else start_step
     if training_args.do_eval and last_eval_step != final_step:
         run_dir.report("eval", evaluate("validation")[0], final_step)
     if training_args.do_predict:

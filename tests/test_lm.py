@@ -104,12 +104,13 @@ def test_masking_transform_is_a_pure_function_of_seed_step_and_row(tokenizer):
     ids = np.asarray(tokenizer(["the cat sat on the mat"] * 64, padding="max_length", max_length=16)["input_ids"])
     batch = {"input_ids": ids, "attention_mask": (ids != tokenizer.pad_token_id).astype(np.int64)}
     transform = lm.masking(tokenizer, 0.15, seed=7, stream=lm.TRAIN_STREAM)
-    first, again = transform(batch, 3, 0), transform(batch, 3, 0)
+    rows = np.arange(64)
+    first, again = transform(batch, 3, rows), transform(batch, 3, rows)
     for key in ("input_ids", "labels", "label_weights"):
         assert np.array_equal(first[key], again[key])
     assert np.array_equal(first["labels"], ids) and np.array_equal(first["attention_mask"], batch["attention_mask"])
-    assert not np.array_equal(transform(batch, 4, 0)["label_weights"], first["label_weights"])
-    other_stream = lm.masking(tokenizer, 0.15, seed=7, stream=lm.EVAL_STREAM)(batch, 3, 0)
+    assert not np.array_equal(transform(batch, 4, rows)["label_weights"], first["label_weights"])
+    other_stream = lm.masking(tokenizer, 0.15, seed=7, stream=lm.EVAL_STREAM)(batch, 3, rows)
     assert not np.array_equal(other_stream["label_weights"], first["label_weights"])
     weights = first["label_weights"].astype(bool)
     assert not np.isin(ids[weights], tokenizer.all_special_ids).any()
@@ -121,10 +122,13 @@ def test_a_rows_mask_does_not_depend_on_how_the_batch_is_split(tokenizer):
     ids = np.asarray(tokenizer(["the cat sat on the mat by the door"] * 32, padding="max_length",
                                max_length=16)["input_ids"])
     transform = lm.masking(tokenizer, 0.3, seed=7, stream=lm.TRAIN_STREAM)
-    whole = transform({"input_ids": ids}, 5, 0)
-    halves = [transform({"input_ids": ids[rows]}, 5, rows.start) for rows in (slice(0, 16), slice(16, 32))]
+    whole = transform({"input_ids": ids}, 5, np.arange(32))
+    halves = [transform({"input_ids": ids[rows]}, 5, np.arange(32)[rows]) for rows in (slice(0, 16), slice(16, 32))]
     for key in ("input_ids", "label_weights"):
         assert np.array_equal(np.concatenate([half[key] for half in halves]), whole[key])
+    # A stream's processes read rows round robin: process 1 of 2 holds the odd rows of the batch.
+    odd = transform({"input_ids": ids[1::2]}, 5, np.arange(1, 32, 2))
+    assert np.array_equal(odd["label_weights"], whole["label_weights"][1::2])
     assert not np.array_equal(whole["label_weights"][0], whole["label_weights"][1])  # rows differ
 
 

@@ -136,19 +136,19 @@ def test_eval_batches_transform_sees_step_0_and_the_first_example_index():
     arrays = {"x": np.arange(10)}
     calls = []
 
-    def transform(batch, step, first_row):
-        calls.append((step, first_row))
+    def transform(batch, step, row_ids):
+        calls.append((step, row_ids.tolist()))
         return {"x": batch["x"] + 100}
 
     out = [DP.rows_to_host(b["x"])[:valid] for b, valid in eval_batches(arrays, 10, 8, DP, transform)]
-    assert calls == [(0, 0), (0, 8)] and np.concatenate(out).tolist() == list(range(100, 110))
+    assert calls == [(0, list(range(8))), (0, [8, 9])] and np.concatenate(out).tolist() == list(range(100, 110))
 
 
 def test_train_batches_transform_sees_the_step_and_this_process_rows(monkeypatch):
     calls = []
 
-    def transform(batch, step, first_row):
-        calls.append((step, first_row, len(batch["x"])))
+    def transform(batch, step, row_ids):
+        calls.append((step, row_ids.tolist(), len(batch["x"])))
         return batch
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
@@ -156,7 +156,7 @@ def test_train_batches_transform_sees_the_step_and_this_process_rows(monkeypatch
     host_rows = type("HostRows", (), {"prefetch": staticmethod(list)})()  # a layout that places nothing
     train_batches({"x": np.arange(40)}, 40, 16, seed=1, steps_per_epoch=2, start_step=1, total_steps=3,
                   layout=host_rows, transform=transform)
-    assert calls == [(1, 8, 8), (2, 8, 8)]  # steps 1 and 2 (0-based), process 1 holds rows 8..15
+    assert calls == [(1, list(range(8, 16)), 8), (2, list(range(8, 16)), 8)]  # process 1 holds rows 8..15
 
 
 def test_train_batches_follow_seeded_order_and_resume():
@@ -182,8 +182,8 @@ def test_host_train_batches_read_dataset_columns_by_the_seeded_order():
     ds = datasets.Dataset.from_dict({"input_ids": [[i, -i] for i in range(40)]})
     arrays = data.to_arrays(ds, ["input_ids"])
     rows = slice(4, 8)  # the second of two processes
-    def transform(batch, step, first_row):
-        assert first_row == rows.start  # this process's first row of the global batch
+    def transform(batch, step, row_ids):
+        assert row_ids.tolist() == list(range(rows.start, rows.stop))  # this process's rows of the global batch
         return {"input_ids": batch["input_ids"] * 100 + step}
 
     run = list(loop.host_train_batches(arrays, 40, 8, 3, 5, 0, 12, rows, transform))

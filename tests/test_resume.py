@@ -80,19 +80,23 @@ def test_eval_only_runs_compare_the_model_config_only():
 # ---------------------------------------------------------------------------------------------
 # End to end
 # ---------------------------------------------------------------------------------------------
-TRAINING = ["--do_train", "--max_train_samples", 96, "--per_device_train_batch_size", 2, "--max_steps", 12,
-            "--learning_rate", 1e-3, "--logging_steps", 1, "--save_steps", 4]
+TRAINING = ["--do_train", "--per_device_train_batch_size", 2, "--max_steps", 12, "--learning_rate", 1e-3,
+            "--logging_steps", 1, "--save_steps", 4]
 SCRIPTS = {
     "summarization": ("run_summarization_flax.py", [
         "--model_type", "t5", "--tokenizer_name", "data/summarization/tokenizer",
         "--config_overrides",
         "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.1",
-        "--train_file", "data/summarization/train.jsonl", "--max_source_length", 32, "--max_target_length", 16]),
+        "--train_file", "data/summarization/train.jsonl", "--max_source_length", 32, "--max_target_length", 16,
+        "--max_train_samples", 96]),
     "clm": ("run_clm_flax.py", [
         "--model_type", "gpt2", "--tokenizer_name", "data/lm/tokenizer",
         "--config_overrides", "n_embd=32,n_layer=1,n_head=2,n_positions=32",  # GPT-2's dropouts are 0.1
         "--train_file", "data/lm/train.txt", "--block_size", 16]),
 }
+# The same runs streamed: the stream's shuffle pool and position are in every checkpoint.
+SCRIPTS["clm stream"] = (SCRIPTS["clm"][0], SCRIPTS["clm"][1] + ["--streaming", "--shuffle_buffer_size", 64])
+SCRIPTS["clm"][1].extend(["--max_train_samples", 96])
 # The same run with the state split over the devices (one dropout key for the whole batch).
 SCRIPTS["clm fsdp"] = (SCRIPTS["clm"][0], SCRIPTS["clm"][1] + ["--sharding", "fsdp"])
 

@@ -9,6 +9,8 @@ A checkpoint step directory holds two orbax items:
   checkpoint: the target says where each leaf goes (a sharding, or the host).
 - "meta": a JSON dict chosen by the caller (`utils.saving.Saver` stores the step, the data position
   and a fingerprint of the settings a resume must not change).
+- "data", in streamed runs only: the host arrays of the data stream's state (`utils.stream`), one
+  row per process (their JSON part is in "meta").
 
 Orbax writes each step into a `*.orbax-checkpoint-tmp*` directory and renames it when complete, so a
 save killed half-way never shows up in `all_steps`/`latest_step` and is never restored.
@@ -171,21 +173,24 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
         )
         # Handlers named up front: without them a fresh manager cannot read an item's metadata.
-        handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+                    "data": ocp.PyTreeCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._closed = False
 
-    def save(self, step: int, tree, meta: dict, force: bool = False) -> bool:
-        """Save `tree` (`Layout.checkpoint_tree`: global arrays, host or sharded) and `meta` at `step`;
-        returns whether a save happened.
+    def save(self, step: int, tree, meta: dict, data=None, force: bool = False) -> bool:
+        """Save `tree` (`Layout.checkpoint_tree`: global arrays, host or sharded), `meta` and `data` (host
+        arrays, or None) at `step`; returns whether a save happened.
 
         Returns as soon as the arrays are copied off the devices; the write continues in the background
         when async (call `wait()` before reading the files or exiting).
         """
         if step in self._manager.all_steps():
             return False  # e.g. the final save landing on a periodic one
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(tree), meta=ocp.args.JsonSave(meta))
-        saved = self._manager.save(step, args=args, force=force)
+        items = {"state": ocp.args.PyTreeSave(tree), "meta": ocp.args.JsonSave(meta)}
+        if data is not None:
+            items["data"] = ocp.args.PyTreeSave(data)
+        saved = self._manager.save(step, args=ocp.args.Composite(**items), force=force)
         if saved:
             logger.info("Saving checkpoint at step %d to %s", step, self.directory)
         return saved
@@ -228,6 +233,16 @@ class Checkpointer:
         )
         logger.info("Restored checkpoint at step %d from %s", step, self.directory)
         return restored["state"], restored["meta"]
+
+    def restore_data(self, step: int, template: dict):
+        """The "data" item of `step` as host arrays shaped like `template` ({name: (shape, dtype)}), or
+        None when the checkpoint has none (it was saved by a run that read its data into memory)."""
+        if "data" not in self._manager.item_metadata(step) or self._manager.item_metadata(step)["data"] is None:
+            return None
+        target = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in template.items()}
+        restore_args = jax.tree.map(_restore_args, target)
+        args = ocp.args.Composite(data=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+        return self._manager.restore(step, args=args)["data"]
 
     def saved_shapes(self, step: int) -> dict:
         """{"params/...": (shape, dtype)} of the checkpoint of `step`, from its metadata alone."""

@@ -403,10 +403,10 @@ def _batch_of(order, global_batch_size, step_in_epoch, rows):
     return indices[rows] if rows is not None else indices
 
 
-def row_uniforms(key, first_row, shape, count=1):
+def row_uniforms(key, row_ids, shape, count=1):
     """`count` arrays of uniform [0, 1) numbers of `shape` ([rows, ...]); row i comes from its own
-    generator, seeded with (*key, first_row + i), so it does not depend on the other rows of its batch."""
-    rows = [np.random.default_rng([*key, first_row + i]).random((count, *shape[1:])) for i in range(shape[0])]
+    generator, seeded with (*key, row_ids[i]), so it does not depend on the other rows of its batch."""
+    rows = [np.random.default_rng([*key, int(row)]).random((count, *shape[1:])) for row in row_ids]
     return np.stack(rows, axis=1) if rows else np.zeros((count, *shape))
 
 

@@ -6,6 +6,7 @@ only its own contiguous slice of it (`process_slice`). Where the state and the b
 on the devices is the layout's business (`utils.layout`).
 """
 
+import json
 import os
 
 import jax
@@ -118,6 +119,24 @@ def fetch_replicated(tree):
         return np.asarray(jax.device_get(x))
 
     return jax.tree_util.tree_map(fetch, tree)
+
+
+def gather_rows(x):
+    """Every process's host array `x` stacked in process order: `[processes, *x.shape]`."""
+    if jax.process_count() == 1:
+        return np.asarray(x)[None]
+    return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=False))
+
+
+def gather_json(value):
+    """Every process's JSON-able `value`, in process order (as bytes: an allgather moves arrays only)."""
+    if jax.process_count() == 1:
+        return [value]
+    raw = np.frombuffer(json.dumps(value).encode("utf-8"), np.uint8)
+    lengths = gather_rows(np.int64(len(raw)))
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: len(raw)] = raw
+    return [json.loads(bytes(row[:n]).decode("utf-8")) for row, n in zip(gather_rows(padded), lengths)]
 
 
 def process_slice(global_batch_size):

@@ -32,9 +32,20 @@ class LMDataArguments(BaseDataArguments):
                                      "validation split (the first rows, so every run holds out the same ones)."}
     )
     keep_linebreaks: bool = field(default=True, metadata={"help": "Keep line breaks when reading txt files."})
+    streaming: bool = field(
+        default=False, metadata={"help": "Read, tokenize and shuffle the data on the fly instead of into memory "
+                                         "(for corpora larger than memory, or hub datasets not to download); needs "
+                                         "--max_steps. Evaluation: the validation data, else the first "
+                                         "--max_eval_samples (default 10000) examples of the stream, held out."}
+    )
+    shuffle_buffer_size: int = field(
+        default=10000, metadata={"help": "With --streaming: examples in the seeded shuffle pool (0: stream order)."}
+    )
 
     def __post_init__(self):
         super().__post_init__()
+        if self.shuffle_buffer_size < 0:
+            raise UsageError(f"--shuffle_buffer_size must be 0 or more, got {self.shuffle_buffer_size}")
         if not 0 < self.validation_split_percentage < 100:
             raise UsageError(
                 f"--validation_split_percentage must be between 1 and 99, got {self.validation_split_percentage}"
@@ -50,6 +61,10 @@ def check_before_work(training_args, data_args, model_args):
     `--text_column` is checked against the local files' columns now, not after loading them."""
     if training_args.do_predict:
         raise UsageError("--do_predict does not apply to language modeling (there is no test split): use --do_eval")
+    if data_args.streaming and training_args.do_train and training_args.max_steps <= 0:
+        raise UsageError("--streaming needs --max_steps: a stream has no epochs to count (--num_train_epochs)")
+    if data_args.streaming and data_args.max_train_samples:
+        raise UsageError("--max_train_samples does not apply with --streaming: bound the run with --max_steps")
     files = {"train": data_args.train_file}
     if data_args.validation_file or not data_args.train_file:
         files["validation"] = data_args.validation_file
@@ -200,10 +215,10 @@ def mask_tokens(input_ids, special_ids, mask_token_id, replacement_ids, probabil
 
 
 def masking(tokenizer, probability, seed, stream):
-    """`transform(batch, step, first_row)` for `loop.train_batches` / `loop.eval_batches`.
+    """`transform(batch, step, row_ids)` for `loop.train_batches` / `loop.eval_batches` / streams.
 
     Row i of the batch is masked from its own random numbers, drawn from (seed, stream, step,
-    first_row + i): a training example's mask depends on the step and its row in the global batch,
+    row_ids[i]): a training example's mask depends on the step and its row in the global batch,
     an evaluation example's (step 0) on its index alone. So a resumed run masks exactly as the
     uninterrupted one, every evaluation sees the same masks, and neither depends on the number of
     devices or processes, or on the eval batch size. Adds `labels` (the original ids) and
@@ -215,8 +230,8 @@ def masking(tokenizer, probability, seed, stream):
     special_ids = np.array(sorted(set(tokenizer.all_special_ids)))
     replacement_ids = np.setdiff1d(np.arange(len(tokenizer)), special_ids)
 
-    def transform(batch, step, first_row):
-        draws = data.row_uniforms((seed, stream, step), first_row, batch["input_ids"].shape, count=3)
+    def transform(batch, step, row_ids):
+        draws = data.row_uniforms((seed, stream, step), row_ids, batch["input_ids"].shape, count=3)
         inputs, weights = mask_tokens(batch["input_ids"], special_ids, tokenizer.mask_token_id, replacement_ids,
                                       probability, draws)
         return {**batch, "input_ids": inputs, "labels": batch["input_ids"], "label_weights": weights}

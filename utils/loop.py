@@ -37,9 +37,9 @@ def train_batches(arrays, num_examples, global_batch_size, seed, steps_per_epoch
     """This process's rows of each training batch from `start_step` on, placed on the devices by
     `layout` ahead of the step that needs them.
 
-    `transform(batch, step, first_row)` runs on the host before sharding (e.g. MLM masking), with
-    the index of this process's first row in the global batch; it must be a pure function of its
-    arguments so that a resumed run sees the same batches.
+    `transform(batch, step, row_ids)` runs on the host before sharding (e.g. MLM masking), with the
+    rows' indices in the global batch; it must be a pure function of its arguments so that a resumed
+    run sees the same batches.
     """
     rows = devices.process_slice(global_batch_size)
     return layout.prefetch(host_train_batches(arrays, num_examples, global_batch_size, seed, steps_per_epoch,
@@ -53,18 +53,18 @@ def host_train_batches(arrays, num_examples, global_batch_size, seed, steps_per_
     The host work per batch is O(batch): the epoch's order is computed once per epoch.
     """
     order = data.TrainOrder(num_examples, global_batch_size, seed, steps_per_epoch)
-    first_row = rows.start if rows is not None else 0
+    row_ids = np.arange(global_batch_size)[rows if rows is not None else slice(None)]
     for step in range(start_step, total_steps):
         batch = data.gather(arrays, order.batch_indices(step, rows))
-        yield transform(batch, step, first_row) if transform else batch
+        yield transform(batch, step, row_ids) if transform else batch
 
 
 def example_batch(arrays, global_batch_size, transform=None):
     """This process's rows of one batch shaped as every training batch is (the train step compiles
     ahead of time for it)."""
-    rows = devices.process_slice(global_batch_size)
-    batch = data.gather(arrays, np.arange(global_batch_size)[rows])
-    return transform(batch, 0, rows.start) if transform else batch
+    row_ids = np.arange(global_batch_size)[devices.process_slice(global_batch_size)]
+    batch = data.gather(arrays, row_ids)
+    return transform(batch, 0, row_ids) if transform else batch
 
 
 def eval_batches(arrays, num_examples, global_batch_size, layout, transform=None):
@@ -76,10 +76,32 @@ def eval_batches(arrays, num_examples, global_batch_size, layout, transform=None
     for start, stop in data.eval_batch_ranges(num_examples, global_batch_size):
         batch = data.gather(arrays, np.arange(start, stop))
         if transform:
-            batch = transform(batch, 0, start)  # every evaluation alike: step 0, rows by example index
+            batch = transform(batch, 0, np.arange(start, stop))  # every evaluation alike: step 0, rows by example
         batch, valid = devices.pad_to(batch, global_batch_size)
         batch["example_weight"] = devices.example_mask(valid, global_batch_size)
         yield layout.place_batch({k: v[rows] for k, v in batch.items()}), valid
+
+
+class InMemoryData:
+    """The training examples of a run, in arrays (read in place from the `datasets` cache): batches in
+    a seeded order per epoch (`data.TrainOrder`), so a checkpoint needs only the step to resume.
+    `utils.stream.StreamedData` is the streamed counterpart, with the same methods."""
+
+    def __init__(self, arrays, size):
+        self.arrays, self.size = arrays, size
+
+    def example_batch(self, global_batch_size, transform=None):
+        return example_batch(self.arrays, global_batch_size, transform)
+
+    def batches(self, global_batch_size, seed, steps_per_epoch, start_step, total_steps, layout, transform=None):
+        return train_batches(self.arrays, self.size, global_batch_size, seed, steps_per_epoch, start_step, total_steps,
+                             layout, transform)
+
+    def state_template(self):
+        return None  # nothing to save beyond the step
+
+    def state_after(self, step):
+        return None
 
 
 class TrainLoop:
@@ -98,10 +120,12 @@ class TrainLoop:
         self.learning_rates = np.asarray(schedule(np.arange(max(total_steps, 1))), np.float64)
         self.tokens_per_step, self.examples_per_step = tokens_per_step, examples_per_step
         self.window = []
+        self.step = start_step  # the last step finished
         self.save_policy = SavePolicy(training_args, steps_per_epoch, total_steps)
 
     def after_step(self, step, sums):
         """Record one finished step; logs every `logging_steps` and at the last step."""
+        self.step = step
         self.window.append(sums)
         if step == self.start_step + 1:
             # The first step includes compilation: time only what follows it.

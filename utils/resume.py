@@ -100,7 +100,7 @@ def fingerprint_difference(saved, current):
     return None
 
 
-def resume_or_start(resume, fingerprint, state, total_steps, layout):
+def resume_or_start(resume, fingerprint, state, total_steps, layout, train_data=None):
     """The state to train from and its step: the checkpoint's, or `state` (placed by `layout`) at
     step 0 when `resume` is None.
 
@@ -108,7 +108,8 @@ def resume_or_start(resume, fingerprint, state, total_steps, layout):
     `fingerprint`, parameter shapes and dtypes (those of `state`), and, when training
     (`total_steps`, the run's last step; 0 when not training), a step that is not past the last one.
     It may come from another layout or device count: the weights and optimizer state restore
-    exactly, the dropout keys are derived anew (a warning says so).
+    exactly, the dropout keys are derived anew (a warning says so). A streamed `train_data` gets its
+    stream's state back (`resume_from`).
     """
     if resume is None:
         return state, 0
@@ -131,6 +132,7 @@ def resume_or_start(resume, fingerprint, state, total_steps, layout):
         # The fresh state only told the shapes and places: its memory goes before the restore needs it.
         jax.tree_util.tree_map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
         restored, meta = reader.restore(resume.step, target)
+        _restore_stream(reader, resume, meta, train_data)
     finally:
         reader.close()
     keys = restored.dropout_rng
@@ -143,3 +145,21 @@ def resume_or_start(resume, fingerprint, state, total_steps, layout):
                            saved.get("devices", len(keys)), layout.name, jax.device_count())
     logger.info("resumed from the checkpoint of step %d in %s", resume.step, resume.directory)
     return layout.from_checkpoint(restored), int(meta["step"])
+
+
+def _restore_stream(reader, resume, meta, train_data):
+    """Give a streamed run this process's row of the stream states the checkpoint holds."""
+    template = train_data.state_template() if train_data is not None else None
+    if template is None:
+        return
+    saved = meta.get("data")
+    if saved is None:
+        raise UsageError(f"cannot resume from {resume.directory}/{resume.step} with --streaming: that run read its "
+                         "data into memory; resume it without --streaming")
+    if len(saved) != jax.process_count():
+        raise UsageError(f"cannot resume from {resume.directory}/{resume.step}: its data stream was read by "
+                         f"{len(saved)} processes, this run has {jax.process_count()}; resume on as many")
+    rows = reader.restore_data(resume.step, {name: ((len(saved), *shape), dtype)
+                                             for name, (shape, dtype) in template.items()})
+    index = jax.process_index()
+    train_data.resume_from({"meta": saved[index], "arrays": {name: array[index] for name, array in rows.items()}})

@@ -102,9 +102,12 @@ def fit_batch_to_devices(training_args):
 
 
 def training_plan(training_args, num_train_examples):
-    """(global train batch, steps per epoch, total optimizer steps)."""
+    """(global train batch, steps per epoch, total optimizer steps). A stream (`num_train_examples`
+    None) has no epochs: one of `--max_steps`."""
     batch = devices.global_batch_size(training_args.per_device_train_batch_size,
                                        training_args.gradient_accumulation_steps)
+    if num_train_examples is None:
+        return batch, training_args.max_steps, training_args.max_steps
     steps_per_epoch = data.steps_per_epoch(num_train_examples, batch)
     if steps_per_epoch == 0:
         raise UsageError(

@@ -70,14 +70,17 @@ class SavePolicy:
 class Saver:
     """The checkpoints of a training run in `output_dir/checkpoints`, and the exports beside them.
 
-    Created when training starts (at `start_step`): a resumed run first drops the checkpoints after
+    A checkpoint holds the state (`layout`), and the data position (the epoch and step; for a
+    streamed `train_data` also the stream's state). Created when training starts (at `start_step`):
+    a resumed run first drops the checkpoints after
     the step it continues from, and from here on SIGTERM / SIGINT stop the run cleanly after the
     current step. Every process makes one (checkpoint saves are collective); only process 0 writes.
     """
 
-    def __init__(self, training_args, run_dir, layout, fingerprint, steps_per_epoch, total_steps, start_step, is_main):
+    def __init__(self, training_args, run_dir, layout, train_data, fingerprint, steps_per_epoch, total_steps, start_step,
+                 is_main):
         self.output_dir, self.run_dir, self.layout = training_args.output_dir, run_dir, layout
-        self.fingerprint = fingerprint
+        self.train_data, self.fingerprint = train_data, fingerprint
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.checkpointer = Checkpointer(find_checkpoint_dir(self.output_dir),
                                          max_to_keep=training_args.save_total_limit, is_main_process=is_main)
@@ -101,8 +104,13 @@ class Saver:
                            "--learning_rate; the checkpoints saved before that step are kept")
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
         meta = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "fingerprint": self.fingerprint}
+        data = None
+        stream = self.train_data.state_after(step)  # a streamed run's place in its stream (None: in memory)
+        if stream is not None:  # every process has its own: they go into one checkpoint, a row each
+            meta["data"] = devices.gather_json(stream["meta"])
+            data = {name: devices.gather_rows(rows) for name, rows in stream["arrays"].items()}
         with self._disk_full_is_fatal():
-            self.checkpointer.save(step, self.layout.checkpoint_tree(state), meta)
+            self.checkpointer.save(step, self.layout.checkpoint_tree(state), meta, data)
             if reason == STOP:  # the grace period before a machine goes is short: the checkpoint only
                 self.close()
                 signal = preemption.stop_signal()

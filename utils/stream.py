@@ -114,7 +114,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from utils import data, lm
+from utils import data, devices, lm
 from utils.errors import UsageError, is_disk_full
 
 FORMATS = ("json", "csv", "text")
@@ -725,3 +725,57 @@ class Stream:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# A streamed training run's data, as the LM scripts use it
+# ----------------------------------------------------------------------------------------------
+DEFAULT_EVAL_EXAMPLES = 10000
+
+
+class StreamedData:
+    """`--streaming`: the eval set (the validation data's first `--max_eval_samples` examples, else
+    that many of the training stream's first, held out from training) and the training batches,
+    read, tokenized and shuffled on the fly. The methods are those of `utils.loop.InMemoryData`;
+    checkpoints keep the stream's state (`state_after`), a resumed run gets it back (`resume_from`)."""
+
+    def __init__(self, data_args, training_args, encoder, cache_dir=None):
+        self.data_args, self.encoder = data_args, encoder
+        self.size = None  # a stream has no length
+        self.sources = open_sources(data_args, jax.process_index(), jax.process_count(), cache_dir)
+        self.eval_arrays, self._start = None, None
+        if training_args.do_eval:
+            limit = data_args.max_eval_samples or DEFAULT_EVAL_EXAMPLES
+            self.eval_arrays, self._start = eval_set(self.sources["train"], encoder, limit,
+                                                     self.sources.get("validation"), limit)
+        global_batch_size = devices.global_batch_size(training_args.per_device_train_batch_size,
+                                                      training_args.gradient_accumulation_steps)
+        # Process p reads rows p, p + P, ... of the stream (round robin): those are its rows' places in
+        # the global batch, so an example's mask is the same on any number of processes.
+        local = global_batch_size // jax.process_count()
+        self._row_ids = np.arange(local) * jax.process_count() + jax.process_index()
+        self._state, self._stream = None, None
+
+    def example_batch(self, global_batch_size, transform=None):
+        batch = {name: np.zeros((len(self._row_ids), self.encoder.width), np.int32) for name in self.encoder.columns}
+        return transform(batch, 0, self._row_ids) if transform else batch
+
+    def batches(self, global_batch_size, seed, steps_per_epoch, start_step, total_steps, layout, transform=None):
+        """This process's rows of each global batch from `start_step` on, placed by `layout`; fewer
+        than `total_steps - start_step` when the data runs out (every process stops at the same step)."""
+        masked = None if transform is None else (lambda batch, step: transform(batch, step, self._row_ids))
+        self._stream = Stream(self.sources["train"], self.encoder, len(self._row_ids),
+                              self.data_args.shuffle_buffer_size, seed, self.data_args.preprocessing_num_workers or 1,
+                              state=self._state, start=None if self._state else self._start, transform=masked)
+        return layout.prefetch(itertools.islice(self._stream, total_steps - start_step))
+
+    def state_template(self):
+        """{column: (shape, dtype)} of the stream state's arrays (the shuffle pool) for this run."""
+        rows = self.data_args.shuffle_buffer_size + len(self._row_ids)
+        return {name: ((rows, self.encoder.width), np.dtype(np.int32)) for name in self.encoder.columns}
+
+    def state_after(self, step):
+        return self._stream.state_after(step)
+
+    def resume_from(self, state):
+        self._state = state
