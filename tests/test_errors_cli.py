@@ -28,6 +28,7 @@ from utils import hub
 from utils.args import TrainingArguments
 from utils.checkpoint import Checkpointer
 from utils.errors import RunError, run_main
+from utils.loop import InMemoryData
 from utils.rundir import RunDirectory
 from utils.saving import Saver
 
@@ -401,6 +402,10 @@ def lm_args(name, *args, train=LM_TRAIN):
     (None, ["--do_predict"], r"--do_predict does not apply to language modeling"),
     (None, ["--max_train_samples", 3], r"3 training examples are fewer than one global batch of 8"),
     (None, ["--tokenizer_name", "./no/such/tokenizer"], r"--tokenizer_name ./no/such/tokenizer not found"),
+    (None, ["--streaming"], r"--streaming needs --max_steps: a stream has no epochs to count"),
+    (None, ["--streaming", "--max_steps", 5, "--max_train_samples", 10],
+     r"--max_train_samples does not apply with --streaming: bound the run with --max_steps"),
+    (None, ["--streaming", "--max_steps", 5, "--shuffle_buffer_size", -1], r"--shuffle_buffer_size must be 0 or more"),
 ])
 def test_lm_scripts(fails, lm_files, name, file, args, pattern):
     script, argv = lm_args(name, *args, train=lm_files[file] if file else LM_TRAIN)
@@ -493,7 +498,8 @@ def saver(tmp_path, monkeypatch):
         monkeypatch.setattr(module, "at_exit", lambda callback: None)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
     run_dir = RunDirectory(args, (args,), FakeModel(), None, is_main=True, total_steps=10)
-    saver = Saver(args, run_dir, DP, {}, steps_per_epoch=10, total_steps=10, start_step=0, is_main=True)
+    saver = Saver(args, run_dir, DP, InMemoryData({}, 640), {}, steps_per_epoch=10, total_steps=10, start_step=0,
+                  is_main=True)
     state = fresh_state()
     saver.save(1, state, "save_steps")
     saver.checkpointer.wait()

@@ -227,3 +227,44 @@ def test_fsdp_on_hosts_without_shared_storage_says_so(tmp_path):
     last = logs[0].read_text().strip().splitlines()[-1]
     assert last.startswith(f"error: --output_dir {outs[0]} is not shared by all hosts (--sharding fsdp: every "
                            "process writes its shards of each checkpoint there): put it on storage every host mounts")
+
+
+# ---------------------------------------------------------------------------------------------
+# A streamed corpus on 2 processes: each reads its own rows, and all stop together when it runs dry
+# ---------------------------------------------------------------------------------------------
+STREAMED = ["--model_type", "roberta", "--tokenizer_name", "data/lm/tokenizer", "--config_overrides",
+            "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,max_position_embeddings=34,"
+            "hidden_dropout_prob=0,attention_probs_dropout_prob=0", "--max_seq_length", "32", "--line_by_line",
+            "--streaming", "--shuffle_buffer_size", "0", "--do_train", "--max_steps", "20",
+            "--per_device_train_batch_size", "2", "--learning_rate", "3e-3", "--logging_steps", "1", "--save_steps",
+            "100", "--compilation_cache_dir", "none"]
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory):
+    """mlm --streaming, one example per line in stream order (an order the process count does not
+    change: utils/stream.py), 200 lines: 12 global batches of 16, then the stream runs dry."""
+    tmp = tmp_path_factory.mktemp("streamed")
+    with open(os.path.join(ROOT, "data", "lm", "train.txt"), encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()][:200]
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("".join(lines), encoding="utf-8")
+    script = [sys.executable, os.path.join(ROOT, "run_mlm_flax.py"), *STREAMED, "--train_file", str(corpus)]
+    port = free_port()
+    commands = [script + ["--output_dir", str(tmp / "single")]]
+    commands += [script + ["--output_dir", str(tmp / f"host{i}"), "--coordinator_address", f"127.0.0.1:{port}",
+                           "--num_processes", "2", "--process_id", str(i)] for i in range(2)]
+    logs = [tmp / "single.log", tmp / "process0.log", tmp / "process1.log"]
+    run_processes(commands, logs, [script_env()] + [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
+    return tmp
+
+
+@pytest.mark.slow
+def test_a_stream_read_by_two_processes_trains_as_one_and_both_stop_when_it_runs_dry(streamed):
+    single, multi = streamed / "single", streamed / "host0"
+    assert [step for step, _ in losses(multi)] == [step for step, _ in losses(single)] == list(range(1, 13))
+    assert [loss for _, loss in losses(multi)] == pytest.approx([loss for _, loss in losses(single)], rel=1e-6)
+    for log in ("single.log", "process0.log"):
+        assert "the training data ran out after step 12 of 20: training ends there" in (streamed / log).read_text()
+    assert read_json(multi / "all_results.json")["train_samples"] == 12 * 16
+    assert sorted(os.listdir(multi / "checkpoints")) == ["12"] and os.listdir(streamed / "host1") == []

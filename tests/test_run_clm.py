@@ -168,3 +168,18 @@ def test_greedy_continuation_follows_the_learned_sequence(tmp_path, cache_dir):
     for position in range(2, len(line)):
         tokens[0, position] = np.asarray(forward(tokens))[0, position - 1].argmax()
     assert tokens[0].tolist() == line
+
+
+@pytest.mark.slow
+def test_the_embedded_config_streams_and_learns(tmp_path):
+    """configs/clm_tiny.json with --streaming: read, tokenized and shuffled on the fly, evaluated on
+    its validation file."""
+    out = tmp_path / "out"
+    result = run_script(SCRIPT, ["configs/clm_tiny.json", "--streaming", "--max_steps", 40, "--logging_steps", 10,
+                                 "--eval_steps", 40, "--output_dir", out, "--compilation_cache_dir", "none"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = read_metrics(str(out))
+    assert [row["step"] for row in train] == [10, 20, 30, 40] and train[-1]["loss"] < 0.8 * train[0]["loss"]
+    results = read_json(os.path.join(out, "all_results.json"))
+    # A stream has no size: the examples trained on are the steps' (16 a step, the config's total batch).
+    assert results["eval_samples"] > 0 and results["train_samples"] == 40 * 16

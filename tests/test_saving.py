@@ -15,6 +15,7 @@ from utils import compat, preemption, devices
 from utils.args import TrainingArguments
 from utils.errors import RunError, Stopped
 from utils.layout import DataParallel
+from utils.loop import InMemoryData
 from utils.rundir import RunDirectory
 from utils.saving import STOP, SavePolicy, Saver
 
@@ -58,7 +59,8 @@ def saver(tmp_path, monkeypatch):
     args = TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True, per_device_train_batch_size=1)
     run_dir = RunDirectory(args, (args,), model, None, is_main=True, total_steps=4)
     layout = DataParallel()
-    saver = Saver(args, run_dir, layout, {"seed": 42}, steps_per_epoch=2, total_steps=4, start_step=0, is_main=True)
+    saver = Saver(args, run_dir, layout, InMemoryData({}, 16), {"seed": 42}, steps_per_epoch=2, total_steps=4,
+                  start_step=0, is_main=True)
     yield saver, layout.create_state(model.__call__, model.params, optax.adamw(1e-3), seed=0)
     saver.close()
     run_dir.close()
@@ -102,6 +104,7 @@ def test_resumed_saver_drops_the_later_checkpoints(saver, tmp_path):
         saver.save(step, state, "save_steps")
     saver.close()
     args = TrainingArguments(output_dir=saver.output_dir, do_train=True, resume_from_checkpoint="2")
-    again = Saver(args, saver.run_dir, saver.layout, {}, steps_per_epoch=2, total_steps=4, start_step=2, is_main=True)
+    again = Saver(args, saver.run_dir, saver.layout, saver.train_data, {}, steps_per_epoch=2, total_steps=4,
+                  start_step=2, is_main=True)
     assert again.checkpointer.all_steps() == [2]
     again.close()
