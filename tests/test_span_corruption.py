@@ -50,6 +50,7 @@ def decompose(inputs, targets, sentinels=SENTINELS):
 
 def reachable_raw_lengths(max_seq_length, density, mean_span):
     """Every raw length whose input length is max_seq_length, by the spec's counts (brute force)."""
+    # Longer blocks keep more than max_seq_length non-noise tokens.
     raw = np.arange(2, int(max_seq_length / (1 - density)) + 3)
     noise = np.clip(np.round(raw * density), 1, raw - 1)
     spans = np.clip(np.round(noise / mean_span), 1, np.minimum(noise, raw - noise))
