@@ -8,11 +8,16 @@ Three kinds, each wired the way its model family expects:
 - "unigram": T5. `<pad>`=0 `</s>`=1 `<unk>`=2, inputs become `A </s>`. The pieces are learnt by
   sentencepiece (see `_train_unigram` for why) and served by a `tokenizers` Unigram model.
 
+`--extra_ids N` adds T5's sentinel tokens for span corruption, `<extra_id_0>` ... `<extra_id_{N-1}>`,
+after the learnt vocabulary and counting down as T5's do: `<extra_id_0>` has the highest id.
+
 A freshly trained `tokenizers.Tokenizer` has no post-processor, so without the templates set here
 the encoded inputs and labels would silently lack their BOS/EOS.
 
     python train_tokenizer.py --kind unigram --train_files train.jsonl --text_column document \
         --vocab_size 2000 --output_dir my_tokenizer
+    python train_tokenizer.py --kind unigram --train_files data/lm/train.txt --vocab_size 2000 \
+        --extra_ids 100 --output_dir t5_tokenizer   # T5-style, 100 sentinels
 """
 
 import argparse
@@ -28,6 +33,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 from transformers import PreTrainedTokenizerFast
 
 KINDS = ("bpe", "wordpiece", "unigram")
+SENTINEL = "<extra_id_{}>"
 FILE_FORMATS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 
 
@@ -154,15 +160,25 @@ def _non_empty(texts):
     return itertools.chain([first], texts)
 
 
-def train_tokenizer(kind, texts, vocab_size, min_frequency=2, model_max_length=512, lowercase=False):
+def _add_sentinels(tok, extra_ids):
+    """`<extra_id_0>` added last gets the highest id; matched in the raw text, as T5's are."""
+    tok.add_special_tokens([AddedToken(SENTINEL.format(i), special=True, normalized=False)
+                            for i in reversed(range(extra_ids))])
+    return [SENTINEL.format(i) for i in range(extra_ids)]
+
+
+def train_tokenizer(kind, texts, vocab_size, min_frequency=2, model_max_length=512, lowercase=False, extra_ids=0):
     """Train a `kind` tokenizer on an iterable of strings; return it wrapped for transformers.
 
-    `vocab_size` is an upper bound: a small corpus may not support that many pieces.
+    `vocab_size` is an upper bound: a small corpus may not support that many pieces. The
+    `extra_ids` sentinel tokens come on top of it.
     """
     trainers_by_kind = {"bpe": _train_bpe, "wordpiece": _train_wordpiece, "unigram": _train_unigram}
     if kind not in trainers_by_kind:
         raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {', '.join(KINDS)}")
     tok, wrapper_kwargs = trainers_by_kind[kind](_non_empty(texts), vocab_size, min_frequency, lowercase)
+    if extra_ids:
+        wrapper_kwargs["additional_special_tokens"] = _add_sentinels(tok, extra_ids)
     tok.post_processor = _post_processor(kind, tok)
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=model_max_length, **wrapper_kwargs)
 
@@ -220,6 +236,8 @@ def check_inputs(args):
             raise UsageError(f"{path}: no such file")
     if args.vocab_size < 1:
         raise UsageError("--vocab_size must be positive")
+    if args.extra_ids < 0:
+        raise UsageError(f"--extra_ids must be 0 or more, got {args.extra_ids}")
 
 
 def open_texts(args):
@@ -253,6 +271,8 @@ def parse_args(argv=None):
                    "unigram: min word count to seed pieces")
     p.add_argument("--lowercase", action="store_true")
     p.add_argument("--model_max_length", type=int, default=512)
+    p.add_argument("--extra_ids", type=int, default=0, help="sentinel tokens <extra_id_0>.. for T5 span "
+                   "corruption (T5 has 100), added after the learnt vocabulary, <extra_id_0> the highest id")
     p.add_argument("--output_dir", required=True)
     return p.parse_args(argv)
 
@@ -262,7 +282,8 @@ def main(argv=None):
     try:
         check_inputs(args)
         tokenizer = train_tokenizer(
-            args.kind, open_texts(args), args.vocab_size, args.min_frequency, args.model_max_length, args.lowercase
+            args.kind, open_texts(args), args.vocab_size, args.min_frequency, args.model_max_length, args.lowercase,
+            args.extra_ids,
         )
     except (UsageError, ValueError) as err:
         print(f"train_tokenizer.py: error: {err}", file=sys.stderr)

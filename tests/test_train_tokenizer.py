@@ -91,6 +91,21 @@ def test_unigram_keeps_frequent_words_whole(saved):
     assert saved["unigram"].tokenize("the weather was warm") == ["▁the", "▁weather", "▁was", "▁warm"]
 
 
+def test_extra_ids_are_t5_sentinels_on_top_of_the_vocabulary(tmp_path):
+    plain = train_tokenizer("unigram", make_texts(), vocab_size=500)
+    train_tokenizer("unigram", make_texts(), vocab_size=500, extra_ids=5).save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    sentinels = [f"<extra_id_{i}>" for i in range(5)]
+    assert len(tok) == len(plain) + 5
+    # T5's convention: counting down from the top of the vocabulary, the learnt pieces unchanged.
+    assert tok.convert_tokens_to_ids(sentinels) == list(range(len(tok) - 1, len(tok) - 6, -1))
+    assert {t: i for t, i in tok.get_vocab().items() if t not in sentinels} == plain.get_vocab()
+    assert tok.additional_special_tokens == sentinels
+    ids = tok("Oslo <extra_id_3> was warm")["input_ids"]
+    assert tok.convert_tokens_to_ids("<extra_id_3>") in ids
+    assert tok.decode(ids, skip_special_tokens=True) == "Oslo was warm"
+
+
 def test_empty_input_and_unknown_kind_are_value_errors():
     with pytest.raises(ValueError, match="no non-empty texts"):
         train_tokenizer("bpe", ["", "   "], vocab_size=100)
@@ -120,17 +135,19 @@ def test_cli_trains_on_txt_jsonl_and_csv(input_files):
     tmp_path, files = input_files
     out = tmp_path / "tok"
     result = run_cli("--kind", "wordpiece", "--train_files", *files, "--vocab_size", "400", "--lowercase",
-                     "--output_dir", str(out))
+                     "--extra_ids", "3", "--output_dir", str(out))
     assert result.returncode == 0, result.stderr
     assert str(out) in result.stdout and "vocab size" in result.stdout
     tok = AutoTokenizer.from_pretrained(out)
     assert {"aardvark", "quokka", "narwhal"} <= set(tok.get_vocab())  # one word only in each file
     assert tok.convert_ids_to_tokens(tok("Quokka")["input_ids"]) == ["[CLS]", "quokka", "[SEP]"]
+    assert tok.convert_ids_to_tokens([len(tok) - 1, len(tok) - 3]) == ["<extra_id_0>", "<extra_id_2>"]
 
 
 @pytest.mark.parametrize(
     "case, message",
-    [("missing", "no such file"), ("column", "has no column 'body'"), ("extension", "unsupported extension")],
+    [("missing", "no such file"), ("column", "has no column 'body'"), ("extension", "unsupported extension"),
+     ("extra_ids", "--extra_ids must be 0 or more")],
 )
 def test_cli_errors_are_one_line_and_exit_2(input_files, case, message):
     tmp_path, files = input_files
@@ -138,6 +155,7 @@ def test_cli_errors_are_one_line_and_exit_2(input_files, case, message):
         "missing": ["--train_files", str(tmp_path / "nope.txt")],
         "column": ["--train_files", files[1], "--text_column", "body"],
         "extension": ["--train_files", str(tmp_path / "a.parquet")],
+        "extra_ids": ["--train_files", files[0], "--extra_ids", "-1"],
     }[case]
     result = run_cli("--kind", "bpe", *args, "--vocab_size", "300", "--output_dir", str(tmp_path / "out"))
     assert result.returncode == 2

@@ -1,0 +1,184 @@
+"""T5 span corruption on the host: the lengths it needs, and the masking itself (pure numpy).
+
+A raw block of `raw_length` tokens gets `noise_tokens` noise tokens in `noise_spans` spans that
+alternate with as many non-noise spans; each example starts with a noise span or a non-noise one at
+random (the other kind then ends it). Each noise span becomes one sentinel in the inputs
+(`<extra_id_0>`, `<extra_id_1>`, ... in order); the targets are each sentinel followed by its span's
+tokens. EOS ends both. So, whichever kind comes first:
+
+    inputs:  raw_length - noise_tokens + noise_spans + 1 tokens
+    targets: noise_tokens + noise_spans + 1 tokens
+
+`plan_span_corruption` finds the raw length that makes the inputs exactly `--max_seq_length` long
+and checks the tokenizer, before any work; `span_corruption` masks batches of raw blocks as a pure
+function of (seed, stream, process, index), like `utils.lm.masking`. The flags named in the errors
+are those of the T5 MLM script: --max_seq_length, --noise_density, --mean_noise_span_length.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from utils.errors import UsageError
+
+SENTINEL = "<extra_id_{}>"
+
+
+class SpanLengths(NamedTuple):
+    raw_length: int
+    input_length: int
+    target_length: int
+    noise_tokens: int
+    noise_spans: int
+
+
+def span_counts(raw_length, noise_density, mean_noise_span_length):
+    """(noise tokens, noise spans) for a raw block: T5's rounding, kept to what can be laid out.
+
+    At least one noise token and one non-noise token; at least one span, and no more spans than
+    there are tokens of either kind (every span, noise or not, holds one token or more).
+    """
+    noise = min(max(round(raw_length * noise_density), 1), raw_length - 1)
+    spans = min(max(round(noise / mean_noise_span_length), 1), noise, raw_length - noise)
+    return noise, spans
+
+
+def _input_length(raw_length, noise_density, mean_noise_span_length):
+    noise, spans = span_counts(raw_length, noise_density, mean_noise_span_length)
+    return raw_length - noise + spans + 1
+
+
+def span_corruption_lengths(max_seq_length, noise_density, mean_noise_span_length):
+    """`SpanLengths` whose inputs are exactly `max_seq_length` tokens (EOS included).
+
+    Of the raw lengths that give that input length, the longest. Raises UsageError when the
+    arguments are out of range or no raw length gives exactly `max_seq_length`.
+    """
+    if not 0 < noise_density < 1:
+        raise UsageError(f"--noise_density must be between 0 and 1 (exclusive), got {noise_density}")
+    if not mean_noise_span_length >= 1:
+        raise UsageError(f"--mean_noise_span_length must be at least 1 (a span holds one token or more), "
+                         f"got {mean_noise_span_length}")
+
+    def input_length(raw_length):
+        return _input_length(raw_length, noise_density, mean_noise_span_length)
+
+    # The input length never decreases as the raw length grows (the noise count grows by at most
+    # one token per token), so the longest raw length fitting is a binary search. Past `high` even
+    # the non-noise tokens alone, about raw_length x (1 - density), outgrow max_seq_length.
+    low, high = 1, int((max_seq_length - 1.5) / (1 - noise_density)) + 2
+    while high - low > 1:  # invariant: input_length(low) <= max_seq_length < input_length(high), or low == 1
+        middle = (low + high) // 2
+        low, high = (middle, high) if input_length(middle) <= max_seq_length else (low, middle)
+    if low >= 2 and input_length(low) == max_seq_length:
+        noise, spans = span_counts(low, noise_density, mean_noise_span_length)
+        return SpanLengths(low, max_seq_length, noise + spans + 1, noise, spans)
+    nearest = ([input_length(low)] if low >= 2 else []) + [input_length(low + 1)]
+    raise UsageError(
+        f"no raw length gives exactly {max_seq_length} input tokens with --noise_density {noise_density} and "
+        f"--mean_noise_span_length {mean_noise_span_length}: use --max_seq_length "
+        f"{' or '.join(map(str, nearest))}, or change the density or span length"
+    )
+
+
+def sentinel_ids(tokenizer, count):
+    """The ids of `<extra_id_0>` ... `<extra_id_{count-1}>`; UsageError when the tokenizer lacks some."""
+    vocab = tokenizer.get_vocab()
+    available = 0
+    while SENTINEL.format(available) in vocab:
+        available += 1
+    if available == 0:
+        raise UsageError("the tokenizer has no sentinel tokens (<extra_id_0>, <extra_id_1>, ...), which span "
+                         "corruption needs: use a T5 tokenizer, or train one with train_tokenizer.py --extra_ids 100")
+    if available < count:
+        raise UsageError(f"span corruption needs {count} sentinel tokens per example but the tokenizer has only "
+                         f"{available} (<extra_id_0> to <extra_id_{available - 1}>): lower --max_seq_length or "
+                         "--noise_density, raise --mean_noise_span_length, or use a tokenizer with more sentinels")
+    return np.array([vocab[SENTINEL.format(i)] for i in range(count)])
+
+
+@dataclass(frozen=True)
+class SpanCorruption:
+    """What the T5 MLM script needs to know before loading data: the lengths and the token ids."""
+
+    lengths: SpanLengths
+    sentinel_ids: np.ndarray
+    eos_id: int
+
+
+def plan_span_corruption(tokenizer, max_seq_length, noise_density, mean_noise_span_length):
+    """Every check span corruption needs, up front: lengths, EOS, enough sentinels."""
+    lengths = span_corruption_lengths(max_seq_length, noise_density, mean_noise_span_length)
+    if tokenizer.eos_token_id is None:
+        raise UsageError("the tokenizer has no EOS token, which ends span-corrupted inputs and targets: "
+                         "use one with an EOS token (e.g. </s>)")
+    return SpanCorruption(lengths, sentinel_ids(tokenizer, lengths.noise_spans), tokenizer.eos_token_id)
+
+
+def random_compositions(total, parts, rows, rng):
+    """[rows, parts] positive integers, each row summing to `total`, uniform over all such rows."""
+    # The parts - 1 cuts are a uniformly random subset of the total - 1 gaps between tokens.
+    gaps = rng.random((rows, total - 1)).argsort(axis=1)[:, :parts - 1]
+    cuts = np.sort(gaps, axis=1) + 1
+    bounds = np.concatenate([np.zeros((rows, 1), int), cuts, np.full((rows, 1), total)], axis=1)
+    return np.diff(bounds, axis=1)
+
+
+def corrupt(blocks, noise_tokens, noise_spans, sentinel_ids, eos_id, rng):
+    """(inputs, targets) for `blocks` [rows, raw_length], as laid out in the module docstring.
+
+    Every row has `noise_tokens` noise tokens in `noise_spans` spans (lengths random), and starts
+    with a noise span with probability 1/2.
+    """
+    rows, raw_length = blocks.shape
+    noise_lengths = random_compositions(noise_tokens, noise_spans, rows, rng)
+    other_lengths = random_compositions(raw_length - noise_tokens, noise_spans, rows, rng)
+    noise_first = rng.random(rows) < 0.5
+    # Span lengths in order, [rows, 2 x noise_spans]: noise, other, noise, ... or other, noise, ...
+    lengths = np.where(noise_first[:, None, None], np.stack([noise_lengths, other_lengths], axis=2),
+                       np.stack([other_lengths, noise_lengths], axis=2)).reshape(rows, -1)
+    starts = np.cumsum(lengths, axis=1) - lengths
+    is_start = np.zeros((rows, raw_length), bool)
+    is_start[np.arange(rows)[:, None], starts] = True
+    span = np.cumsum(is_start, axis=1) - 1
+    is_noise = (span % 2 == 0) == noise_first[:, None]
+    # Noise spans sit at even or odd span indices: span // 2 numbers them 0, 1, ... either way.
+    sentinels = sentinel_ids[span // 2]
+    opens_noise = is_start & is_noise
+
+    eos = np.full((rows, 1), eos_id)
+    # Inputs: the non-noise tokens, and a sentinel where each noise span was.
+    kept = np.where(opens_noise, sentinels, blocks)[~is_noise | opens_noise]
+    inputs = np.concatenate([kept.reshape(rows, -1), eos], axis=1)
+    # Targets: before each noise token a slot holding its span's sentinel if the token opens the
+    # span; the noise tokens and the filled slots, in order.
+    slots = np.stack([sentinels, blocks], axis=2).reshape(rows, -1)
+    filled = np.stack([opens_noise, is_noise], axis=2).reshape(rows, -1)
+    targets = np.concatenate([slots[filled].reshape(rows, -1), eos], axis=1)
+    return inputs.astype(blocks.dtype), targets.astype(blocks.dtype)
+
+
+def span_corruption(plan, decoder_start_token_id, seed, stream, process_index=0):
+    """`transform(batch, index)` for `loop.train_batches` / `loop.eval_batches`.
+
+    `batch["input_ids"]` [rows, raw_length] raw blocks become a T5 batch: `input_ids` [rows,
+    max_seq_length], `labels` [rows, target_length], and `decoder_input_ids`, the labels shifted
+    right after `decoder_start_token_id` (T5: the pad id). The masks are a pure function of (seed,
+    stream, process, index), so a resumed run corrupts its batches exactly as the uninterrupted run
+    would, and every evaluation sees the same ones.
+    """
+    lengths = plan.lengths
+
+    def transform(batch, index):
+        blocks = batch["input_ids"]
+        if blocks.shape[1] != lengths.raw_length:
+            raise ValueError(f"span corruption expects blocks of {lengths.raw_length} tokens, got {blocks.shape[1]}")
+        rng = np.random.default_rng([seed, stream, process_index, index])
+        inputs, labels = corrupt(blocks, lengths.noise_tokens, lengths.noise_spans, plan.sentinel_ids, plan.eos_id,
+                                 rng)
+        start = np.full((len(labels), 1), decoder_start_token_id, labels.dtype)
+        return {"input_ids": inputs, "labels": labels,
+                "decoder_input_ids": np.concatenate([start, labels[:, :-1]], axis=1)}
+
+    return transform
