@@ -5,8 +5,8 @@
 
 For each setting (max_seq_length, noise density, mean span length) it corrupts a batch of `--rows`
 random raw blocks of the raw length that setting needs (512, 0.15, 3: 64 x 568 tokens) through the
-transform the T5 MLM script uses, and prints one JSON line: the shapes and the milliseconds per
-batch (median and min over --repeats).
+transform run_t5_mlm_flax.py uses (one seeded generator per row, drawing the row's random numbers),
+and prints one JSON line: the shapes and the milliseconds per batch (median and min over --repeats).
 """
 
 import argparse
@@ -37,9 +37,10 @@ def main():
         transform = sc.span_corruption(plan, decoder_start_token_id=0, seed=0, stream=0)
         blocks = np.random.default_rng(0).integers(2, VOCAB - SENTINELS, (args.rows, lengths.raw_length), np.int32)
         seconds = []
-        for index in range(args.repeats):
+        row_ids = np.arange(args.rows)
+        for step in range(args.repeats):
             start = time.perf_counter()
-            batch = transform({"input_ids": blocks}, index)
+            batch = transform({"input_ids": blocks}, step, row_ids)
             seconds.append(time.perf_counter() - start)
         print(json.dumps({
             "max_seq_length": max_seq_length, "noise_density": density, "mean_noise_span_length": mean_span,

@@ -25,6 +25,11 @@ def blocks(rows, raw_length, seed=0):
     return np.random.default_rng(seed).integers(2, VOCAB - 1000, size=(rows, raw_length))
 
 
+def uniforms(rows, raw_length, seed=0):
+    """The random numbers `corrupt` takes for `rows` blocks of `raw_length` tokens."""
+    return np.random.default_rng(seed).random((rows, sc.uniforms_per_row(raw_length)))
+
+
 def decompose(inputs, targets, sentinels=SENTINELS):
     """(original tokens, noise mask, first span is noise) of one example, checking its structure."""
     assert inputs[-1] == EOS and targets[-1] == EOS
@@ -81,7 +86,7 @@ def test_lengths_grid_every_example_exact_or_refused_up_front(density):
         assert abs(lengths.noise_tokens - lengths.raw_length * density) <= 0.5
         assert lengths.target_length == lengths.noise_tokens + lengths.noise_spans + 1
         inputs, targets = sc.corrupt(blocks(8, lengths.raw_length), lengths.noise_tokens, lengths.noise_spans,
-                                     SENTINELS, EOS, np.random.default_rng(max_seq_length))
+                                     SENTINELS, EOS, uniforms(8, lengths.raw_length, seed=max_seq_length))
         assert inputs.shape == (8, max_seq_length) and targets.shape == (8, lengths.target_length)
         assert (np.isin(inputs, SENTINELS).sum(axis=1) == lengths.noise_spans).all()
         assert (targets[:, 0] == SENTINELS[0]).all()
@@ -99,10 +104,10 @@ def test_refusals_name_the_nearest_lengths_that_work():
 
 
 @pytest.mark.parametrize("density, mean_span, message", [
-    (0, 3, "--noise_density must be between 0 and 1"),
-    (1, 3, "--noise_density must be between 0 and 1"),
-    (1.5, 3, "--noise_density must be between 0 and 1"),
-    (float("nan"), 3, "--noise_density must be between 0 and 1"),
+    (0, 3, r"--mlm_probability \(the noise density\) must be between 0 and 1"),
+    (1, 3, r"--mlm_probability \(the noise density\) must be between 0 and 1"),
+    (1.5, 3, r"--mlm_probability \(the noise density\) must be between 0 and 1"),
+    (float("nan"), 3, r"--mlm_probability \(the noise density\) must be between 0 and 1"),
     (0.15, 0, "--mean_noise_span_length must be at least 1"),
     (0.15, -2, "--mean_noise_span_length must be at least 1"),
     (0.15, 0.5, "--mean_noise_span_length must be at least 1"),
@@ -121,7 +126,7 @@ def test_corruption_reconstructs_the_original(max_seq_length, density, mean_span
     lengths = sc.span_corruption_lengths(max_seq_length, density, mean_span)
     original = blocks(64, lengths.raw_length)
     inputs, targets = sc.corrupt(original, lengths.noise_tokens, lengths.noise_spans, SENTINELS, EOS,
-                                 np.random.default_rng(0))
+                                 uniforms(64, lengths.raw_length))
     assert inputs.dtype == original.dtype and targets.dtype == original.dtype
     noise_masks, noise_first = [], []
     for row in range(len(original)):
@@ -139,19 +144,19 @@ def test_corruption_reconstructs_the_original(max_seq_length, density, mean_span
 
 
 def test_span_lengths_are_random_compositions():
-    parts = sc.random_compositions(10, 4, 2000, np.random.default_rng(0))
+    parts = sc.random_compositions(10, 4, np.random.default_rng(0).random((2000, 9)))
     assert parts.shape == (2000, 4) and (parts >= 1).all() and (parts.sum(axis=1) == 10).all()
     # All C(9, 3) = 84 compositions of 10 into 4 parts turn up, none far more often than the rest.
     counts = np.unique(parts, axis=0, return_counts=True)[1]
     assert len(counts) == 84 and counts.max() < 3 * 2000 / 84
-    assert (sc.random_compositions(5, 1, 3, np.random.default_rng(0)) == 5).all()
-    assert (sc.random_compositions(5, 5, 3, np.random.default_rng(0)) == 1).all()
+    assert (sc.random_compositions(5, 1, np.random.default_rng(0).random((3, 4))) == 5).all()
+    assert (sc.random_compositions(5, 5, np.random.default_rng(0).random((3, 4))) == 1).all()
 
 
 def test_extreme_counts_one_span_and_all_single_token_spans():
     original = blocks(16, 12)
     for noise_tokens, noise_spans in [(1, 1), (11, 1), (6, 6), (4, 4)]:
-        inputs, targets = sc.corrupt(original, noise_tokens, noise_spans, SENTINELS, EOS, np.random.default_rng(1))
+        inputs, targets = sc.corrupt(original, noise_tokens, noise_spans, SENTINELS, EOS, uniforms(16, 12, seed=1))
         assert inputs.shape == (16, 12 - noise_tokens + noise_spans + 1)
         assert targets.shape == (16, noise_tokens + noise_spans + 1)
         for row in range(16):
@@ -185,7 +190,7 @@ def test_transform_builds_a_t5_batch(tokenizers):
     plan = sc.plan_span_corruption(tok, 32, 0.3, 2)
     text = " ".join(TEXTS)
     ids = np.array(tok(text)["input_ids"][: 3 * plan.lengths.raw_length], np.int32).reshape(3, -1)
-    batch = sc.span_corruption(plan, tok.pad_token_id, seed=0, stream=0)({"input_ids": ids}, 0)
+    batch = sc.span_corruption(plan, tok.pad_token_id, seed=0, stream=0)({"input_ids": ids}, 0, np.arange(3))
     assert batch.keys() == {"input_ids", "labels", "decoder_input_ids"}
     assert batch["input_ids"].shape == (3, 32) and batch["labels"].shape == (3, plan.lengths.target_length)
     assert all(v.dtype == np.int32 for v in batch.values())
@@ -198,22 +203,33 @@ def test_transform_builds_a_t5_batch(tokenizers):
     assert tok.decode(batch["labels"][0]).startswith("<extra_id_0>")
 
 
-def test_masks_are_a_pure_function_of_seed_stream_process_and_index(tokenizers):
+def test_masks_are_a_pure_function_of_seed_stream_step_and_global_row(tokenizers):
+    """Each row is corrupted from (seed, stream, step, its row in the global batch) alone: process p of
+    P (here rows 2..5 of 8, as process 1 of 4 gets them) corrupts its rows as one process corrupts
+    those rows of the whole batch, and a row does not depend on the rows beside it."""
     plan = sc.plan_span_corruption(tokenizers[100], 64, 0.15, 3)
-    batch = {"input_ids": blocks(8, plan.lengths.raw_length)}
+    raw = blocks(8, plan.lengths.raw_length)
 
-    def corrupted(index, seed=0, stream=0, process_index=0):
-        return sc.span_corruption(plan, 0, seed, stream, process_index)(batch, index)["input_ids"]
+    def corrupted(rows=slice(None), step=5, seed=0, stream=0):
+        row_ids = np.arange(8)[rows]
+        return sc.span_corruption(plan, 0, seed, stream)({"input_ids": raw[rows]}, step, row_ids)["input_ids"]
 
-    assert np.array_equal(corrupted(5), corrupted(5))
-    for other in (corrupted(6), corrupted(5, seed=1), corrupted(5, stream=1), corrupted(5, process_index=1)):
-        assert not np.array_equal(corrupted(5), other)
+    whole = corrupted()
+    assert np.array_equal(corrupted(), whole)
+    assert np.array_equal(corrupted(slice(2, 6)), whole[2:6])
+    assert np.array_equal(np.concatenate([corrupted(slice(0, 8, 2)), corrupted(slice(1, 8, 2))]),
+                          whole[np.r_[0:8:2, 1:8:2]])  # round robin, as streams deal rows to processes
+    for other in (corrupted(step=6), corrupted(seed=1), corrupted(stream=1)):
+        assert (other != whole).any(axis=1).all()  # every row draws anew
+    # The same raw block in another row of the batch gets another layout.
+    same_block = sc.span_corruption(plan, 0, 0, 0)({"input_ids": raw[[0, 0]]}, 5, np.arange(2))["input_ids"]
+    assert np.array_equal(same_block[0], whole[0]) and not np.array_equal(same_block[1], whole[0])
 
 
 def test_transform_rejects_blocks_of_another_length(tokenizers):
     plan = sc.plan_span_corruption(tokenizers[100], 64, 0.15, 3)
     with pytest.raises(ValueError, match=f"expects blocks of {plan.lengths.raw_length} tokens, got 64"):
-        sc.span_corruption(plan, 0, 0, 0)({"input_ids": blocks(2, 64)}, 0)
+        sc.span_corruption(plan, 0, 0, 0)({"input_ids": blocks(2, 64)}, 0, np.arange(2))
 
 
 def test_a_tokenizer_without_or_with_too_few_sentinels_is_refused(tokenizers):

@@ -10,9 +10,11 @@ tokens. EOS ends both. So, whichever kind comes first:
     targets: noise_tokens + noise_spans + 1 tokens
 
 `plan_span_corruption` finds the raw length that makes the inputs exactly `--max_seq_length` long
-and checks the tokenizer, before any work; `span_corruption` masks batches of raw blocks as a pure
-function of (seed, stream, process, index), like `utils.lm.masking`. The flags named in the errors
-are those of the T5 MLM script: --max_seq_length, --noise_density, --mean_noise_span_length.
+and checks the tokenizer, before any work; `span_corruption` masks batches of raw blocks, each row
+from its own random numbers drawn from (seed, stream, step, the row's place in the global batch),
+like `utils.lm.masking`. The flags named in the errors are those of `run_t5_mlm_flax.py`:
+--max_seq_length, --mlm_probability (the noise density, under its classic name) and
+--mean_noise_span_length.
 """
 
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from utils import data
 from utils.errors import UsageError
 
 SENTINEL = "<extra_id_{}>"
@@ -56,7 +59,8 @@ def span_corruption_lengths(max_seq_length, noise_density, mean_noise_span_lengt
     arguments are out of range or no raw length gives exactly `max_seq_length`.
     """
     if not 0 < noise_density < 1:
-        raise UsageError(f"--noise_density must be between 0 and 1 (exclusive), got {noise_density}")
+        raise UsageError(f"--mlm_probability (the noise density) must be between 0 and 1 (exclusive), got "
+                         f"{noise_density}")
     if not mean_noise_span_length >= 1:
         raise UsageError(f"--mean_noise_span_length must be at least 1 (a span holds one token or more), "
                          f"got {mean_noise_span_length}")
@@ -76,7 +80,7 @@ def span_corruption_lengths(max_seq_length, noise_density, mean_noise_span_lengt
         return SpanLengths(low, max_seq_length, noise + spans + 1, noise, spans)
     nearest = ([input_length(low)] if low >= 2 else []) + [input_length(low + 1)]
     raise UsageError(
-        f"no raw length gives exactly {max_seq_length} input tokens with --noise_density {noise_density} and "
+        f"no raw length gives exactly {max_seq_length} input tokens with --mlm_probability {noise_density} and "
         f"--mean_noise_span_length {mean_noise_span_length}: use --max_seq_length "
         f"{' or '.join(map(str, nearest))}, or change the density or span length"
     )
@@ -94,7 +98,7 @@ def sentinel_ids(tokenizer, count):
     if available < count:
         raise UsageError(f"span corruption needs {count} sentinel tokens per example but the tokenizer has only "
                          f"{available} (<extra_id_0> to <extra_id_{available - 1}>): lower --max_seq_length or "
-                         "--noise_density, raise --mean_noise_span_length, or use a tokenizer with more sentinels")
+                         "--mlm_probability, raise --mean_noise_span_length, or use a tokenizer with more sentinels")
     return np.array([vocab[SENTINEL.format(i)] for i in range(count)])
 
 
@@ -116,25 +120,36 @@ def plan_span_corruption(tokenizer, max_seq_length, noise_density, mean_noise_sp
     return SpanCorruption(lengths, sentinel_ids(tokenizer, lengths.noise_spans), tokenizer.eos_token_id)
 
 
-def random_compositions(total, parts, rows, rng):
-    """[rows, parts] positive integers, each row summing to `total`, uniform over all such rows."""
+def random_compositions(total, parts, uniforms):
+    """[rows, parts] positive integers, each row summing to `total`, uniform over all such rows.
+
+    `uniforms` [rows, total - 1]: independent uniform [0, 1) numbers, one per gap between tokens.
+    """
     # The parts - 1 cuts are a uniformly random subset of the total - 1 gaps between tokens.
-    gaps = rng.random((rows, total - 1)).argsort(axis=1)[:, :parts - 1]
+    rows = len(uniforms)
+    gaps = uniforms.argsort(axis=1)[:, :parts - 1]
     cuts = np.sort(gaps, axis=1) + 1
     bounds = np.concatenate([np.zeros((rows, 1), int), cuts, np.full((rows, 1), total)], axis=1)
     return np.diff(bounds, axis=1)
 
 
-def corrupt(blocks, noise_tokens, noise_spans, sentinel_ids, eos_id, rng):
+def uniforms_per_row(raw_length):
+    """How many random numbers `corrupt` takes per raw block of `raw_length` tokens: one per gap
+    between two noise tokens or two non-noise tokens (the span lengths), one for the first kind."""
+    return raw_length - 1
+
+
+def corrupt(blocks, noise_tokens, noise_spans, sentinel_ids, eos_id, uniforms):
     """(inputs, targets) for `blocks` [rows, raw_length], as laid out in the module docstring.
 
     Every row has `noise_tokens` noise tokens in `noise_spans` spans (lengths random), and starts
-    with a noise span with probability 1/2.
+    with a noise span with probability 1/2. `uniforms` [rows, uniforms_per_row(raw_length)] are the
+    row's independent uniform [0, 1) numbers: a row's layout is a function of its own alone.
     """
     rows, raw_length = blocks.shape
-    noise_lengths = random_compositions(noise_tokens, noise_spans, rows, rng)
-    other_lengths = random_compositions(raw_length - noise_tokens, noise_spans, rows, rng)
-    noise_first = rng.random(rows) < 0.5
+    noise_lengths = random_compositions(noise_tokens, noise_spans, uniforms[:, :noise_tokens - 1])
+    other_lengths = random_compositions(raw_length - noise_tokens, noise_spans, uniforms[:, noise_tokens - 1: -1])
+    noise_first = uniforms[:, -1] < 0.5
     # Span lengths in order, [rows, 2 x noise_spans]: noise, other, noise, ... or other, noise, ...
     lengths = np.where(noise_first[:, None, None], np.stack([noise_lengths, other_lengths], axis=2),
                        np.stack([other_lengths, noise_lengths], axis=2)).reshape(rows, -1)
@@ -159,24 +174,27 @@ def corrupt(blocks, noise_tokens, noise_spans, sentinel_ids, eos_id, rng):
     return inputs.astype(blocks.dtype), targets.astype(blocks.dtype)
 
 
-def span_corruption(plan, decoder_start_token_id, seed, stream, process_index=0):
-    """`transform(batch, index)` for `loop.train_batches` / `loop.eval_batches`.
+def span_corruption(plan, decoder_start_token_id, seed, stream):
+    """`transform(batch, step, row_ids)` for `loop.train_batches` / `loop.eval_batches` / streams.
 
     `batch["input_ids"]` [rows, raw_length] raw blocks become a T5 batch: `input_ids` [rows,
     max_seq_length], `labels` [rows, target_length], and `decoder_input_ids`, the labels shifted
-    right after `decoder_start_token_id` (T5: the pad id). The masks are a pure function of (seed,
-    stream, process, index), so a resumed run corrupts its batches exactly as the uninterrupted run
-    would, and every evaluation sees the same ones.
+    right after `decoder_start_token_id` (T5: the pad id). Row i is corrupted from its own random
+    numbers, drawn from (seed, stream, step, row_ids[i]), as `utils.lm.masking` masks: a training
+    example's corruption depends on the step and its row in the global batch, an evaluation
+    example's (step 0) on its index alone. So it is the same on any number of devices and
+    processes, a resumed run corrupts its batches exactly as the uninterrupted run would, and
+    every evaluation sees the same ones.
     """
     lengths = plan.lengths
 
-    def transform(batch, index):
+    def transform(batch, step, row_ids):
         blocks = batch["input_ids"]
         if blocks.shape[1] != lengths.raw_length:
             raise ValueError(f"span corruption expects blocks of {lengths.raw_length} tokens, got {blocks.shape[1]}")
-        rng = np.random.default_rng([seed, stream, process_index, index])
+        (uniforms,) = data.row_uniforms((seed, stream, step), row_ids, (len(blocks), uniforms_per_row(blocks.shape[1])))
         inputs, labels = corrupt(blocks, lengths.noise_tokens, lengths.noise_spans, plan.sentinel_ids, plan.eos_id,
-                                 rng)
+                                 uniforms)
         start = np.full((len(labels), 1), decoder_start_token_id, labels.dtype)
         return {"input_ids": inputs, "labels": labels,
                 "decoder_input_ids": np.concatenate([start, labels[:, :-1]], axis=1)}
