@@ -1,10 +1,12 @@
-"""Build the toy language-modelling corpus and its byte-level BPE tokenizer (deterministic).
+"""Build the toy language-modelling corpus and its tokenizers (deterministic).
 
 Each line holds one to three templated English sentences with regularities a tiny GPT-2 or
 RoBERTa picks up within minutes: fixed facts (each animal has one home and one food), subject-verb
 agreement, counting and weekday sequences, small sums, and copying a detail stated earlier in the
 line. An untrained model's perplexity is about the vocabulary size; a trained one gets far lower.
-Writes `lm/{train,validation}.txt` (one text per line) and `lm/tokenizer/` next to this script.
+Writes `lm/{train,validation}.txt` (one text per line), `lm/tokenizer/` (byte-level BPE, for GPT-2
+and RoBERTa) and `lm/t5_tokenizer/` (unigram with T5's 100 sentinels, for span corruption) next to
+this script.
 
     python data/make_lm_corpus.py [--train_lines 6000] [--seed 42]
 """
@@ -138,8 +140,11 @@ def main(argv=None):
 
     tokenizer = train_tokenizer("bpe", train, args.vocab_size, model_max_length=512)
     tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
-    print(f"wrote {len(train)} train and {len(validation)} validation lines and a bpe tokenizer "
-          f"(vocab {len(tokenizer)}) to {args.output_dir}")
+    # The same vocabulary bound: the corpus supports ~300 unigram pieces, the 100 sentinels come on top.
+    t5_tokenizer = train_tokenizer("unigram", train, args.vocab_size, model_max_length=512, extra_ids=100)
+    t5_tokenizer.save_pretrained(os.path.join(args.output_dir, "t5_tokenizer"))
+    print(f"wrote {len(train)} train and {len(validation)} validation lines, a bpe tokenizer (vocab "
+          f"{len(tokenizer)}) and a unigram one with sentinels (vocab {len(t5_tokenizer)}) to {args.output_dir}")
 
 
 if __name__ == "__main__":

@@ -82,8 +82,12 @@ def _changed_by_overrides(config, text):
             if getattr(overridden, key) != getattr(config, key)]
 
 
-def load_config(model_args, task):
-    """The model config from `config_name`, `model_name_or_path` or `model_type` (+ overrides)."""
+def load_config(model_args, task, model_types=None):
+    """The model config from `config_name`, `model_name_or_path` or `model_type` (+ overrides).
+
+    `model_types` narrows the families `task` allows to those a script supports (T5 span corruption:
+    the T5 family only)."""
+    allowed = model_types or TASK_MODEL_TYPES[task]
     kwargs = dict(cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code)
     name = model_args.config_name or model_args.model_name_or_path
     if name:
@@ -95,9 +99,7 @@ def load_config(model_args, task):
         try:
             config = AutoConfig.for_model(model_args.model_type)
         except ValueError:
-            raise UsageError(
-                f"unknown --model_type {model_args.model_type!r}: use one of {', '.join(TASK_MODEL_TYPES[task])}"
-            )
+            raise UsageError(f"unknown --model_type {model_args.model_type!r}: use one of {', '.join(allowed)}")
     else:
         raise UsageError("no model: pass --model_name_or_path, or --model_type/--config_name to train from scratch")
     if model_args.config_overrides and model_args.model_name_or_path:
@@ -111,11 +113,10 @@ def load_config(model_args, task):
                              "(without --model_name_or_path); drop them")
     elif model_args.config_overrides:
         config = _apply_overrides(config, model_args.config_overrides)
-    if config.model_type not in TASK_MODEL_TYPES[task]:
-        raise UsageError(
-            f"model type {config.model_type!r} cannot be trained by this script ({task}): "
-            f"use one of {', '.join(TASK_MODEL_TYPES[task])}"
-        )
+    if config.model_type not in allowed:
+        scope = "" if model_types else f" ({task})"
+        raise UsageError(f"model type {config.model_type!r} cannot be trained by this script{scope}: "
+                         f"use one of {', '.join(allowed)}")
     return config
 
 
