@@ -23,6 +23,7 @@ from transformers import PretrainedConfig
 import run_clm_flax as clm
 import run_mlm_flax as mlm
 import run_summarization_flax as summarization
+import run_t5_mlm_flax as t5_mlm
 from script_runner import ROOT, directory_state, run_script, script_env
 from utils import hub
 from utils.args import TrainingArguments
@@ -36,6 +37,7 @@ DATA = os.path.join(ROOT, "data", "summarization")
 TOKENIZER = os.path.join(DATA, "tokenizer")
 LM_TOKENIZER = os.path.join(ROOT, "data", "lm", "tokenizer")
 LM_TRAIN = os.path.join(ROOT, "data", "lm", "train.txt")
+T5_TOKENIZER = os.path.join(ROOT, "data", "lm", "t5_tokenizer")
 TINY_T5 = "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.0"
 # A port nothing listens on: "connection refused" at once, like a machine without a network.
 UNREACHABLE = "http://127.0.0.1:9"
@@ -84,7 +86,7 @@ def stop_at_model(monkeypatch, error):
     def load_model(*args, **kwargs):
         raise error
 
-    for script in (summarization, clm, mlm):
+    for script in (summarization, clm, mlm, t5_mlm):
         monkeypatch.setattr(script, "load_model", load_model)
 
 
@@ -437,6 +439,47 @@ def test_lm_length_clamped_before_the_model(tmp_path, capsys, monkeypatch, name)
     err = capsys.readouterr().err
     assert f"--{flag} 512 is more than the model's {limit} positions: using {limit}" in err
     assert err.strip().splitlines()[-1] == "error: stopped where the model would be built"
+
+
+# ---------------------------------------------------------------------------------------------
+# T5 span corruption: impossible lengths, densities, span lengths and tokenizers, before any work
+# ---------------------------------------------------------------------------------------------
+def t5_args(*args, train=LM_TRAIN):
+    return ["--model_type", "t5", "--config_overrides", TINY_T5, "--tokenizer_name", T5_TOKENIZER, "--train_file",
+            train, "--do_train", "--per_device_train_batch_size", 1, "--max_seq_length", 32, *args]
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--mlm_probability", 0], r"--mlm_probability \(the noise density\) must be between 0 and 1 \(exclusive\), got 0"),
+    (["--mlm_probability", 1], r"--mlm_probability \(the noise density\) must be between 0 and 1 \(exclusive\), got 1"),
+    (["--mlm_probability", 1.5], r"--mlm_probability \(the noise density\) must be between 0 and 1"),
+    (["--mean_noise_span_length", 0], r"--mean_noise_span_length must be at least 1 \(a span holds one token or more\)"),
+    (["--mean_noise_span_length", -3], r"--mean_noise_span_length must be at least 1"),
+    (["--max_seq_length", 0], r"--max_seq_length must be positive, got 0"),
+    # 80% noise in spans of 1: every kept token is its own span, so the inputs are always odd.
+    (["--max_seq_length", 512, "--mlm_probability", 0.8, "--mean_noise_span_length", 1],
+     r"no raw length gives exactly 512 input tokens with --mlm_probability 0.8 and --mean_noise_span_length 1.0: "
+     r"use --max_seq_length 511 or 513"),
+    (["--tokenizer_name", LM_TOKENIZER], r"the tokenizer has no sentinel tokens \(<extra_id_0>, <extra_id_1>, "
+                                         r"\.\.\.\), which span corruption needs: .*train_tokenizer.py --extra_ids 100"),
+    (["--max_seq_length", 511, "--mlm_probability", 0.5, "--mean_noise_span_length", 1],
+     r"span corruption needs 255 sentinel tokens per example but the tokenizer has only 100"),
+    (["--model_type", "bart", "--config_overrides", "d_model=32"], r"model type 'bart' cannot be trained by this script: use one of t5, mt5, longt5$"),
+    # UMT5 has no Flax class in transformers 4.x.
+    (["--model_type", "umt5"], r"model type 'umt5' cannot be trained by this script: use one of t5, mt5, longt5$"),
+    (["--max_train_samples", 3], r"3 training examples are fewer than one global batch of 8"),
+    (["--do_predict"], r"--do_predict does not apply to language modeling"),
+    (["--streaming"], r"--streaming needs --max_steps"),
+])
+def test_t5_mlm_bad_inputs(fails, args, pattern):
+    fails(t5_args(*args), pattern, script=t5_mlm)
+
+
+def test_t5_mlm_text_shorter_than_one_raw_block(fails, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("The cat sleeps.\n" * 4, encoding="utf-8")  # 3 lines to train on: 15 tokens
+    fails(t5_args(train=short), r"the train data has fewer than 34 tokens, the raw block that --max_seq_length 32 "
+                                r"needs: lower --max_seq_length or add text", script=t5_mlm)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -268,3 +268,44 @@ def test_a_stream_read_by_two_processes_trains_as_one_and_both_stop_when_it_runs
         assert "the training data ran out after step 12 of 20: training ends there" in (streamed / log).read_text()
     assert read_json(multi / "all_results.json")["train_samples"] == 12 * 16
     assert sorted(os.listdir(multi / "checkpoints")) == ["12"] and os.listdir(streamed / "host1") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# T5 span corruption on 2 processes: each corrupts its own rows of the global batch as one process would
+# ---------------------------------------------------------------------------------------------
+T5_MLM = ["--model_type", "t5", "--tokenizer_name", "data/lm/t5_tokenizer", "--config_overrides",
+          "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0",
+          "--train_file", "data/lm/train.txt", "--validation_file", "data/lm/validation.txt", "--max_seq_length", "32",
+          "--max_train_samples", "320", "--max_eval_samples", "40", "--do_train", "--do_eval", "--max_steps", "20",
+          "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2", "--learning_rate", "3e-3",
+          "--logging_steps", "1", "--eval_steps", "10", "--save_steps", "100", "--compilation_cache_dir", "none"]
+
+
+@pytest.fixture(scope="module")
+def t5_mlm(tmp_path_factory):
+    """run_t5_mlm_flax.py on 1 process x 8 devices and on 2 x 4, side by side: 20 steps of 16 raw
+    blocks, evaluated on 40 (the last eval batch padded) at steps 10 and 20."""
+    tmp = tmp_path_factory.mktemp("t5_mlm")
+    script, port = [sys.executable, os.path.join(ROOT, "run_t5_mlm_flax.py"), *T5_MLM], free_port()
+    commands = [script + ["--output_dir", str(tmp / "single")]]
+    commands += [script + ["--output_dir", str(tmp / f"host{i}"), "--coordinator_address", f"127.0.0.1:{port}",
+                           "--num_processes", "2", "--process_id", str(i)] for i in range(2)]
+    logs = [tmp / "single.log", tmp / "process0.log", tmp / "process1.log"]
+    run_processes(commands, logs, [script_env()] + [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
+    return tmp
+
+
+@pytest.mark.slow
+def test_t5_span_corruption_on_two_processes_matches_one(t5_mlm):
+    """The corruption of an example depends on the step and its row in the global batch, not on the
+    process that loads it: the same inputs, hence the same losses and evaluations."""
+    single, multi = t5_mlm / "single", t5_mlm / "host0"
+    assert [step for step, _ in losses(multi)] == [step for step, _ in losses(single)] == list(range(1, 21))
+    assert [loss for _, loss in losses(multi)] == pytest.approx([loss for _, loss in losses(single)], rel=1e-6)
+    evals = [read_metrics(out, "eval") for out in (single, multi)]
+    assert [row["step"] for row in evals[1]] == [row["step"] for row in evals[0]] == [10, 20]
+    for key in ("loss", "accuracy"):
+        assert [row[key] for row in evals[1]] == pytest.approx([row[key] for row in evals[0]], rel=1e-6), key
+    assert [row["tokens"] for row in evals[1]] == [row["tokens"] for row in evals[0]] == [40 * 8] * 2
+    assert read_json(multi / "all_results.json")["train_samples"] == 320
+    assert os.listdir(t5_mlm / "host1") == []

@@ -99,6 +99,11 @@ SCRIPTS["clm stream"] = (SCRIPTS["clm"][0], SCRIPTS["clm"][1] + ["--streaming", 
 SCRIPTS["clm"][1].extend(["--max_train_samples", 96])
 # The same run with the state split over the devices (one dropout key for the whole batch).
 SCRIPTS["clm fsdp"] = (SCRIPTS["clm"][0], SCRIPTS["clm"][1] + ["--sharding", "fsdp"])
+# T5 span corruption: the resumed run corrupts its batches as the uninterrupted one (raw blocks of 17).
+SCRIPTS["t5 mlm"] = ("run_t5_mlm_flax.py", [
+    "--model_type", "t5", "--tokenizer_name", "data/lm/t5_tokenizer",
+    "--config_overrides", "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.1",
+    "--train_file", "data/lm/train.txt", "--max_seq_length", 16, "--max_train_samples", 96])
 
 
 @pytest.fixture(scope="module")

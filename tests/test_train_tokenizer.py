@@ -198,6 +198,14 @@ def test_committed_lm_corpus_and_tokenizer():
     assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id and len(tok) <= 2000
     assert tok.decode(ids, skip_special_tokens=True) == lines["validation"][0]
 
+    # The T5 one (span corruption): T5's special ids, and 100 sentinels counting down from the top.
+    t5 = AutoTokenizer.from_pretrained(os.path.join(LM, "t5_tokenizer"))
+    assert (t5.pad_token_id, t5.eos_token_id, t5.unk_token_id) == (0, 1, 2) and len(t5) <= 2100
+    assert t5.convert_tokens_to_ids([f"<extra_id_{i}>" for i in (0, 99)]) == [len(t5) - 1, len(t5) - 100]
+    ids = t5(lines["validation"][0])["input_ids"]
+    assert ids[-1] == t5.eos_token_id and t5.unk_token_id not in ids
+    assert t5.decode(ids, skip_special_tokens=True) == lines["validation"][0]
+
 
 def _load_generator(name):
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "data", f"{name}.py"))
@@ -207,13 +215,16 @@ def _load_generator(name):
 
 
 @pytest.mark.parametrize(
-    "generator, committed, files",
-    [("make_summarization_data", SUMMARIZATION, ["train.jsonl", "validation.jsonl", "test.jsonl"]),
-     ("make_lm_corpus", LM, ["train.txt", "validation.txt"])],
+    "generator, committed, files, tokenizers",
+    [("make_summarization_data", SUMMARIZATION, ["train.jsonl", "validation.jsonl", "test.jsonl"], ["tokenizer"]),
+     ("make_lm_corpus", LM, ["train.txt", "validation.txt"], ["tokenizer", "t5_tokenizer"])],
 )
-def test_generators_reproduce_the_committed_files(tmp_path, generator, committed, files):
+def test_generators_reproduce_the_committed_files(tmp_path, generator, committed, files, tokenizers):
     _load_generator(generator).main(["--output_dir", str(tmp_path)])
     for name in files:
         assert (tmp_path / name).read_bytes() == open(os.path.join(committed, name), "rb").read(), name
-    fresh = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
-    assert fresh.get_vocab() == AutoTokenizer.from_pretrained(os.path.join(committed, "tokenizer")).get_vocab()
+    for name in tokenizers:
+        fresh, saved = (AutoTokenizer.from_pretrained(path) for path in (tmp_path / name, os.path.join(committed, name)))
+        assert fresh.get_vocab() == saved.get_vocab(), name
+        # And the same pieces chosen (a unigram model's scores decide them).
+        assert fresh(SAMPLE)["input_ids"] == saved(SAMPLE)["input_ids"], name

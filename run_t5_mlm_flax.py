@@ -1,0 +1,244 @@
+#!/usr/bin/env python
+"""Pretrain (or go on pretraining) a Flax T5, mT5 or LongT5 with T5's span-corruption objective on a text corpus.
+
+    python run_t5_mlm_flax.py configs/t5_mlm_tiny.json
+    python run_t5_mlm_flax.py config.json --max_seq_length 256   # flags override the file
+
+The text is tokenized, concatenated and cut into raw blocks just long enough that, once random
+spans (`--mlm_probability` of the tokens, `--mean_noise_span_length` long on average) are each
+replaced by one sentinel token, the encoder input is exactly `--max_seq_length` tokens; the decoder
+learns to write the dropped spans, each after its sentinel. Every example is corrupted on the host
+by its own seeded random numbers. One train / eval loop, each step defined once for both layouts
+(`--sharding dp`, jax.pmap over the local devices, the default; `--sharding fsdp`, the model split
+over all devices); everything mechanical (layouts, schedules, checkpoints, metrics, logging) lives
+in `utils/`.
+"""
+
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from transformers import FlaxAutoModelForSeq2SeqLM
+
+from utils import data, devices, lm, stream
+from utils.args import ModelArguments, TrainingArguments, parse_args
+from utils.errors import UsageError, run_main
+from utils.layout import make_layout
+from utils.logging import throughput_meter
+from utils.loop import InMemoryData, TrainLoop, eval_batches, host_means
+from utils.metrics import perplexity
+from utils.models import (enable_gradient_checkpointing, fit_config_to_tokenizer, fit_length, load_config,
+                          load_model, load_tokenizer, max_positions)
+from utils.optim import create_optimizer, learning_rate_schedule
+from utils.resume import resume_or_start, run_fingerprint
+from utils.run import needed_splits, set_up, training_plan
+from utils.rundir import RunDirectory
+from utils.saving import Saver
+from utils.span_corruption import plan_span_corruption, span_corruption, span_corruption_lengths
+from utils.steps import cross_entropy_sums, token_weighted_grads
+
+# The families with sentinel-token pretraining and a Flax class in transformers 4.57 (UMT5 has none).
+MODEL_TYPES = ("t5", "mt5", "longt5")
+
+
+@dataclass
+class DataTrainingArguments(lm.LMDataArguments):
+    max_seq_length: int = field(
+        default=512, metadata={"help": "Encoder input tokens per example, exactly (sentinels and the final EOS "
+                                       "included); the raw blocks and the targets get the lengths this implies. At "
+                                       "most the model's positions (the T5 family has relative positions: no limit)."}
+    )
+    mlm_probability: float = field(
+        default=0.15, metadata={"help": "Noise density: the share of each raw block's tokens dropped from the input "
+                                        "(in spans, each replaced by one sentinel) for the decoder to write."}
+    )
+    mean_noise_span_length: float = field(
+        default=3.0, metadata={"help": "Mean length of a dropped span, in tokens (at least 1)."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_seq_length <= 0:
+            raise UsageError(f"--max_seq_length must be positive, got {self.max_seq_length}")
+        # The densities, span lengths and input lengths that cannot work are refused before anything else.
+        span_corruption_lengths(self.max_seq_length, self.mlm_probability, self.mean_noise_span_length)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------
+def span_target_loss(logits, labels, example_weight=None, label_smoothing=0.0):
+    """(loss sum, {"loss", "accuracy", "tokens"}) over every target token: each sentinel, the tokens
+    of its span, the final EOS.
+
+    Span corruption gives every row exactly `target_length` real target tokens, so nothing is
+    padding and every one counts (no `labels != pad` mask: it would drop nothing, or, were a pad
+    id ever in the text, a real target). `example_weight` (eval: 0 for padded rows) scales a row's
+    tokens.
+    """
+    weights = jnp.ones(labels.shape, jnp.float32)
+    if example_weight is not None:
+        weights = weights * example_weight[:, None]
+    loss, tokens = cross_entropy_sums(logits, labels, weights, label_smoothing)
+    correct = ((logits.argmax(-1) == labels) * weights).sum()
+    return loss, {"loss": loss, "accuracy": correct, "tokens": tokens}
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
+def main(argv=None):
+    model_args, data_args, training_args = parse_args(
+        (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
+    )
+    preflight = lm.check_before_work(training_args, data_args, model_args)
+    logger, is_main = set_up(training_args)
+    layout = make_layout(training_args)
+
+    # ------------------------------------------------------------------------------------------
+    # Config, tokenizer, the span-corruption plan
+    # ------------------------------------------------------------------------------------------
+    tokenizer = load_tokenizer(model_args)
+    config = fit_config_to_tokenizer(load_config(model_args, task="seq2seq", model_types=MODEL_TYPES), tokenizer,
+                                     model_args)
+    seq_length = fit_length(data_args.max_seq_length, max_positions(config), "max_seq_length", logger)
+    # Lengths, EOS and enough sentinels, checked before the data is read.
+    plan = plan_span_corruption(tokenizer, seq_length, data_args.mlm_probability, data_args.mean_noise_span_length)
+    raw_length, target_length = plan.lengths.raw_length, plan.lengths.target_length
+    logger.info("span corruption: raw blocks of %d tokens -> inputs of %d, targets of %d (%d noise tokens in %d "
+                "spans)", raw_length, seq_length, target_length, plan.lengths.noise_tokens, plan.lengths.noise_spans)
+    # Each example is corrupted by its own random numbers: the same on any number of devices and hosts.
+    train_corruption = span_corruption(plan, config.decoder_start_token_id, training_args.seed, lm.TRAIN_STREAM)
+    eval_corruption = span_corruption(plan, config.decoder_start_token_id, training_args.seed, lm.EVAL_STREAM)
+
+    # ------------------------------------------------------------------------------------------
+    # Data: raw blocks read into memory, or streamed (--streaming); the model comes after, so too
+    # little data fails first
+    # ------------------------------------------------------------------------------------------
+    if data_args.streaming:
+        train_data = stream.StreamedData(data_args, training_args, stream.Blocks(tokenizer, raw_length),
+                                         model_args.cache_dir)
+        eval_arrays = train_data.eval_arrays
+    else:
+        splits = needed_splits(training_args, ("train", "validation"))
+        raw = lm.load_splits(data_args, training_args, model_args.cache_dir)
+        text_column = lm.resolve_text_column(data_args.text_column, raw[splits[0]])
+        max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
+        arrays = {}
+        for split in splits:
+            blocks = data.take(lm.tokenize_and_group(raw[split], tokenizer, text_column, raw_length, data_args),
+                               max_samples[split])
+            if len(blocks) == 0:
+                raise UsageError(f"the {split} data has fewer than {raw_length} tokens, the raw block that "
+                                 f"--max_seq_length {seq_length} needs: lower --max_seq_length or add text")
+            arrays[split] = data.to_arrays(blocks, ("input_ids",))
+            logger.info("%s: %d raw blocks of %d tokens", split, len(blocks), raw_length)
+        train_data = InMemoryData(arrays["train"], len(arrays["train"]["input_ids"])) if "train" in arrays else None
+        eval_arrays = arrays.get("validation")
+    eval_size = len(eval_arrays["input_ids"]) if eval_arrays is not None else 0
+    train_batch_size, steps_per_epoch, total_steps = (
+        training_plan(training_args, train_data.size) if training_args.do_train else (0, 0, 0))
+
+    model, params = load_model(FlaxAutoModelForSeq2SeqLM, model_args, config, devices.to_dtype(model_args.dtype),
+                               training_args.seed, layout)
+    if training_args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+
+    # ------------------------------------------------------------------------------------------
+    # Optimizer, state, steps (placed and compiled by the layout)
+    # ------------------------------------------------------------------------------------------
+    eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
+    schedule = learning_rate_schedule(training_args.lr_scheduler_type, training_args.learning_rate,
+                                      training_args.warmup_steps, max(total_steps, 1))
+    state = layout.create_state(model.__call__, params, create_optimizer(training_args, schedule), training_args.seed)
+    accumulation, label_smoothing = training_args.gradient_accumulation_steps, training_args.label_smoothing_factor
+
+    def loss_fn(params, batch, dropout_rng, train):
+        # No attention masks: inputs and targets are all real tokens, of fixed lengths.
+        logits = state.apply_fn(batch["input_ids"], decoder_input_ids=batch["decoder_input_ids"], params=params,
+                                dropout_rng=dropout_rng, train=train)[0]
+        return span_target_loss(logits, batch["labels"], batch.get("example_weight"),
+                                label_smoothing if train else 0.0)
+
+    def train_step(state, batch):
+        dropout_rng, state = state.next_dropout_rng()
+        grads, sums = token_weighted_grads(partial(loss_fn, train=True), state.params, batch, dropout_rng,
+                                           accumulation, layout)
+        return state.apply_gradients(grads=grads), sums
+
+    def eval_step(params, batch):
+        _, sums = loss_fn(params, batch, None, train=False)
+        return layout.batch_sum(sums)
+
+    if training_args.do_train:  # compiled now: its device memory is known (and checked) before anything is written
+        p_train_step = layout.compile_train_step(
+            train_step, state, train_data.example_batch(train_batch_size, train_corruption), accumulation)
+    p_eval_step = layout.compile_step("eval_step", eval_step)
+
+    # ------------------------------------------------------------------------------------------
+    # Resume, run directory, checkpoints
+    # ------------------------------------------------------------------------------------------
+    fingerprint = run_fingerprint(config, training_args, layout, train_data and (train_data.size or "streamed"))
+    state, start_step = resume_or_start(preflight.resume, fingerprint, state, total_steps, layout,  # the last check
+                                        train_data)
+    # Nothing has been written so far: a run that stops on a check leaves --output_dir as it was.
+    run_dir = RunDirectory(training_args, (model_args, data_args, training_args), model, tokenizer, is_main,
+                           total_steps, preflight.resume, layout.train_step_memory)
+    if training_args.do_train:
+        saver = Saver(training_args, run_dir, layout, train_data, fingerprint, steps_per_epoch, total_steps, start_step,
+                      is_main)
+
+    def evaluate():
+        """Token-weighted loss and accuracy over every target token of the corrupted validation blocks
+        (the same corruption every time), and how many target tokens that is."""
+        sums = [p_eval_step(state.params, batch) for batch, _ in
+                eval_batches(eval_arrays, eval_size, eval_batch_size, layout, transform=eval_corruption)]
+        metrics = host_means(sums, keep_tokens=True)
+        return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": eval_size}
+
+    # ------------------------------------------------------------------------------------------
+    # Training
+    # ------------------------------------------------------------------------------------------
+    last_eval_step = None
+    if training_args.do_train:
+        logger.info("training: %d steps (%d per epoch), global batch %d = %d per device x %d devices x %d",
+                    total_steps, steps_per_epoch, train_batch_size, training_args.per_device_train_batch_size,
+                    jax.device_count(), accumulation)
+        loop = TrainLoop(training_args, steps_per_epoch, total_steps, start_step, schedule, run_dir,
+                         throughput_meter(config, seq_length, target_length),
+                         tokens_per_step=train_batch_size * seq_length, examples_per_step=train_batch_size)
+        batches = train_data.batches(train_batch_size, training_args.seed, steps_per_epoch, start_step, total_steps,
+                                     layout, transform=train_corruption)
+        train_start = time.time()
+        for step, batch in enumerate(batches, start=start_step + 1):
+            state, sums = p_train_step(state, batch)
+            loop.after_step(step, sums)
+            if loop.eval_due(step):
+                run_dir.report("eval", evaluate(), step)
+                last_eval_step = step
+            reason = loop.save_reason(step)
+            if reason:
+                saver.save(step, state, reason)
+        if loop.step < total_steps:  # a stream that ran dry: every process stopped at this step
+            logger.warning("the training data ran out after step %d of %d: training ends there", loop.step,
+                           total_steps)
+            saver.save(loop.step, state, "end of the data")
+        run_dir.add_results(train_runtime=round(time.time() - train_start, 2),
+                            train_samples=train_data.size or (loop.step - start_step) * train_batch_size)
+
+    # ------------------------------------------------------------------------------------------
+    # Final evaluation, result files
+    # ------------------------------------------------------------------------------------------
+    final_step = loop.step if training_args.do_train else start_step
+    if training_args.do_eval and last_eval_step != final_step:
+        run_dir.report("eval", evaluate(), final_step)
+    if training_args.do_train:
+        saver.close()  # the last checkpoint is complete before the results say the run is done
+    run_dir.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
