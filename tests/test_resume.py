@@ -99,11 +99,15 @@ SCRIPTS["clm stream"] = (SCRIPTS["clm"][0], SCRIPTS["clm"][1] + ["--streaming", 
 SCRIPTS["clm"][1].extend(["--max_train_samples", 96])
 # The same run with the state split over the devices (one dropout key for the whole batch).
 SCRIPTS["clm fsdp"] = (SCRIPTS["clm"][0], SCRIPTS["clm"][1] + ["--sharding", "fsdp"])
+# Streamed, split over the devices and accumulated at once (stopped by SIGTERM below).
+SCRIPTS["clm stream fsdp"] = (SCRIPTS["clm stream"][0], SCRIPTS["clm stream"][1] + [
+    "--sharding", "fsdp", "--gradient_accumulation_steps", 2])
 # T5 span corruption: the resumed run corrupts its batches as the uninterrupted one (raw blocks of 17).
 SCRIPTS["t5 mlm"] = ("run_t5_mlm_flax.py", [
     "--model_type", "t5", "--tokenizer_name", "data/lm/t5_tokenizer",
     "--config_overrides", "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.1",
     "--train_file", "data/lm/train.txt", "--max_seq_length", 16, "--max_train_samples", 96])
+KILLED = ["summarization", "clm", "clm stream", "clm fsdp", "t5 mlm"]
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +176,7 @@ def assert_same_run(output_dir, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SCRIPTS))
+@pytest.mark.parametrize("name", KILLED)
 def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path, command, uninterrupted, name):
     reference, out = uninterrupted(name), str(tmp_path / "run")
     process = subprocess.Popen([sys.executable, *command(name, out)], cwd=ROOT, env=script_env(),
@@ -190,9 +194,10 @@ def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path, command, unin
 
 
 @pytest.mark.slow
-def test_sigterm_mid_epoch_saves_stops_and_says_how_to_resume(tmp_path, command, uninterrupted):
-    reference, out = uninterrupted("summarization"), str(tmp_path / "run")
-    stopped = interrupted("sigterm-after-step", 3, command("summarization", out))  # epochs are 6 steps
+@pytest.mark.parametrize("name", ["summarization", "clm stream fsdp"])
+def test_sigterm_mid_epoch_saves_stops_and_says_how_to_resume(tmp_path, command, uninterrupted, name):
+    reference, out = uninterrupted(name), str(tmp_path / "run")
+    stopped = interrupted("sigterm-after-step", 3, command(name, out))  # summarization's epochs are 6 steps
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     message = last_line(stopped)
     assert message.startswith(f"stopped: SIGTERM received: saved the checkpoint of step 3 in {out}/checkpoints. "

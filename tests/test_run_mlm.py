@@ -84,7 +84,7 @@ def masked_eval_set(tokenizer, seq_length=32, max_eval_samples=40, seed=42):
                                 keep_linebreaks=True)["validation"]
     no_workers = SimpleNamespace(preprocessing_num_workers=None, overwrite_cache=False)
     blocks = data.take(lm.tokenize_and_group(raw, tokenizer, "text", seq_length, no_workers), max_eval_samples)
-    input_ids = data.to_arrays(blocks, ("input_ids",))["input_ids"]
+    input_ids = np.asarray(data.to_arrays(blocks, ("input_ids",))["input_ids"])  # read out of the memory map
     masked = lm.masking(tokenizer, 0.15, seed, lm.EVAL_STREAM)({"input_ids": input_ids}, 0, np.arange(len(input_ids)))
     return masked["input_ids"], masked["labels"], masked["label_weights"]
 

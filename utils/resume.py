@@ -51,7 +51,7 @@ _FINGERPRINT_HINTS = {
     "model config": "the model config (--model_name_or_path, --config_name, --config_overrides)",
     "global batch size": "per_device_train_batch_size x devices x gradient_accumulation_steps, or "
                          "--total_train_batch_size",
-    "training examples": "the training data and --max_train_samples",
+    "training examples": "the training data, --max_train_samples and --streaming",
     "seed": "--seed",
     "optimizer": "--adafactor",
 }
