@@ -21,18 +21,18 @@ from typing import Optional
 import jax
 from transformers import FlaxAutoModelForMaskedLM
 
-from utils import data, devices, lm, stream
+from utils import devices, lm, stream
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.logging import throughput_meter
-from utils.loop import InMemoryData, TrainLoop, eval_batches, host_means
+from utils.loop import TrainLoop, eval_batches, host_means
 from utils.metrics import perplexity
 from utils.models import (enable_gradient_checkpointing, fit_config_to_tokenizer, load_config, load_model,
                           load_tokenizer)
 from utils.optim import create_optimizer, learning_rate_schedule
 from utils.resume import resume_or_start, run_fingerprint
-from utils.run import needed_splits, set_up, training_plan
+from utils.run import set_up, training_plan
 from utils.rundir import RunDirectory
 from utils.saving import Saver
 from utils.steps import cross_entropy_sums, token_weighted_grads
@@ -113,26 +113,14 @@ def main(argv=None):
         train_data = stream.StreamedData(data_args, training_args, encoder, model_args.cache_dir)
         eval_arrays = train_data.eval_arrays
     else:
-        splits = needed_splits(training_args, ("train", "validation"))
-        raw = lm.load_splits(data_args, training_args, model_args.cache_dir)
-        text_column = lm.resolve_text_column(data_args.text_column, raw[splits[0]])
-        max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
         # Blocks are all real tokens; padded lines also need their attention mask.
-        columns = ("input_ids", "attention_mask") if data_args.line_by_line else ("input_ids",)
-        arrays = {}
-        for split in splits:
-            if data_args.line_by_line:
-                examples = lm.tokenize_lines(raw[split], tokenizer, text_column, seq_length, data_args)
-            else:
-                examples = lm.tokenize_and_group(raw[split], tokenizer, text_column, seq_length, data_args)
-            examples = data.take(examples, max_samples[split])
-            if len(examples) == 0:
-                raise UsageError(f"the {split} data has no text (or, in blocks, fewer than --max_seq_length "
-                                 f"{seq_length} tokens): add text, lower --max_seq_length or use --line_by_line")
-            arrays[split] = data.to_arrays(examples, columns)
-            logger.info("%s: %d examples of %d tokens", split, len(examples), seq_length)
-        train_data = InMemoryData(arrays["train"], len(arrays["train"]["input_ids"])) if "train" in arrays else None
-        eval_arrays = arrays.get("validation")
+        tokenize, columns = ((lm.tokenize_lines, ("input_ids", "attention_mask")) if data_args.line_by_line
+                             else (lm.tokenize_and_group, ("input_ids",)))
+        train_data, eval_arrays = lm.read_into_memory(
+            data_args, training_args, model_args.cache_dir,
+            lambda raw, text_column: tokenize(raw, tokenizer, text_column, seq_length, data_args), columns,
+            lambda split: f"the {split} data has no text (or, in blocks, fewer than --max_seq_length {seq_length} "
+                          "tokens): add text, lower --max_seq_length or use --line_by_line")
     eval_size = len(eval_arrays["input_ids"]) if eval_arrays is not None else 0
     train_batch_size, steps_per_epoch, total_steps = (
         training_plan(training_args, train_data.size) if training_args.do_train else (0, 0, 0))

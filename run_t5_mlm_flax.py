@@ -23,18 +23,18 @@ import jax
 import jax.numpy as jnp
 from transformers import FlaxAutoModelForSeq2SeqLM
 
-from utils import data, devices, lm, stream
+from utils import devices, lm, stream
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.logging import throughput_meter
-from utils.loop import InMemoryData, TrainLoop, eval_batches, host_means
+from utils.loop import TrainLoop, eval_batches, host_means
 from utils.metrics import perplexity
 from utils.models import (enable_gradient_checkpointing, fit_config_to_tokenizer, fit_length, load_config,
                           load_model, load_tokenizer, max_positions)
 from utils.optim import create_optimizer, learning_rate_schedule
 from utils.resume import resume_or_start, run_fingerprint
-from utils.run import needed_splits, set_up, training_plan
+from utils.run import set_up, training_plan
 from utils.rundir import RunDirectory
 from utils.saving import Saver
 from utils.span_corruption import plan_span_corruption, span_corruption, span_corruption_lengths
@@ -123,21 +123,12 @@ def main(argv=None):
                                          model_args.cache_dir)
         eval_arrays = train_data.eval_arrays
     else:
-        splits = needed_splits(training_args, ("train", "validation"))
-        raw = lm.load_splits(data_args, training_args, model_args.cache_dir)
-        text_column = lm.resolve_text_column(data_args.text_column, raw[splits[0]])
-        max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
-        arrays = {}
-        for split in splits:
-            blocks = data.take(lm.tokenize_and_group(raw[split], tokenizer, text_column, raw_length, data_args),
-                               max_samples[split])
-            if len(blocks) == 0:
-                raise UsageError(f"the {split} data has fewer than {raw_length} tokens, the raw block that "
-                                 f"--max_seq_length {seq_length} needs: lower --max_seq_length or add text")
-            arrays[split] = data.to_arrays(blocks, ("input_ids",))
-            logger.info("%s: %d raw blocks of %d tokens", split, len(blocks), raw_length)
-        train_data = InMemoryData(arrays["train"], len(arrays["train"]["input_ids"])) if "train" in arrays else None
-        eval_arrays = arrays.get("validation")
+        train_data, eval_arrays = lm.read_into_memory(
+            data_args, training_args, model_args.cache_dir,
+            lambda raw, text_column: lm.tokenize_and_group(raw, tokenizer, text_column, raw_length, data_args),
+            ("input_ids",),
+            lambda split: f"the {split} data has fewer than {raw_length} tokens, the raw block that --max_seq_length "
+                          f"{seq_length} needs: lower --max_seq_length or add text")
     eval_size = len(eval_arrays["input_ids"]) if eval_arrays is not None else 0
     train_batch_size, steps_per_epoch, total_steps = (
         training_plan(training_args, train_data.size) if training_args.do_train else (0, 0, 0))

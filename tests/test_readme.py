@@ -19,9 +19,9 @@ COMMON = ("Model", "Training (all scripts)", "Data (every script)")
 # scripts share by name (`max_seq_length`: None for mlm, 512 for t5 mlm) is read from the first that has it.
 SCRIPTS = {
     "summarization": (run_summarization_flax, ("Data (summarization)",)),
-    "clm": (run_clm_flax, ("Data (clm only)", "Data (clm and mlm)")),
-    "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm and mlm)")),
-    "t5 mlm": (run_t5_mlm_flax, ("Data (t5 mlm only)", "Data (clm and mlm)")),
+    "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm and t5 mlm)")),
+    "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm and t5 mlm)")),
+    "t5 mlm": (run_t5_mlm_flax, ("Data (t5 mlm only)", "Data (clm, mlm and t5 mlm)")),
 }
 
 

@@ -1,11 +1,12 @@
-"""Language-modeling data shared by `run_clm_flax.py` and `run_mlm_flax.py`.
+"""Language-modeling data shared by `run_clm_flax.py`, `run_mlm_flax.py` and `run_t5_mlm_flax.py`.
 
-Arguments both scripts take, loading with a validation split carved off the training data when the
-data has none, text-column resolution, tokenizing into fixed-length blocks (or padded lines), the
-sequence-length defaults, and BERT-style masking on the host.
+Arguments the scripts take, loading with a validation split carved off the training data when the
+data has none, text-column resolution, tokenizing into fixed-length blocks (or padded lines) read
+into memory, the sequence-length defaults, and BERT-style masking on the host.
 """
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
@@ -15,9 +16,11 @@ import numpy as np
 from utils import data, run
 from utils.args import BaseDataArguments
 from utils.errors import UsageError
+from utils.loop import InMemoryData
 from utils.models import fit_length, max_positions
 
 FILE_FORMATS = ("json", "csv", "text")
+logger = logging.getLogger(__name__)
 # Random streams of the masking: training and evaluation masks never coincide.
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 
@@ -193,6 +196,28 @@ def tokenize_lines(dataset, tokenizer, text_column, max_length, data_args):
         return encode_lines(tokenizer, examples[text_column], max_length)
 
     return _map(dataset, tokenize, data_args, "tokenizing lines", remove_columns=dataset.column_names)
+
+
+def read_into_memory(data_args, training_args, cache_dir, make_examples, columns, no_examples):
+    """(train data or None, validation arrays or None) for the phases that run, read in memory.
+
+    Each split is loaded, cut into examples by `make_examples(dataset, text_column)`, truncated to
+    --max_train_samples / --max_eval_samples and kept as memory-mapped `columns`. A split left with
+    no example raises UsageError(`no_examples(split)`): the script knows what its examples need.
+    """
+    splits = run.needed_splits(training_args, ("train", "validation"))
+    raw = load_splits(data_args, training_args, cache_dir)
+    text_column = resolve_text_column(data_args.text_column, raw[splits[0]])
+    max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
+    arrays = {}
+    for split in splits:
+        examples = data.take(make_examples(raw[split], text_column), max_samples[split])
+        if len(examples) == 0:
+            raise UsageError(no_examples(split))
+        arrays[split] = data.to_arrays(examples, columns)
+        logger.info("%s: %d examples of %d tokens", split, len(examples), arrays[split]["input_ids"].shape[1])
+    train_data = InMemoryData(arrays["train"], len(arrays["train"]["input_ids"])) if "train" in arrays else None
+    return train_data, arrays.get("validation")
 
 
 # ----------------------------------------------------------------------------------------------
