@@ -153,3 +153,19 @@ def test_the_embedded_config_streams_and_learns(tmp_path):
     results = read_json(os.path.join(out, "all_results.json"))
     # A stream has no size: the examples trained on are the steps' (64 a step, the config's total batch).
     assert results["eval_samples"] == 32 and results["eval_tokens"] == 32 * 14 and results["train_samples"] == 20 * 64
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type, optimizer", [("mt5", ["--adafactor"]), ("longt5", [])])
+def test_the_other_families_train(tmp_path, cache_dir, model_type, optimizer):
+    """mT5 (with Adafactor, T5's usual optimizer) and LongT5 (local attention) through the same
+    script: the span-corrupted batches, a loss that falls over 12 steps, an eval over every target token."""
+    out = str(tmp_path / "out")
+    args = [arg if arg != "t5" else model_type for arg in MODEL] + DATA + optimizer
+    run(args + ["--do_train", "--do_eval", "--output_dir", out, "--max_train_samples", 128, "--max_steps", 12,
+                "--per_device_train_batch_size", 2, "--learning_rate", 3e-3, "--logging_steps", 6], cache_dir)
+    train = read_metrics(out)
+    assert [row["step"] for row in train] == [6, 12] and train[1]["loss"] < train[0]["loss"]
+    assert read_json(os.path.join(out, "config.json"))["model_type"] == model_type
+    results = read_json(os.path.join(out, "eval_results.json"))
+    assert results["eval_tokens"] == EVAL_SAMPLES * TARGET_LENGTH and np.isfinite(results["eval_loss"])
