@@ -70,6 +70,13 @@ def test_lengths_of_the_t5_defaults():
     assert sc.span_corruption_lengths(512, 0.15, 3) == (568, 512, 114, 85, 28)
 
 
+def test_half_noise_keeps_the_targets_as_long_as_the_inputs():
+    # T5's helper (and the classic script) take blocks of 766, not 767 (targets of 513), at density 0.5.
+    assert sc.span_corruption_lengths(512, 0.5, 3) == (766, 512, 512, 383, 128)
+    # Where one token less would change the inputs, the longest block stays (targets one longer).
+    assert sc.span_corruption_lengths(63, 0.5, 2) == (83, 63, 64, 42, 21)
+
+
 @pytest.mark.parametrize("density", [0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.5, 0.51, 0.65, 0.8])
 def test_lengths_grid_every_example_exact_or_refused_up_front(density):
     """Refused exactly when no raw length works (dense noise in short spans: see the next test)."""
@@ -82,7 +89,9 @@ def test_lengths_grid_every_example_exact_or_refused_up_front(density):
                 sc.span_corruption_lengths(max_seq_length, density, mean_span)
             continue
         lengths = sc.span_corruption_lengths(max_seq_length, density, mean_span)
-        assert lengths.raw_length == reachable.max() and lengths.input_length == max_seq_length
+        half_noise_exception = density == 0.5 and lengths.raw_length == reachable.max() - 1
+        assert lengths.raw_length == reachable.max() or half_noise_exception
+        assert lengths.input_length == max_seq_length
         assert abs(lengths.noise_tokens - lengths.raw_length * density) <= 0.5
         assert lengths.target_length == lengths.noise_tokens + lengths.noise_spans + 1
         inputs, targets = sc.corrupt(blocks(8, lengths.raw_length), lengths.noise_tokens, lengths.noise_spans,
@@ -121,7 +130,7 @@ def test_bad_density_or_span_length_is_a_one_line_usage_error(density, mean_span
 # ----------------------------------------------------------------------------------------------
 # Masking
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("max_seq_length, density, mean_span", [(64, 0.15, 3), (127, 0.5, 1), (101, 0.8, 10)])
+@pytest.mark.parametrize("max_seq_length, density, mean_span", [(64, 0.15, 3), (127, 0.5, 1.5), (101, 0.8, 10)])
 def test_corruption_reconstructs_the_original(max_seq_length, density, mean_span):
     lengths = sc.span_corruption_lengths(max_seq_length, density, mean_span)
     original = blocks(64, lengths.raw_length)

@@ -55,7 +55,8 @@ def _input_length(raw_length, noise_density, mean_noise_span_length):
 def span_corruption_lengths(max_seq_length, noise_density, mean_noise_span_length):
     """`SpanLengths` whose inputs are exactly `max_seq_length` tokens (EOS included).
 
-    Of the raw lengths that give that input length, the longest. Raises UsageError when the
+    Of the raw lengths that give that input length, the longest (at density 0.5, one less when that
+    keeps the targets from being longer than the inputs, as T5's helper does). Raises UsageError when the
     arguments are out of range or no raw length gives exactly `max_seq_length`.
     """
     if not 0 < noise_density < 1:
@@ -77,6 +78,13 @@ def span_corruption_lengths(max_seq_length, noise_density, mean_noise_span_lengt
         low, high = (middle, high) if input_length(middle) <= max_seq_length else (low, middle)
     if low >= 2 and input_length(low) == max_seq_length:
         noise, spans = span_counts(low, noise_density, mean_noise_span_length)
+        # At half noise T5's length helper (and the classic script) drops one raw token when the
+        # targets come out one longer than the inputs, so both are the same round number: the
+        # same here, whenever the inputs stay exact.
+        if (noise_density == 0.5 and noise + spans + 1 > max_seq_length and low >= 3
+                and input_length(low - 1) == max_seq_length):
+            low -= 1
+            noise, spans = span_counts(low, noise_density, mean_noise_span_length)
         return SpanLengths(low, max_seq_length, noise + spans + 1, noise, spans)
     nearest = ([input_length(low)] if low >= 2 else []) + [input_length(low + 1)]
     raise UsageError(
