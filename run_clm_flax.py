@@ -182,12 +182,10 @@ def main(argv=None):
             reason = loop.save_reason(step)
             if reason:
                 saver.save(step, state, reason)
-        if loop.step < total_steps:  # a stream that ran dry: every process stopped at this step
-            logger.warning("the training data ran out after step %d of %d: training ends there", loop.step,
-                           total_steps)
-            saver.save(loop.step, state, "end of the data")
+        saver.save_if_the_data_ran_out(loop.step, state)  # a stream that ran dry stopped every process early
+        # A stream has no size: its examples are the steps'.
         run_dir.add_results(train_runtime=round(time.time() - train_start, 2),
-                            train_samples=train_data.size or (loop.step - start_step) * train_batch_size)
+                            train_samples=train_data.size or loop.examples_trained)
 
     # ------------------------------------------------------------------------------------------
     # Final evaluation, result files

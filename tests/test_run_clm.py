@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import run_clm_flax as clm
-from tests.script_runner import ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script
+from tests.script_runner import (ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script,
+                                 run_streamed_config)
 
 SCRIPT = "run_clm_flax.py"
 MAX_STEPS = 60
@@ -174,12 +175,6 @@ def test_greedy_continuation_follows_the_learned_sequence(tmp_path, cache_dir):
 def test_the_embedded_config_streams_and_learns(tmp_path):
     """configs/clm_tiny.json with --streaming: read, tokenized and shuffled on the fly, evaluated on
     its validation file."""
-    out = tmp_path / "out"
-    result = run_script(SCRIPT, ["configs/clm_tiny.json", "--streaming", "--max_steps", 40, "--logging_steps", 10,
-                                 "--eval_steps", 40, "--output_dir", out, "--compilation_cache_dir", "none"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    train = read_metrics(str(out))
-    assert [row["step"] for row in train] == [10, 20, 30, 40] and train[-1]["loss"] < 0.8 * train[0]["loss"]
-    results = read_json(os.path.join(out, "all_results.json"))
+    results = run_streamed_config(SCRIPT, "configs/clm_tiny.json", tmp_path / "out", 40, 10)
     # A stream has no size: the examples trained on are the steps' (16 a step, the config's total batch).
     assert results["eval_samples"] > 0 and results["train_samples"] == 40 * 16

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import run_t5_mlm_flax as t5_mlm
-from tests.script_runner import ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script
+from tests.script_runner import (ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script,
+                                 run_streamed_config)
 from utils import compat, data, lm
 from utils.span_corruption import plan_span_corruption, span_corruption
 
@@ -144,15 +145,9 @@ def test_eval_only_from_the_saved_model(trained, tmp_path, cache_dir):
 def test_the_embedded_config_streams_and_learns(tmp_path):
     """configs/t5_mlm_tiny.json with --streaming: read, tokenized, shuffled and corrupted on the fly,
     evaluated on its validation file."""
-    out = tmp_path / "out"
     # 20 steps of 64 raw blocks of 70 tokens: most of the one pass over the corpus a stream makes.
-    result = run_script(SCRIPT, ["configs/t5_mlm_tiny.json", "--streaming", "--max_steps", 20, "--logging_steps", 5,
-                                 "--eval_steps", 20, "--max_eval_samples", 32, "--output_dir", out,
-                                 "--compilation_cache_dir", "none"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    train = read_metrics(str(out))
-    assert [row["step"] for row in train] == [5, 10, 15, 20] and train[-1]["loss"] < 0.8 * train[0]["loss"]
-    results = read_json(os.path.join(out, "all_results.json"))
+    results = run_streamed_config(SCRIPT, "configs/t5_mlm_tiny.json", tmp_path / "out", 20, 5,
+                                  "--max_eval_samples", 32)
     # A stream has no size: the examples trained on are the steps' (64 a step, the config's total batch).
     assert results["eval_samples"] == 32 and results["eval_tokens"] == 32 * 14 and results["train_samples"] == 20 * 64
 

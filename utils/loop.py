@@ -123,6 +123,11 @@ class TrainLoop:
         self.step = start_step  # the last step finished
         self.save_policy = SavePolicy(training_args, steps_per_epoch, total_steps)
 
+    @property
+    def examples_trained(self):
+        """Examples this run trained on (a resumed run: since it resumed), from the steps it took."""
+        return (self.step - self.start_step) * self.examples_per_step
+
     def after_step(self, step, sums):
         """Record one finished step; logs every `logging_steps` and at the last step."""
         self.step = step

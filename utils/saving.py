@@ -97,6 +97,14 @@ class Saver:
         # However the run ends (an error included), checkpoints being written are finished first.
         at_exit(self.close)
 
+    def save_if_the_data_ran_out(self, step, state):
+        """After the training loop: a stream that ran dry stopped every process at `step`, before the
+        run's last step; say so and save there (nothing to do when the loop ran to its end)."""
+        if step < self.total_steps:
+            logger.warning("the training data ran out after step %d of %d: training ends there", step,
+                           self.total_steps)
+            self.save(step, state, "end of the data")
+
     def save(self, step, state, reason):
         """Checkpoint `state` at `step` for `reason` (`SavePolicy.reason`), export and push it."""
         if not all_finite((state.params, state.opt_state)):
