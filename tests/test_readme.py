@@ -131,58 +131,53 @@ def assert_shows(cell, values, where):
         assert f"{value:.{decimals}f}" == text.replace(",", ""), f"{where}: {cell!r} shows {text}, the JSON has {value}"
 
 
-def check_table(path, header, records, columns):
-    """`records`: {first cell: JSON record}; `columns`: for each further cell, record -> its values."""
+def check_table(path, header, records, columns, key_cells=1):
+    """`records`: {the row's first `key_cells` cells, joined by a space: its JSON record}; `columns`:
+    for each further cell, record -> the values it shows."""
     rows = table(path, header)
-    assert sorted(row[0] for row in rows) == sorted(records), f"{path}: rows of {header!r}"
+    assert sorted(" ".join(row[:key_cells]) for row in rows) == sorted(records), f"{path}: rows of {header!r}"
     for row in rows:
-        assert len(row) == len(columns) + 1, f"{path}: {row[0]} has {len(row)} cells"
-        for cell, values in zip(row[1:], columns):
-            assert_shows(cell, values(records[row[0]]), f"{path}, {row[0]}")
+        key = " ".join(row[:key_cells])
+        assert len(row) == key_cells + len(columns), f"{path}: {key} has {len(row)} cells"
+        for cell, values in zip(row[key_cells:], columns):
+            assert_shows(cell, values(records[key]), f"{path}, {key}")
 
 
 def speed_records():
-    return {(record["task"], record["size"]): record for record in json_file("results_cpu.json")}
+    return {f"{record['task']} {record['size']}": record for record in json_file("results_cpu.json")}
 
 
-def by_script_and_size(path, header):
-    rows = table(path, header)
-    records = speed_records()
-    return {row[0] + " | " + row[1]: records[(row[0], row[1])] for row in rows}
+def tokens(r):
+    return [r["script_tokens_per_second"]]
 
 
-SPEED = {
-    "tokens/s": lambda r: [r["script_tokens_per_second"]],
-    "of its compiled step alone": lambda r: [r["script_vs_limit"]],
-    "start-up": lambda r: [r["startup_cold_seconds"], r["startup_compile_cache_seconds"]],
-    "eval": lambda r: [r["eval_examples_per_second"]],
-    "generate": lambda r: [r.get("generate_beams1_examples_per_second"), r.get("generate_beams4_examples_per_second")],
-    "rss": lambda r: [r["peak_host_memory_gib"]],
-}
+def of_limit(r):
+    return [r["script_vs_limit"]]
 
 
-def check_speed_table(path, header, columns):
-    records = by_script_and_size(path, header)
-    rows = table(path, header)
-    assert len(rows) == len(speed_records()), f"{path}: every row of results_cpu.json"
-    for row in rows:
-        record = records[row[0] + " | " + row[1]]
-        assert len(row) == len(columns) + 2
-        for cell, values in zip(row[2:], columns):
-            assert_shows(cell, values(record), f"{path}, {row[0]} {row[1]}")
+def evals(r):
+    return [r["eval_examples_per_second"]]
+
+
+def generates(r):  # summarization only: the other rows show "-"
+    return [r.get("generate_beams1_examples_per_second"), r.get("generate_beams4_examples_per_second")]
+
+
+def rss(r):
+    return [r["peak_host_memory_gib"]]
 
 
 def test_readme_speed_table_is_results_cpu_json():
-    check_speed_table("README.md", "| script | size | tokens/s |",
-                      [SPEED[name] for name in ("tokens/s", "of its compiled step alone", "start-up", "eval", "generate",
-                                                "rss")])
+    check_table("README.md", "| script | size | tokens/s |", speed_records(), [
+        tokens, of_limit, lambda r: [r["startup_cold_seconds"], r["startup_compile_cache_seconds"]], evals, generates,
+        rss], key_cells=2)
 
 
 def test_benchmarks_speed_table_is_results_cpu_json():
-    check_speed_table(DOCS[1], "| script | size | limit tok/s |", [
-        lambda r: [r["limit_tokens_per_second"]], SPEED["tokens/s"], SPEED["of its compiled step alone"],
-        lambda r: [r["startup_cold_seconds"]], lambda r: [r["startup_compile_cache_seconds"]],
-        lambda r: [r["startup_warm_vs_cold"]], SPEED["eval"], SPEED["generate"], SPEED["rss"]])
+    check_table(DOCS[1], "| script | size | limit tok/s |", speed_records(), [
+        lambda r: [r["limit_tokens_per_second"]], tokens, of_limit, lambda r: [r["startup_cold_seconds"]],
+        lambda r: [r["startup_compile_cache_seconds"]], lambda r: [r["startup_warm_vs_cold"]], evals, generates, rss],
+        key_cells=2)
 
 
 def test_memory_tables_are_memory_cpu_json():
@@ -263,3 +258,17 @@ def test_the_range_a_working_install_gives_is_the_measured_one():
     assert span("configs/summarization_tiny.json", "test_rougeL", 1) in readme
     assert span("configs/summarization_tiny.json", "test_loss", 2) in readme
     assert span("configs/t5_mlm_tiny.json", "eval_accuracy", 3) in readme
+
+
+def test_the_results_prose_is_results_configs_cpu_json():
+    results = json_file("results_configs_cpu.json")
+    untrained = results["untrained"]
+    (roformer,) = results["variants"]
+    readme = " ".join(read("README.md").split())
+    assert (f"`test_rougeL` < {untrained['configs/summarization_tiny.json']['test_rougeL_below']} (summarization) and "
+            f"perplexity {untrained['configs/clm_tiny.json']['eval_perplexity']} (clm) / "
+            f"{untrained['configs/mlm_tiny.json']['eval_perplexity']} (mlm) / "
+            f"{untrained['configs/t5_mlm_tiny.json']['eval_perplexity']} (t5 mlm, accuracy "
+            f"{untrained['configs/t5_mlm_tiny.json']['eval_accuracy']})") in readme
+    assert (f"reaches perplexity {roformer['results']['eval_perplexity']} / accuracy "
+            f"{roformer['results']['eval_accuracy']:.2f} in {roformer['seconds']} s") in readme
