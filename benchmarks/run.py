@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Speed of every script against its own compiled step: throughput, start-up, eval/generate, memory.
+"""Speed of the summarization, clm and mlm scripts against their own compiled step (not t5 mlm).
 
-    python benchmarks/run.py                                  # all scripts, tiny + medium: ~20 min on 2 CPU cores
+Throughput, start-up, eval/generate, memory.
+
+    python benchmarks/run.py                                  # the three scripts, tiny + medium: ~20 min on 2 CPU cores
     python benchmarks/run.py --tasks clm --sizes tiny         # one row
     python benchmarks/run.py --dtype bfloat16 --output gpu.json   # on an accelerator
 

@@ -1,6 +1,8 @@
-"""The README documents every argument of every script, with the default the code has."""
+"""The README tells the truth: every argument of every script with the default the code has, no unfilled
+placeholder, and every figure of a results table the value of the JSON file it comes from."""
 
 import dataclasses
+import json
 import os
 import re
 
@@ -47,3 +49,226 @@ def test_every_argument_is_documented_with_its_default(name):
         for field in dataclasses.fields(dataclass):
             expected = "(required)" if field.default is dataclasses.MISSING else f"`{field.default!r}`"
             assert documented.get(field.name) == expected, f"{name}: --{field.name} (default {expected})"
+
+
+# ----------------------------------------------------------------------------------------------
+# No unfilled placeholders
+# ----------------------------------------------------------------------------------------------
+
+DOCS = ("README.md", os.path.join("benchmarks", "README.md"))
+PLACEHOLDER = re.compile(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")
+# Shell variables of other tools that the README's commands use (the SLURM task count and rank).
+OTHER_TOOLS_VARIABLES = {"SLURM_NTASKS", "SLURM_PROCID", "TPU_NAME"}
+
+
+def read(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return f.read()
+
+
+def real_names():
+    """Every ALL_CAPS_WITH_UNDERSCORES word of the project's Python code (constants, the environment
+    variables it reads: XLA_FLAGS, JAX_PROCESS_ID, HF_ENDPOINT, ...), and the metavariables of the
+    arguments (OUTPUT_DIR for --output_dir)."""
+    names = set(OTHER_TOOLS_VARIABLES)
+    for folder, _, files in os.walk(ROOT):
+        if os.path.relpath(folder, ROOT).split(os.sep)[0] in ("tests", ".git"):
+            continue  # a test may name a placeholder on purpose
+        for name in files:
+            if name.endswith(".py"):
+                names |= set(PLACEHOLDER.findall(read(os.path.relpath(os.path.join(folder, name), ROOT))))
+    for dataclass in (ModelArguments, TrainingArguments, *(script.DataTrainingArguments for script, _ in SCRIPTS.values())):
+        names |= {field.name.upper() for field in dataclasses.fields(dataclass)}
+    return names
+
+
+@pytest.mark.parametrize("path", DOCS)
+def test_no_unfilled_placeholder(path):
+    unknown = sorted(set(PLACEHOLDER.findall(read(path))) - real_names())
+    assert not unknown, f"{path}: placeholders, or names the code does not have: {unknown}"
+
+
+def test_a_placeholder_is_caught():
+    assert PLACEHOLDER.findall("trains at FSDP_SPEED under fsdp") == ["FSDP_SPEED"]
+    assert "FSDP_SPEED" not in real_names() and {"XLA_FLAGS", "JAX_PROCESS_ID", "OUTPUT_DIR"} <= real_names()
+
+
+# ----------------------------------------------------------------------------------------------
+# Every figure of a results table is its JSON's value, as rounded in the table
+# ----------------------------------------------------------------------------------------------
+
+GIB, MIB = 2**30, 2**20
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def json_file(name):
+    return json.loads(read(os.path.join("benchmarks", name)))
+
+
+def table(path, header):
+    """The rows (lists of cells) of the markdown table in `path` whose header line starts with `header`."""
+    lines = read(path).splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(header)]
+    assert len(starts) == 1, f"{path}: {len(starts)} tables start with {header!r}"
+    rows = []
+    for line in lines[starts[0] + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip()[1:-1])])
+    return rows
+
+
+def assert_shows(cell, values, where):
+    """The numbers written in `cell`, in order, are `values` rounded as written (a % sign: value x 100;
+    None: no number at all, as in "-")."""
+    written = NUMBER.findall(re.sub(r"`[^`]*`", "", cell))
+    values = [v for v in values if v is not None]
+    assert len(written) == len(values), f"{where}: {cell!r} should show {values}"
+    for text, value in zip(written, values):
+        if text + "%" in cell:
+            value *= 100
+        decimals = len(text.split(".")[1]) if "." in text else 0
+        assert f"{value:.{decimals}f}" == text.replace(",", ""), f"{where}: {cell!r} shows {text}, the JSON has {value}"
+
+
+def check_table(path, header, records, columns, key_cells=1):
+    """`records`: {the row's first `key_cells` cells, joined by a space: its JSON record}; `columns`:
+    for each further cell, record -> the values it shows."""
+    rows = table(path, header)
+    assert sorted(" ".join(row[:key_cells]) for row in rows) == sorted(records), f"{path}: rows of {header!r}"
+    for row in rows:
+        key = " ".join(row[:key_cells])
+        assert len(row) == key_cells + len(columns), f"{path}: {key} has {len(row)} cells"
+        for cell, values in zip(row[key_cells:], columns):
+            assert_shows(cell, values(records[key]), f"{path}, {key}")
+
+
+def speed_records():
+    return {f"{record['task']} {record['size']}": record for record in json_file("results_cpu.json")}
+
+
+def tokens(r):
+    return [r["script_tokens_per_second"]]
+
+
+def of_limit(r):
+    return [r["script_vs_limit"]]
+
+
+def evals(r):
+    return [r["eval_examples_per_second"]]
+
+
+def generates(r):  # summarization only: the other rows show "-"
+    return [r.get("generate_beams1_examples_per_second"), r.get("generate_beams4_examples_per_second")]
+
+
+def rss(r):
+    return [r["peak_host_memory_gib"]]
+
+
+def test_readme_speed_table_is_results_cpu_json():
+    check_table("README.md", "| script | size | tokens/s |", speed_records(), [
+        tokens, of_limit, lambda r: [r["startup_cold_seconds"], r["startup_compile_cache_seconds"]], evals, generates,
+        rss], key_cells=2)
+
+
+def test_benchmarks_speed_table_is_results_cpu_json():
+    check_table(DOCS[1], "| script | size | limit tok/s |", speed_records(), [
+        lambda r: [r["limit_tokens_per_second"]], tokens, of_limit, lambda r: [r["startup_cold_seconds"]],
+        lambda r: [r["startup_compile_cache_seconds"]], lambda r: [r["startup_warm_vs_cold"]], evals, generates, rss],
+        key_cells=2)
+
+
+def test_memory_tables_are_memory_cpu_json():
+    memory = json_file("memory_cpu.json")
+    sizes = {row["model"]: row for row in memory["sizes"]}
+    check_table("README.md", "| model | parameters |",
+                {"GPT-2 medium (24 x 1024)": sizes["GPT-2 medium"], "T5-large (24 x 1024, d_ff 4096)": sizes["T5-large"]},
+                [lambda r: [r["parameters"] / 1e6], lambda r: [r["dp_bytes"] / GIB], lambda r: [r["fsdp_bytes"] / GIB],
+                 lambda r: [r["fsdp_over_dp"]]])
+
+    def rung(fit):  # "24 x 1024: 0.35B (8.64 GiB)"
+        return [fit["layers"], fit["width"], fit["parameters"] / 1e9, fit["bytes"] / GIB]
+
+    largest = memory["largest"]
+    families = {"GPT-2 (50257 vocabulary)": "GPT-2", "T5 (d_ff 4 x width)": "T5"}
+    check_table("README.md", "| family | `dp` | `fsdp` on 8 devices |",
+                {row: family for row, family in families.items()},
+                [lambda f: rung(largest[f + " dp"]), lambda f: rung(largest[f + " fsdp"])])
+    # The next rungs (columns 2 and 4) are printed by the benchmark, not kept in its JSON.
+    for row in table(DOCS[1], "| family | `dp` fits |"):
+        family = families[row[0]]
+        assert_shows(row[1], rung(largest[family + " dp"]), f"{DOCS[1]}, {row[0]}")
+        assert_shows(row[3], rung(largest[family + " fsdp"]), f"{DOCS[1]}, {row[0]}")
+    ratios = [largest[f + " fsdp"]["parameters"] / largest[f + " dp"]["parameters"] for f in ("GPT-2", "T5")]
+    assert f"about {ratios[0]:.1f}x (GPT-2) and {ratios[1]:.1f}x (T5)" in read("README.md")
+    speed = f"{memory['speed']['fsdp']:,.0f} tokens/s under `fsdp` vs {memory['speed']['dp']:,.0f} under `dp`"
+    assert speed in read("README.md")
+    assert f"{memory['speed']['fsdp']:,.0f} under `fsdp` vs {memory['speed']['dp']:,.0f} under `dp`" in read(DOCS[1])
+
+
+def test_data_tables_are_results_data_cpu_json():
+    sizes = {f"10^{len(str(row['blocks'])) - 1}": row for row in json_file("results_data_cpu.json")["memory"]}
+
+    def blocks(row):  # "10^7 (4.8 GiB cache)": the cache's size where given
+        return [row["file_bytes"] / GIB] if row["blocks"] == 10**7 else []
+
+    def growth(row):
+        return [(row["anon_peak"] - row["anon_start"]) / MIB]
+
+    for path, header, columns in (
+            ("README.md", "| blocks of 128 tokens | host time per step |",
+             [lambda r: [r["step_s"] * 1e6], growth]),
+            (DOCS[1], "| blocks of 128 tokens | host time per step (cold pages) |",
+             [lambda r: [r["step_s"] * 1e6], lambda r: [r["mapped_step_s"] * 1e6], lambda r: [r["old_step_s"] * 1e3],
+              growth])):
+        rows = table(path, header)
+        assert sorted(row[0].split()[0] for row in rows) == sorted(sizes), f"{path}: every size"
+        for row in rows:
+            record = sizes[row[0].split()[0]]
+            assert_shows(row[0].split(" ", 1)[1] if " " in row[0] else "", blocks(record), f"{path}, {row[0]}")
+            for cell, values in zip(row[1:], columns):
+                assert_shows(cell, values(record), f"{path}, {row[0]}")
+
+
+def test_results_table_is_results_configs_cpu_json():
+    results = json_file("results_configs_cpu.json")
+    runs = {(run["config"], run["devices"]): run for run in results["runs"]}
+    rows = table("README.md", "| config | model | data |")
+    assert sorted(row[0].strip("`") for row in rows) == sorted({config for config, _ in runs})
+    for row in rows:
+        for devices, cell in ((1, row[4]), (8, row[5])):
+            run = runs[(row[0].strip("`"), devices)]
+            keys = re.findall(r"`(\w+)`", cell)
+            assert sorted(keys) == sorted(run["results"]), f"{row[0]} on {devices} devices: {cell}"
+            assert_shows(cell, [run["results"][key] for key in keys] + [run["seconds"]], f"{row[0]}, {devices}")
+
+
+def test_the_range_a_working_install_gives_is_the_measured_one():
+    results = json_file("results_configs_cpu.json")
+    one_device = [run for run in results["runs"] + results["other_machines"]["runs"] if run["devices"] == 1]
+
+    def span(config, key, decimals):
+        values = [run["results"][key] for run in one_device if run["config"] == config and key in run["results"]]
+        assert len(values) > 1, f"{config} {key}: measured on one machine only"
+        return f"`{key}` {min(values):.{decimals}f}-{max(values):.{decimals}f}"
+
+    readme = " ".join(read("README.md").split())
+    assert span("configs/summarization_tiny.json", "test_rougeL", 1) in readme
+    assert span("configs/summarization_tiny.json", "test_loss", 2) in readme
+    assert span("configs/t5_mlm_tiny.json", "eval_accuracy", 3) in readme
+
+
+def test_the_results_prose_is_results_configs_cpu_json():
+    results = json_file("results_configs_cpu.json")
+    untrained = results["untrained"]
+    (roformer,) = results["variants"]
+    readme = " ".join(read("README.md").split())
+    assert (f"`test_rougeL` < {untrained['configs/summarization_tiny.json']['test_rougeL_below']} (summarization) and "
+            f"perplexity {untrained['configs/clm_tiny.json']['eval_perplexity']} (clm) / "
+            f"{untrained['configs/mlm_tiny.json']['eval_perplexity']} (mlm) / "
+            f"{untrained['configs/t5_mlm_tiny.json']['eval_perplexity']} (t5 mlm, accuracy "
+            f"{untrained['configs/t5_mlm_tiny.json']['eval_accuracy']})") in readme
+    assert (f"reaches perplexity {roformer['results']['eval_perplexity']} / accuracy "
+            f"{roformer['results']['eval_accuracy']:.2f} in {roformer['seconds']} s") in readme
