@@ -191,6 +191,28 @@ def test_pytorch_bin_without_torch_says_what_to_install(tmp_path, monkeypatch):
         loaded("bert", tmp_path)
 
 
+@pytest.mark.parametrize("shards", [1, 2])
+def test_pytorch_bin_with_torch_installed(tmp_path, shards):
+    """Older hub checkpoints: `pytorch_model.bin` pickles (sharded with an index for large ones).
+    Runs where torch is installed; the tests' requirements leave it out (see the test above)."""
+    torch = pytest.importorskip("torch")
+    model = fresh_model("bert")
+    model.config.save_pretrained(tmp_path)
+    state = {name: torch.from_numpy(np.array(value)) for name, value in pytorch_state_dict(model.params, "bert").items()}
+    if shards == 1:
+        torch.save(state, tmp_path / "pytorch_model.bin")
+        reference = FlaxAutoModelForMaskedLM.from_pretrained(tmp_path, from_pt=True).params
+    else:
+        names = sorted(state)
+        weight_map = {name: f"pytorch_model-0000{1 + (i % 2)}-of-00002.bin" for i, name in enumerate(names)}
+        for filename in set(weight_map.values()):
+            torch.save({name: state[name] for name in names if weight_map[name] == filename}, tmp_path / filename)
+        (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        reference = model.params
+    _, ours = loaded("bert", tmp_path)
+    assert_same_weights(ours, reference)
+
+
 def test_a_shard_the_index_names_but_the_checkpoint_lacks(tmp_path):
     model = fresh_model("gpt2")
     directory = write_pytorch_safetensors(tmp_path / "pt", model.config, pytorch_state_dict(model.params, "gpt2"),
