@@ -1,6 +1,7 @@
 """Config, tokenizer and model loading shared by the scripts (pretrained or from a config)."""
 
 import copy
+import logging
 import os
 
 import jax
@@ -11,8 +12,10 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers import AutoConfig, AutoTokenizer, FlaxPreTrainedModel
 from transformers.models.auto import modeling_flax_auto
 
-from utils import hub
+from utils import hub, weights
 from utils.errors import UsageError
+
+logger = logging.getLogger(__name__)
 
 # The model types each Auto class can build, straight from transformers' own registry.
 TASK_MODEL_TYPES = {
@@ -237,20 +240,40 @@ def cast_floats(tree, dtype):
     return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def _on_host():
-    """Where weights that must be made whole are made: the host's CPU device, never an accelerator."""
-    return jax.default_device(jax.local_devices(backend="cpu")[0])
-
-
-def _with_missing_initialised(model, params):
-    """`params` plus fresh weights for what the checkpoint lacks (a task head, say), made on the host."""
+def _with_missing_initialised(model, params, name):
+    """`params` plus fresh weights for what the checkpoint `name` lacks (a task head, say), made on the host."""
     expected, loaded = flatten_dict(unfreeze(model.params_shape_tree)), flatten_dict(params)
     missing = set(expected) - set(loaded)
     if not missing:
         return params
-    with _on_host():
+    logger.warning("weights of %s that %s lacks, initialised fresh (train them): %s", type(model).__name__, name,
+                   ", ".join(sorted("/".join(key) for key in missing)))
+    with weights.on_host():
         fresh = flatten_dict(jax.jit(model.init_weights, static_argnums=1)(model.key, model.input_shape))
     return unflatten_dict({**loaded, **{key: fresh[key] for key in missing}})
+
+
+def _pretrained(auto_class, model_args, config, kwargs):
+    """(model, host params) of the checkpoint `--model_name_or_path`, in whichever format it holds."""
+    name = model_args.model_name_or_path
+    filename, path = weights.find_weights(name, model_args.cache_dir, model_args.token)
+    load_kwargs = dict(config=config, cache_dir=model_args.cache_dir, token=model_args.token, _do_init=False, **kwargs)
+    if filename is None or filename in weights.FLAX_MSGPACK:
+        # Flax weights (or nothing found, which transformers explains best): transformers reads them.
+        return auto_class.from_pretrained(name, **load_kwargs)
+    # PyTorch or safetensors weights: the model from its config, the weights read here.
+    model = _from_config(auto_class, config, kwargs)
+    return model, weights.read_converted(model, name, filename, path, model_args.cache_dir, model_args.token)
+
+
+def _from_config(auto_class, config, kwargs):
+    """The model of `config`, without weights where the family allows it."""
+    try:
+        return auto_class.from_config(config, _do_init=False, **kwargs)
+    except ValueError:
+        # FlaxEncoderDecoderModel refuses to be built without its weights: it makes them itself, on the host.
+        with weights.on_host():
+            return auto_class.from_config(config, **kwargs)
 
 
 def load_model(auto_class, model_args, config, dtype, seed, layout):
@@ -258,7 +281,7 @@ def load_model(auto_class, model_args, config, dtype, seed, layout):
     `layout` (`utils.layout`): pretrained, or fresh ones from `config`.
 
     No device ever holds weights it would not hold in training: pretrained ones are read into host
-    memory (transformers' `_do_init=False`) and placed leaf by leaf; fresh ones come from one
+    memory (`utils.weights`: any checkpoint format) and placed leaf by leaf; fresh ones come from one
     compiled init that writes them where they belong (transformers inits op by op, a hundred or so
     small programs compiled on every start). `dtype` is the compute dtype (activations); the weights
     are stored in `--param_dtype`, float32 master weights by default whatever the checkpoint holds
@@ -268,18 +291,13 @@ def load_model(auto_class, model_args, config, dtype, seed, layout):
     kwargs = dict(seed=seed, dtype=dtype, trust_remote_code=model_args.trust_remote_code)
     if model_args.model_name_or_path:
         try:
-            model, params = auto_class.from_pretrained(
-                model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir, token=model_args.token,
-                _do_init=False, **kwargs)
+            model, params = _pretrained(auto_class, model_args, config, kwargs)
         except (OSError, ValueError) as e:
             raise _hub_error("model", model_args.model_name_or_path, e)
-        return model, layout.place_params(cast_floats(_with_missing_initialised(model, params), param_dtype))
-    try:
-        model = auto_class.from_config(config, _do_init=False, **kwargs)
-    except ValueError:
-        # FlaxEncoderDecoderModel refuses to be built without its weights: it makes them itself, on the host.
-        with _on_host():
-            model = auto_class.from_config(config, **kwargs)
+        params = _with_missing_initialised(model, params, model_args.model_name_or_path)
+        return model, layout.place_params(cast_floats(params, param_dtype))
+    model = _from_config(auto_class, config, kwargs)
+    if model._is_initialized:
         return model, layout.place_params(cast_floats(model.params, param_dtype))
     return model, layout.init_params(lambda: cast_floats(model.init_weights(model.key, model.input_shape), param_dtype))
 
