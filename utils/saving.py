@@ -74,7 +74,8 @@ class Saver:
     streamed `train_data` also the stream's state). Created when training starts (at `start_step`):
     a resumed run first drops the checkpoints after
     the step it continues from, and from here on SIGTERM / SIGINT stop the run cleanly after the
-    current step. Every process makes one (checkpoint saves are collective); only process 0 writes.
+    current step. Every process makes one (checkpoint saves are collective): under dp process 0 writes
+    the checkpoints, under fsdp every process writes its shards; the export is process 0's alone.
     """
 
     def __init__(self, training_args, run_dir, layout, train_data, fingerprint, steps_per_epoch, total_steps, start_step,
