@@ -13,7 +13,8 @@ The scripts define each step once, for both: `layout.batch_sum` is the one colle
 and `utils.steps.token_weighted_grads` asks the layout how to cut micro-batches. Everything else
 that differs lives here: making and placing the state (fresh weights initialised straight into
 their sharding; pretrained ones placed leaf by leaf from host memory), compiling the steps (the
-train step ahead of time, so its per-device memory is known and checked before any step runs),
+train step ahead of time, so its per-device memory is known and checked before any step runs;
+on the CPU backend, at most `CPU_STEPS_IN_FLIGHT` steps dispatched ahead),
 placing batches, gathering outputs, the dropout key, the state as checkpoints store it (global
 arrays, so a run can move between layouts and device counts), and the parameters on the host for
 the Hugging Face export.
