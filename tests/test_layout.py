@@ -185,6 +185,46 @@ def test_no_recompile_after_the_first_step():
 
 
 # ---------------------------------------------------------------------------------------------
+# Steps in flight
+# ---------------------------------------------------------------------------------------------
+class Output:
+    """A step's output that notes when it is waited for."""
+
+    def __init__(self, number, events):
+        self.number, self.events = number, events
+
+    def block_until_ready(self):
+        self.events.append(f"wait {self.number}")
+        return self
+
+
+def test_a_step_waits_for_the_oldest_unfinished_one_while_the_limit_is_in_flight():
+    events = []
+
+    def step(number):
+        events.append(f"run {number}")
+        return Output(number, events)
+
+    limited = layouts.InFlightLimit(2).wrap(step)
+    for number in range(1, 5):
+        limited(number)
+    assert events == ["run 1", "run 2", "wait 1", "run 3", "wait 2", "run 4"]
+    assert layouts.InFlightLimit(None).wrap(step) is step
+
+
+@pytest.mark.parametrize("make", [DataParallel, lambda: FullySharded(8)], ids=["dp", "fsdp"])
+def test_train_and_eval_steps_of_a_cpu_layout_share_one_limit(make, monkeypatch):
+    """With a limit of one, each call waits for the call before it: the train steps for the sums of
+    the step before (the state is donated, gone), the eval step for the last train step's sums."""
+    monkeypatch.setattr(layouts, "CPU_STEPS_IN_FLIGHT", 1)
+    waited = []
+    block_until_ready = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda tree: waited.append(tree) or block_until_ready(tree))
+    train(make(), count=3)
+    assert [sorted(tree) for tree in waited] == [["loss", "tokens"]] * 3
+
+
+# ---------------------------------------------------------------------------------------------
 # Batches and outputs
 # ---------------------------------------------------------------------------------------------
 def test_dp_places_rows_per_device_and_brings_them_back_in_order():

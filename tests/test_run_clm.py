@@ -113,6 +113,22 @@ def test_trains_from_gzipped_json_lines(tmp_path):
     assert read_json(os.path.join(out, "all_results.json"))["train_samples"] == 202
 
 
+@pytest.mark.slow
+def test_fast_dp_steps_run_far_ahead_of_the_logging_without_losing_an_all_reduce(tmp_path, cache_dir):
+    """Hundreds of tiny steps, their metrics fetched every 100: the host would queue more steps than
+    XLA's CPU client can run with its collectives (`utils.layout.CPU_STEPS_IN_FLIGHT`), which aborted
+    the run after 40 s near step 80."""
+    result = run_script(SCRIPT, [
+        "--model_type", "gpt2", "--tokenizer_name", "data/lm/tokenizer", "--config_overrides",
+        "n_embd=32,n_layer=1,n_head=2,n_positions=16", "--train_file", "data/lm/train.txt", "--block_size", "16",
+        "--do_train", "--max_steps", 400, "--num_train_epochs", 100, "--total_train_batch_size", 32,
+        "--logging_steps", 100, "--output_dir", tmp_path, "--compilation_cache_dir", cache_dir], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = read_metrics(str(tmp_path))
+    assert [row["step"] for row in train] == [100, 200, 300, 400]
+    assert all(np.isfinite(row["loss"]) for row in train)
+
+
 def peaked_logits(token_ids, vocab, peak=30.0):
     """Logits putting all but ~exp(-peak) of the probability on `token_ids`."""
     return peak * np.eye(vocab, dtype=np.float32)[token_ids]

@@ -13,7 +13,8 @@ The scripts define each step once, for both: `layout.batch_sum` is the one colle
 and `utils.steps.token_weighted_grads` asks the layout how to cut micro-batches. Everything else
 that differs lives here: making and placing the state (fresh weights initialised straight into
 their sharding; pretrained ones placed leaf by leaf from host memory), compiling the steps (the
-train step ahead of time, so its per-device memory is known and checked before any step runs),
+train step ahead of time, so its per-device memory is known and checked before any step runs;
+on the CPU backend, at most `CPU_STEPS_IN_FLIGHT` steps dispatched ahead),
 placing batches, gathering outputs, the dropout key, the state as checkpoints store it (global
 arrays, so a run can move between layouts and device counts), and the parameters on the host for
 the Hugging Face export.
@@ -43,6 +44,16 @@ MESH_AXES = ("data", "fsdp")
 # splitting them saves nothing and costs a gather each.
 MIN_SHARDED_ELEMENTS = 2**14
 PREFETCH = 2  # batches placed on the devices ahead of the running step
+# Why the CPU backend caps the steps in flight: XLA's CPU client lets each device queue 32
+# executions; the launch of a 33rd waits for that limit on one of the client's worker threads,
+# of which there are max(cores, devices): 8 with 8 virtual devices on a small machine. A step
+# with a collective (the psum of "dp", the global sums of "fsdp") needs a worker thread for every
+# device at once, so one launch parked on a worker leaves its all-reduce a participant short: XLA
+# aborts after 40 s ("Expected 8 threads to join the rendezvous"). A host that dispatches fast
+# steps without waiting (the loop fetches metrics every --logging_steps) gets 32 steps ahead
+# easily. Four in flight keep the devices as busy; TPU and GPU run collectives on the devices,
+# not on host worker threads, and keep their own dispatch.
+CPU_STEPS_IN_FLIGHT = 4
 
 
 def make_layout(training_args):
@@ -122,11 +133,40 @@ def step_wrapper(name, build, donated=()):
     return build()
 
 
+class InFlightLimit:
+    """At most `limit` step executions dispatched and not finished, over every step it wraps
+    (None: no limit). See `CPU_STEPS_IN_FLIGHT`."""
+
+    def __init__(self, limit):
+        self.limit = limit
+        self._unfinished = collections.deque()  # the outputs that mark each dispatched step done
+
+    def wrap(self, step, done=lambda outputs: outputs):
+        """`step` that first waits for the oldest unfinished step while `limit` are in flight;
+        `done(outputs)`: the outputs to wait on (never a donated one: the next step deletes it)."""
+        if self.limit is None:
+            return step
+
+        def limited(*args):
+            while len(self._unfinished) >= self.limit:
+                jax.block_until_ready(self._unfinished.popleft())
+            outputs = step(*args)
+            self._unfinished.append(done(outputs))
+            return outputs
+
+        return limited
+
+
 class Layout:
     """What both layouts share; see `DataParallel` and `FullySharded`."""
 
     name = None
     train_step_memory = None  # per-device bytes of the compiled train step (`memory_stats`), once compiled
+
+    def __init__(self):
+        on_cpu = jax.local_devices()[0].platform == "cpu"
+        # One limit for all steps: XLA's queue of executions is per device, whichever program they run.
+        self._in_flight = InFlightLimit(CPU_STEPS_IN_FLIGHT if on_cpu else None)
 
     def prefetch(self, batches):
         """Place host batches on the devices `PREFETCH` steps ahead, so transfers overlap the running step."""
@@ -145,7 +185,8 @@ class Layout:
             jitted = self._jit_train_step(train_step, state)
             compiled = jitted.lower(state, self.place_batch(example_batch)).compile()
             self.train_step_memory = memory_stats(compiled)
-            return self._callable(jitted, compiled)
+            # Wait on the sums: the state goes into the next step, which deletes it.
+            return self._in_flight.wrap(self._callable(jitted, compiled), done=lambda outputs: outputs[1])
 
         step = step_wrapper("train_step", build, donated=(0,))
         logger.info("train step (%s): %s", self.name, _memory_line(self.train_step_memory))
@@ -161,6 +202,7 @@ class DataParallel(Layout):
     writes_shards = False  # checkpoints hold host copies, written by process 0
 
     def __init__(self):
+        super().__init__()
         # pmap outputs carry a NamedSharding over AXIS; inputs placed the same way reuse step 1's program.
         self._placement = NamedSharding(Mesh(np.array(jax.local_devices()), (AXIS,)), PartitionSpec(AXIS))
 
@@ -246,7 +288,7 @@ class DataParallel(Layout):
 
     def compile_step(self, name, step):
         """A step without state: `step(params, batch)` (eval, generate), compiled at its first call."""
-        return step_wrapper(name, lambda: jax.pmap(step, AXIS))
+        return step_wrapper(name, lambda: self._in_flight.wrap(jax.pmap(step, AXIS)))
 
     # -- data -----------------------------------------------------------------------------------------
     def place_batch(self, host_rows):
@@ -278,6 +320,7 @@ class FullySharded(Layout):
     writes_shards = True  # every process writes its shards of each checkpoint
 
     def __init__(self, fsdp_size):
+        super().__init__()
         self.fsdp_size = fsdp_size
         devices = np.array(jax.devices()).reshape(jax.device_count() // fsdp_size, fsdp_size)
         self.mesh = Mesh(devices, MESH_AXES)
@@ -398,7 +441,7 @@ class FullySharded(Layout):
             with self.keep_batch_split(len(jax.tree_util.tree_leaves(batch)[0])):
                 return step(params, batch)
 
-        return step_wrapper(name, lambda: jax.jit(split_step))
+        return step_wrapper(name, lambda: self._in_flight.wrap(jax.jit(split_step)))
 
     # -- data -----------------------------------------------------------------------------------------
     def place_batch(self, host_rows):
