@@ -10,6 +10,8 @@ jax.pmap over the local devices, the default; `--sharding fsdp`, the model split
 everything mechanical (layouts, schedules, checkpoints, metrics, logging) lives in `utils/`.
 """
 
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+
 import sys
 import time
 from dataclasses import dataclass, field

@@ -9,6 +9,8 @@ over the local devices, the default; `--sharding fsdp`, the model split over all
 everything mechanical (layouts, schedules, checkpoints, metrics, logging) lives in `utils/`.
 """
 
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+
 import os
 import sys
 import time

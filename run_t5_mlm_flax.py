@@ -14,6 +14,8 @@ over all devices); everything mechanical (layouts, schedules, checkpoints, metri
 in `utils/`.
 """
 
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+
 import sys
 import time
 from dataclasses import dataclass, field

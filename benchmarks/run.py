@@ -12,7 +12,7 @@ FLOPs per token and longer sequences):
   limit     tokens/s of the script's compiled train step in a tight loop on pre-sharded device batches
   script    steady-state tokens/s of the real run, from its metrics.jsonl (the compiling first step
             excluded); target: >= 95% of the limit
-  start-up  seconds from process start to the first finished train step ("first step done" in the
+  start-up  seconds from the script's first line to the first finished train step ("first step done" in the
             log): cold (empty caches), with the persistent compilation cache, and with the datasets
             cache too; target: warm <= 50% of cold
   eval      examples/s of the eval-loss step; summarization also `generate`, greedy and 4 beams

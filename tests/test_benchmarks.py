@@ -31,6 +31,7 @@ def test_script_rate_weighs_each_window_by_its_steps(tmp_path):
                          {"step": 8, "split": "train", "tokens_per_second": 200.0, "mfu": 0.4}])
     rate, mfu, steps = bench.script_tokens_per_second(metrics)
     assert steps == 7
+    # float64 arithmetic on the same few numbers in another order: approx's default rel 1e-6.
     assert rate == pytest.approx(7 / (3 / 100 + 4 / 200))
     assert mfu == pytest.approx(0.3)
 
@@ -72,7 +73,7 @@ def test_documented_command_on_one_small_row(tmp_path):
                 "startup_cold_seconds", "startup_compile_cache_seconds", "startup_compile_and_datasets_cache_seconds",
                 "peak_host_memory_gib"):
         assert record[key] > 0, key
-    assert record["script_vs_limit"] == pytest.approx(
+    assert record["script_vs_limit"] == pytest.approx(  # a float64 ratio, maybe rounded once: default rel
         record["script_tokens_per_second"] / record["limit_tokens_per_second"])
     assert record["peak_device_memory_gib"] is None and record["script_mfu"] is None  # CPU: unknown peak
     assert "clm  | tiny" in result.stdout

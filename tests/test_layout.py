@@ -14,7 +14,7 @@ from utils import layout as layouts
 from utils.checkpoint import Checkpointer
 from utils.errors import UsageError
 from utils.layout import DataParallel, FullySharded, leaf_spec, make_layout
-from utils.steps import token_weighted_grads
+from utils.steps import cross_entropy_sums, token_weighted_grads
 
 N = 8
 
@@ -59,6 +59,18 @@ class TinyLM(nn.Module):
 
 
 MODEL = TinyLM()
+# AdamW's eps at 1e-3, not 1e-8: its update m / (sqrt(v) + eps) then moves by at most 1/eps times a
+# change of the gradient, so the rounding of a near-zero gradient (terms that cancel, summed in
+# another order) cannot flip the sign of a whole lr-sized update; with 1e-8 it can, by 2 x lr.
+ADAMW_EPS = 1e-3
+# The runs compared below sum the same float32 numbers in other orders (per device, per micro-batch,
+# then across). A mean loss over <= 128 tokens (~4 each): at worst 128 x eps32 (1.2e-7) = 1.5e-5
+# relative off (measured: 2e-7).
+LOSS_RTOL = 2e-5
+# Parameters (|p| < 0.3) after <= 4 steps. Each step's update carries the rounding of the gradient,
+# |dg| ~ sqrt(128) x eps32 x |per-token g| (< 1, measured 0.99: the output bias) = 1.4e-6; SGD moves by
+# lr x dg = 7e-7, AdamW by at most lr x dg / ADAMW_EPS = 1.4e-5: 4 steps 5.6e-5. Measured: 4.5e-8.
+PARAMS_ATOL = 6e-5
 
 
 def init():
@@ -66,7 +78,7 @@ def init():
 
 
 def make_state(layout):
-    return layout.create_state(MODEL.apply, layout.init_params(init), optax.adamw(1e-2), seed=0)
+    return layout.create_state(MODEL.apply, layout.init_params(init), optax.adamw(1e-2, eps=ADAMW_EPS), seed=0)
 
 
 def steps_of(layout, accumulation=1):
@@ -118,17 +130,17 @@ def test_the_same_step_trains_the_same_in_both_layouts(trained):
     dp_state, dp_losses, dp_eval = trained["dp"]
     for name in ("fsdp", "fsdp 2x4"):
         state, losses, evaluated = trained[name]
-        assert losses == pytest.approx(dp_losses, rel=1e-5), name
-        assert evaluated == pytest.approx(dp_eval, rel=1e-5), name
-        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5),
+        assert losses == pytest.approx(dp_losses, rel=LOSS_RTOL), name
+        assert evaluated == pytest.approx(dp_eval, rel=LOSS_RTOL), name
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=PARAMS_ATOL),
                                params_on_host(FullySharded(8), state), params_on_host(DataParallel(), dp_state))
 
 
 def test_accumulation_cuts_the_same_micro_batches_in_both_layouts(trained):
     _, dp_losses, _ = trained["dp accumulated"]
     _, fsdp_losses, _ = trained["fsdp accumulated"]
-    assert fsdp_losses == pytest.approx(dp_losses, rel=1e-5)
-    assert fsdp_losses == pytest.approx(trained["dp"][1], rel=1e-5)  # and the same as one big batch
+    assert fsdp_losses == pytest.approx(dp_losses, rel=LOSS_RTOL)
+    assert fsdp_losses == pytest.approx(trained["dp"][1], rel=LOSS_RTOL)  # and the same as one big batch
 
 
 def test_fsdp_splits_each_large_parameter_and_its_optimizer_state_eight_ways(trained):
@@ -222,6 +234,80 @@ def test_train_and_eval_steps_of_a_cpu_layout_share_one_limit(make, monkeypatch)
     monkeypatch.setattr(jax, "block_until_ready", lambda tree: waited.append(tree) or block_until_ready(tree))
     train(make(), count=3)
     assert [sorted(tree) for tree in waited] == [["loss", "tokens"]] * 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Both layouts against an independent reference: plain jax.grad + optax on one device
+# ---------------------------------------------------------------------------------------------
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.5), "adamw": lambda: optax.adamw(1e-2, eps=ADAMW_EPS, weight_decay=0.1)}
+REFERENCE_STEPS = 3
+
+
+def weighted_batches(count, rows=16, length=9):
+    """Batches whose rows score different numbers of tokens (1 to 8), as padded text does: a mean per
+    device or per micro-batch instead of per token would weigh them wrongly."""
+    rng = np.random.default_rng(1)
+    data = []
+    for _ in range(count):
+        scored = rng.integers(1, length, rows)
+        weights = (np.arange(length - 1)[None, :] < scored[:, None]).astype(np.float32)
+        data.append({"ids": rng.integers(0, 64, (rows, length)).astype(np.int32), "weights": weights})
+    return data
+
+
+def train_in_layout(layout, optimizer, accumulation):
+    """REFERENCE_STEPS steps as the scripts take them: `token_weighted_grads` over the layout's
+    devices (and micro-batches), then the layout's train state applies the optimizer."""
+    def loss_fn(params, batch, rng):
+        logits = MODEL.apply({"params": params}, batch["ids"][:, :-1], train=True, rngs={"dropout": rng})
+        loss, tokens = cross_entropy_sums(logits, batch["ids"][:, 1:], batch["weights"])
+        return loss, {"loss": loss, "tokens": tokens}
+
+    def train_step(state, batch):
+        rng, state = state.next_dropout_rng()
+        grads, sums = token_weighted_grads(loss_fn, state.params, batch, rng, accumulation, layout)
+        return state.apply_gradients(grads=grads), sums
+
+    state = layout.create_state(MODEL.apply, layout.init_params(init), OPTIMIZERS[optimizer](), seed=0)
+    data = weighted_batches(REFERENCE_STEPS)
+    step = layout.compile_train_step(train_step, state, data[0], accumulation)
+    losses = []
+    for batch in layout.prefetch(iter(data)):
+        state, sums = step(state, batch)
+        losses.append(float(np.asarray(sums["loss"]).reshape(-1)[0] / np.asarray(sums["tokens"]).reshape(-1)[0]))
+    return layout.params_to_host(state.params), losses
+
+
+def train_by_hand(optimizer):
+    """The same steps written out on one device with nothing of ours but the model: the gradient of
+    the mean loss over the scored tokens of the whole batch, one optax update."""
+    def mean_token_loss(params, batch):
+        logits = MODEL.apply({"params": params}, batch["ids"][:, :-1])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:])
+        return (losses * batch["weights"]).sum() / batch["weights"].sum()
+
+    params, tx = init(), OPTIMIZERS[optimizer]()
+    opt_state, losses = tx.init(params), []
+    for batch in weighted_batches(REFERENCE_STEPS):
+        loss, grads = jax.value_and_grad(mean_token_loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    return params, losses
+
+
+@pytest.mark.parametrize("name, optimizer, accumulation", [
+    ("dp", "sgd", 1), ("fsdp", "sgd", 1), ("dp", "sgd", 2), ("fsdp", "adamw", 2), ("fsdp 2x4", "adamw", 1)])
+def test_both_layouts_train_as_a_plain_optax_step_on_one_device(name, optimizer, accumulation):
+    """SGD moves each parameter by the gradient itself, so a wrong gradient scale shows; AdamW is
+    blind to the scale (it divides it out) but not to a skipped or misweighted micro-batch."""
+    layout = {"dp": DataParallel, "fsdp": lambda: FullySharded(8), "fsdp 2x4": lambda: FullySharded(4)}[name]()
+    params, losses = train_in_layout(layout, optimizer, accumulation)
+    expected_params, expected_losses = train_by_hand(optimizer)
+    assert losses == pytest.approx(expected_losses, rel=LOSS_RTOL)
+    # A gradient off by 2x moves SGD's parameters ~1e-2 away, 200 x PARAMS_ATOL.
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=PARAMS_ATOL),
+                           params, expected_params)
 
 
 # ---------------------------------------------------------------------------------------------

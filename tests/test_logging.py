@@ -1,11 +1,14 @@
 """Tests for utils/logging.py: event files, metrics.jsonl, progress bar, throughput/MFU, FLOP counts."""
 
+import io
 import json
 import logging as pylogging
+import sys
 import time
 from types import SimpleNamespace
 
 import datasets
+import huggingface_hub.utils
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +48,7 @@ def test_tensorboard_events_readable(tmp_path):
     assert {"train/loss", "train/learning_rate", "eval/loss"} <= set(events.Tags()["scalars"])
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 2.5), (2, 2.0)]
     assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(2, 1.75)]
-    assert events.Scalars("train/learning_rate")[1].value == pytest.approx(2e-3)
+    assert events.Scalars("train/learning_rate")[1].value == pytest.approx(2e-3)  # stored as float32: rel 6e-8 off
     assert any("hparams" in tag for tag in events.Tags()["tensors"])
 
 
@@ -122,20 +125,54 @@ def test_non_main_process_writes_nothing(tmp_path):
     assert not output_dir.exists()
 
 
-def test_progress_bar_shows_position_and_train_metrics(tmp_path, capsys):
+class FakeTerminal(io.StringIO):
+    """What a terminal looks like to tqdm and to us: a stream whose isatty() is True."""
+
+    def isatty(self):
+        return True
+
+
+def test_on_a_terminal_the_progress_is_a_live_bar(tmp_path, monkeypatch, caplog):
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    caplog.set_level(pylogging.INFO)
     metrics = MetricsLogger(tmp_path, total_steps=10, tensorboard=False)
     metrics.log(4, {"loss": 1.25, "learning_rate": 3e-4, "tokens_per_second": 12345.6})
     metrics.log(4, {"loss": 9.0}, split="eval")  # not a train loss: the bar keeps 1.25
     metrics.advance(4)  # a resumed run's first step
     metrics.advance(6)
     metrics.close()
-    err = capsys.readouterr().err
-    assert "6/10" in err
+    err = terminal.getvalue()
+    assert "\r" in err and "6/10" in err  # redrawn in place
     assert "loss=1.2500" in err and "lr=3.00e-04" in err and "tok/s=12,346" in err
     assert "loss=9.0000" not in err
+    assert not [record for record in caplog.records if record.getMessage().startswith("step ")]  # the bar says it
+
+
+def test_off_a_terminal_the_progress_is_a_log_line_per_logged_step(tmp_path, monkeypatch, capsys, caplog):
+    caplog.set_level(pylogging.INFO)
+    clock = iter([100.0, 130.0])  # the first step, then the step logged 3 steps later: 10 s a step
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    metrics = MetricsLogger(tmp_path, total_steps=10, tensorboard=False)
+    metrics.advance(1)
+    metrics.advance(2)
+    metrics.advance(3)
+    metrics.advance(4)
+    metrics.log(4, {"loss": 1.25, "learning_rate": 3e-4, "tokens_per_second": 12345.6})
+    metrics.log(4, {"loss": 9.0}, split="eval")
+    metrics.close()
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines == ["step 4/10: loss 1.2500, lr 3.00e-04, tok/s 12,346, eta 0:01:00"]  # 6 steps x 10 s
+    out = capsys.readouterr()
+    assert "\r" not in out.err + out.out and "%|" not in out.err  # no bar at all
 
 
 # --- setup_logging ---------------------------------------------------------------------------------
+
+
+def library_bars_enabled():
+    return (datasets.is_progress_bar_enabled(), transformers.utils.logging.is_progress_bar_enabled(),
+            not huggingface_hub.utils.are_progress_bars_disabled())
 
 
 @pytest.fixture
@@ -144,10 +181,14 @@ def restore_logging():
     root = pylogging.getLogger()
     loggers = [root] + [pylogging.getLogger(name) for name in ("flaxtune", *_QUIET_LIBRARIES)]
     saved = [(logger, logger.level, list(logger.handlers), logger.propagate) for logger in loggers]
-    bars = datasets.is_progress_bar_enabled()
+    bars = library_bars_enabled()
     yield
-    if bars:
+    if bars[0]:
         datasets.enable_progress_bars()
+    if bars[1]:
+        transformers.utils.logging.enable_progress_bar()
+    if bars[2]:
+        huggingface_hub.utils.enable_progress_bars()
     for logger, level, handlers, propagate in saved:
         logger.setLevel(level)  # setLevel, not .level =, so the loggers' level cache is cleared
         logger.propagate = propagate
@@ -181,6 +222,19 @@ def test_setup_logging_other_process(restore_logging, capsys):
     assert "ERROR boom" in err
     assert "hello" not in err and "careful" not in err and "hf warning" not in err
     assert not datasets.is_progress_bar_enabled()
+
+
+def test_library_progress_bars_only_on_a_terminal(restore_logging, monkeypatch):
+    """datasets' "grouping into blocks" bars and the like are `\r` redraws: off a terminal they are off."""
+    datasets.enable_progress_bars()  # the libraries' defaults (an earlier test may have changed them)
+    transformers.utils.logging.enable_progress_bar()
+    huggingface_hub.utils.enable_progress_bars()
+    monkeypatch.setattr(sys, "stderr", FakeTerminal())
+    setup_logging(is_main_process=True)
+    assert library_bars_enabled() == (True, True, True)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    setup_logging(is_main_process=True)
+    assert library_bars_enabled() == (False, False, False)
 
 
 def test_setup_logging_debug(restore_logging, capsys):
@@ -233,7 +287,7 @@ def test_throughput_mfu(fake_clock):
     throughput.update(2000, 2)
     fake_clock.now += 4.0
     rates = throughput.rates()
-    # 500 tokens/s * 6e6 FLOPs/token = 3e9 FLOP/s of a 1e10 peak.
+    # 500 tokens/s * 6e6 FLOPs/token = 3e9 FLOP/s of a 1e10 peak; float64 divisions: default rel 1e-6.
     assert rates["mfu"] == pytest.approx(0.3)
 
 
@@ -250,6 +304,8 @@ def test_throughput_requires_start():
 
 
 # --- flops_per_token -------------------------------------------------------------------------------
+# Every count below is an integer held in float64 (exact) but for one division by the sequence
+# length: approx's default rel 1e-6 is far above that rounding (1e-16) and far below any missing term.
 
 
 def test_flops_t5_encoder_decoder():

@@ -84,6 +84,7 @@ def device_sums(loss, tokens):
 
 
 def test_host_means_weights_by_tokens():
+    # Sums of small integers are exact in float32; only the final division rounds: approx's default rel 1e-6.
     means = host_means([device_sums(10.0, 2), device_sums(30.0, 8)])
     assert means == {"loss": pytest.approx(4.0)}  # 40 / 10 tokens, not the mean of 5 and 3.75
     assert host_means([device_sums(10.0, 2), device_sums(30.0, 8)], keep_tokens=True) == {
@@ -97,6 +98,7 @@ def test_after_step_logs_window_means():
     assert [step for step, _ in loop.writer.logged] == [2, 4, 5]
     assert loop.writer.advanced == [1, 2, 3, 4, 5]
     metrics = [m for _, m in loop.writer.logged]
+    # Integer sums, one division each; learning rates from a float32 schedule (6e-8 relative): default rel.
     assert metrics[0]["loss"] == pytest.approx(13 / 5) and metrics[1]["loss"] == pytest.approx(1.0)
     assert metrics[2]["loss"] == pytest.approx(4.0)
     assert metrics[0]["learning_rate"] == pytest.approx(0.1) and metrics[2]["learning_rate"] == pytest.approx(0.4)
@@ -106,7 +108,7 @@ def test_after_step_logs_window_means():
 def test_first_step_log_has_no_throughput():
     loop = make_loop(logging_steps=1)
     loop.after_step(1, device_sums(2.0, 4))
-    assert loop.writer.logged == [(1, {"loss": pytest.approx(0.5), "learning_rate": pytest.approx(0.0)})]
+    assert loop.writer.logged == [(1, {"loss": pytest.approx(0.5), "learning_rate": pytest.approx(0.0)})]  # exact
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])

@@ -141,7 +141,7 @@ def test_rouge_rejects_empty_or_mismatched_inputs(predictions, references):
 
 def test_perplexity():
     assert perplexity(0.0) == 1.0
-    assert perplexity(math.log(20.0)) == pytest.approx(20.0)
+    assert perplexity(math.log(20.0)) == pytest.approx(20.0)  # exp(log(x)) in float64: rel 1e-6 is ample
     assert perplexity(1000.0) == float("inf")
 
 
@@ -155,7 +155,8 @@ def test_token_weighted_means_matches_hand_computation():
         },
         {"loss": np.float32(10.0), "accuracy": 5, "tokens": np.int32(16)},
     ]
-    # loss: (2 + 4 + 10) / (3 + 1 + 16); accuracy: (1 + 2 + 5) / 20
+    # loss: (2 + 4 + 10) / (3 + 1 + 16); accuracy: (1 + 2 + 5) / 20. Sums of small integers are exact;
+    # only the division rounds (0.8 and 0.4 are not binary fractions): approx's default rel 1e-6.
     assert token_weighted_means(batches) == pytest.approx({"loss": 0.8, "accuracy": 0.4})
     assert token_weighted_means([{"loss": 6.0, "n": 4}], weight_key="n") == {"loss": 1.5}
     assert token_weighted_means(batches, keep_weight=True) == pytest.approx({"loss": 0.8, "accuracy": 0.4,

@@ -172,7 +172,7 @@ def assert_same_run(output_dir, reference):
     events = EventAccumulator(output_dir)
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
-        (step, pytest.approx(loss)) for step, loss, _ in logged(reference)]
+        (step, pytest.approx(loss)) for step, loss, _ in logged(reference)]  # TensorBoard keeps float32: 6e-8 off
 
 
 @pytest.mark.slow

@@ -106,6 +106,8 @@ def test_eval_scores_exactly_the_masked_tokens(trained):
     logits = model(inputs, params=params).logits
     label_log_probs = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), labels[..., None], -1)[..., 0]
     predicted = np.asarray(logits.argmax(-1))
+    # Result files round to 4 decimals (5e-5), and the script sums the token losses (~3-6) in float32
+    # in another order than numpy (~sqrt(N) x eps32 x 6 for a few hundred tokens: 2e-5): 2e-4.
     assert results["eval_loss"] == pytest.approx(-(label_log_probs * selected).sum() / selected.sum(), abs=2e-4)
     assert results["eval_accuracy"] == pytest.approx(((predicted == labels) * selected).sum() / selected.sum(),
                                                      abs=2e-4)
@@ -122,6 +124,8 @@ def test_masked_token_loss_counts_only_the_selected_tokens_of_real_rows():
     # Right exactly on the 3 scored tokens (selected, in real rows), then wrong exactly on them:
     # loss and accuracy follow those tokens alone.
     for logits, expected_accuracy, per_token_loss in (
+            # Logits 30 apart: a right token's loss is log(1 + 6 exp(-30)) = 6e-13 (1e-6 is float32's
+            # floor for it), a wrong one's 30 + that, 3 of them summed in float32 (ulp 1e-5 at 90): 1e-3.
             (np.where(scored[..., None] == 1, right, wrong), 3, pytest.approx(0, abs=1e-6)),
             (np.where(scored[..., None] == 1, wrong, right), 0, pytest.approx(30, abs=1e-3))):
         loss, sums = mlm.masked_token_loss(logits, labels, label_weights, example_weight)
@@ -140,6 +144,8 @@ def test_resumed_run_sees_the_same_masks(trained, tmp_path, cache_dir):
     original, again = read_metrics(trained), read_metrics(resumed)
     assert [row["step"] for row in again] == [row["step"] for row in original]
     for before, after in zip(original, again):
+        # The same step from a bit-exact restore: equal, but for a freshly compiled program's order of
+        # the float32 sums over each step's masked tokens (~sqrt(N) x eps32 = 3e-6 relative).
         assert after["loss"] == pytest.approx(before["loss"], rel=1e-5), after["step"]
     results = [read_json(os.path.join(d, "eval_results.json")) for d in (trained, resumed)]
     assert results[0] == results[1]
@@ -150,6 +156,7 @@ def test_eval_only_from_the_saved_model(trained, tmp_path, cache_dir):
     run(["--model_name_or_path", trained, "--do_eval", "--output_dir", tmp_path] + DATA, cache_dir)
     again, before = (read_json(os.path.join(d, "eval_results.json")) for d in (tmp_path, trained))
     # The eval masks are fixed too, so the saved model scores what it scored at the end of training.
+    # The same numbers through a separately compiled program, rounded to 4 decimals: 2e-4 (see above).
     assert again["eval_loss"] == pytest.approx(before["eval_loss"], abs=2e-4)
     assert again["eval_accuracy"] == pytest.approx(before["eval_accuracy"], abs=2e-4)
 

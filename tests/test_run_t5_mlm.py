@@ -107,6 +107,8 @@ def test_eval_scores_the_exported_model_on_every_target_token(trained):
     logits = model(inputs, decoder_input_ids=decoder_inputs, params=params).logits
     label_log_probs = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), labels[..., None], -1)[..., 0]
     results = read_json(os.path.join(trained, "eval_results.json"))
+    # Result files round to 4 decimals (5e-5), and the script sums 320 token losses (~2-4) in float32
+    # in another order than numpy's mean (~sqrt(320) x eps32 x 4 = 1e-5): 2e-4.
     assert results["eval_loss"] == pytest.approx(-label_log_probs.mean(), abs=2e-4)
     assert results["eval_accuracy"] == pytest.approx((np.asarray(logits.argmax(-1)) == labels).mean(), abs=2e-4)
 
@@ -120,6 +122,8 @@ def test_span_target_loss_counts_every_target_token_of_real_rows():
     real = example_weight[:, None, None] == 1
     # Right on every token of the real rows, then wrong on all of them; the padded row is the opposite
     # each time and never shows. Pad ids (0) among the labels count like any other target.
+    # Logits 30 apart: a right token's loss is log(1 + 6 exp(-30)) = 6e-13 (1e-6 is float32's floor
+    # for it), a wrong one's 30 + that, summed over 10 tokens in float32 (ulp 3e-6 at 300): 1e-3.
     for logits, expected_accuracy, per_token_loss in ((np.where(real, right, wrong), 10, pytest.approx(0, abs=1e-6)),
                                                       (np.where(real, wrong, right), 0, pytest.approx(30, abs=1e-3))):
         loss, sums = t5_mlm.span_target_loss(logits, labels, example_weight)
@@ -136,6 +140,7 @@ def test_eval_only_from_the_saved_model(trained, tmp_path, cache_dir):
     run(MODEL + ["--model_name_or_path", trained, "--do_eval", "--output_dir", tmp_path] + DATA, cache_dir)
     again, before = (read_json(os.path.join(d, "eval_results.json")) for d in (tmp_path, trained))
     # The eval corruption is fixed too, so the saved model scores what it scored at the end of training.
+    # The same numbers through a separately compiled program, rounded to 4 decimals: 2e-4 (see above).
     assert again["eval_loss"] == pytest.approx(before["eval_loss"], abs=2e-4)
     assert again["eval_accuracy"] == pytest.approx(before["eval_accuracy"], abs=2e-4)
     assert again["eval_tokens"] == before["eval_tokens"]

@@ -85,6 +85,7 @@ def test_results_and_texts(tmp_path):
         "test_loss": 1.2346, "test_rouge1": 40.0, "train_runtime": 12.5, "train_samples": 160}
     assert (out / "generated_predictions.txt").read_text() == "a summary over lines\ntwo\n"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # metrics.jsonl keeps the value unrounded: approx's default rel=1e-6 only absorbs its float parsing.
     assert [(row["step"], row["split"], row["loss"]) for row in rows] == [(3, "test", pytest.approx(1.23456))]
     assert not (out / "checkpoints").exists()  # checkpoints belong to training (utils/saving.py)
 

@@ -42,5 +42,5 @@ def test_apply_gradients_keeps_key_and_counts_steps():
     _, state = state.next_dropout_rng()
     new = state.apply_gradients(grads={"w": jnp.ones((3, 2))})
     assert int(new.step) == 1
-    np.testing.assert_allclose(new.params["w"], 0.5)
+    np.testing.assert_allclose(new.params["w"], 0.5)  # 1 - 0.5 x 1 is exact in float32: default rtol 1e-7
     np.testing.assert_array_equal(new.dropout_rng, state.dropout_rng)

@@ -1,7 +1,11 @@
-"""Run logging: Python logging set-up, TensorBoard + JSON-lines metrics, progress bar, throughput and MFU.
+"""Run logging: Python logging set-up, TensorBoard + JSON-lines metrics, progress, throughput and MFU.
 
 Only process 0 writes anything; every other process gets quiet logging and no-op metric writers, so
 scripts call the same methods everywhere without `if is_main_process` around each one.
+
+Progress is a live bar only where stderr is a terminal. Into a file or a CI log a bar would write
+carriage-return redraws that pile up on one line, with log lines glued to them; there the training
+progress is a plain log line at each logged step, and the libraries' own bars are off.
 """
 
 import json
@@ -11,6 +15,8 @@ import re
 import sys
 import textwrap
 import time
+
+import datetime
 
 import jax
 import numpy as np
@@ -30,9 +36,29 @@ _HIDDEN_MESSAGES = (
 )
 
 
+logger = pylogging.getLogger(__name__)
+
 # ---------------------------------------------------------------------------------------------------
 # Python logging
 # ---------------------------------------------------------------------------------------------------
+
+
+def stderr_is_a_terminal():
+    """Whether progress bars can redraw in place (looked up now: tests and callers swap sys.stderr)."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def _disable_library_progress_bars():
+    """The tqdm bars of datasets (map, filter: "grouping into blocks"), transformers (loading
+    checkpoint shards) and huggingface_hub (downloads, uploads)."""
+    import datasets
+    import huggingface_hub.utils
+    from transformers.utils import logging as transformers_logging
+
+    datasets.disable_progress_bars()
+    transformers_logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
 
 
 class _TqdmHandler(pylogging.Handler):
@@ -107,10 +133,9 @@ def setup_logging(is_main_process: bool, debug: bool = False) -> pylogging.Logge
     for name in _QUIET_LIBRARIES:  # before the imports below, whose import-time messages they hold back
         pylogging.getLogger(name).setLevel(library_level)
     _route_hf_logging(library_level)
-    if not is_main_process:
-        import datasets
-
-        datasets.disable_progress_bars()  # tqdm bars, not log records: every host would draw its own
+    # Bars, not log records: every host would draw its own, and off a terminal they are `\r` redraws.
+    if not is_main_process or not stderr_is_a_terminal():
+        _disable_library_progress_bars()
     return pylogging.getLogger("flaxtune")
 
 
@@ -119,7 +144,7 @@ def setup_logging(is_main_process: bool, debug: bool = False) -> pylogging.Logge
 # ---------------------------------------------------------------------------------------------------
 
 _RESERVED_KEYS = ("step", "split", "time")
-# (metric key, progress-bar label, format) for the train metrics shown after the bar.
+# (metric key, label, format) for the train metrics shown after the bar or in the progress line.
 _POSTFIX_FIELDS = (
     ("loss", "loss", "{:.4f}"),
     ("learning_rate", "lr", "{:.2e}"),
@@ -151,6 +176,9 @@ class MetricsLogger:
     at once so a killed run keeps every line. A resumed run calls `rewind(step)` first, so both files
     read like one uninterrupted run. On a process other than the main one every method is a no-op and
     nothing is created.
+
+    With `progress`, training shows a live bar (`advance`) where stderr is a terminal; elsewhere each
+    train `log` also logs one line: step, loss, learning rate, tokens/s, time left.
     """
 
     def __init__(self, output_dir, is_main_process=True, total_steps=None, tensorboard=True, progress=True):
@@ -160,6 +188,8 @@ class MetricsLogger:
         self._writer = None
         self._file = None
         self._bar = None
+        self._live = progress and stderr_is_a_terminal()
+        self._first_advance = None  # (step, time) of the first step: the time-left estimate starts there
         self._postfix = {}
         self._replaceable = set()
         if self._closed:
@@ -190,6 +220,8 @@ class MetricsLogger:
             self._writer.flush()
         if split == "train":
             self._update_postfix(values)
+            if self._progress and not self._live:
+                logger.info(self._progress_line(step))
 
     def rewind(self, step: int):
         """Continue a run resumed from its checkpoint at `step`: forget what was logged after it.
@@ -227,13 +259,29 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.set_postfix(self._postfix)
 
+    def _progress_line(self, step):
+        """ "step 20/100: loss 2.3456, lr 1.00e-03, tok/s 12,345, eta 0:01:23" (eta once a step was timed)."""
+        line = f"step {step}/{self._total_steps}" if self._total_steps else f"step {step}"
+        fields = [f"{label} {value}" for label, value in self._postfix.items()]
+        if self._total_steps and self._first_advance and step > self._first_advance[0]:
+            first_step, first_time = self._first_advance
+            seconds_per_step = (time.monotonic() - first_time) / (step - first_step)
+            left = round(seconds_per_step * (self._total_steps - step))
+            fields.append(f"eta {datetime.timedelta(seconds=left)}")
+        return f"{line}: {', '.join(fields)}" if fields else line
+
     def advance(self, step: int):
-        """Move the progress bar to `step` (the number of optimizer steps done)."""
+        """Move the progress to `step` (the number of optimizer steps done)."""
         if self._closed or not self._progress:
             return
+        if self._first_advance is None:
+            # Timed from the first step on: a resumed run's rate leaves out the jump, and every run's
+            # leaves out the first (compiling) step.
+            self._first_advance = (step, time.monotonic())
+        if not self._live:
+            return
         if self._bar is None:
-            # Created at the first step, starting there: a resumed run's bar starts at its step, and
-            # the rate leaves out both the jump and the first (compiling) step.
+            # Created at the first step, starting there, for the same reasons.
             self._bar = tqdm(total=self._total_steps, initial=step, unit="step", dynamic_ncols=True)
             self._bar.set_postfix(self._postfix)
         elif step > self._bar.n:

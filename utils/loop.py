@@ -136,9 +136,7 @@ class TrainLoop:
             # The first step includes compilation: time only what follows it.
             jax.block_until_ready(sums)
             self.throughput.start()
-            started = perf.seconds_since_start()
-            if started is not None:
-                logger.info("first step done %.1f s after start (compilation included)", started)
+            logger.info("first step done %.1f s after start (compilation included)", perf.seconds_since_start())
         else:
             self.throughput.update(self.tokens_per_step, self.examples_per_step)
         self.writer.advance(step)

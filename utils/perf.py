@@ -8,14 +8,15 @@ and anyone chasing a slow run: it watches every step a script's layout builds, w
 
 import contextlib
 import json
-import os
 import resource
 import runpy
 import sys
 import threading
+import time
 
 import jax
 
+import utils
 from utils import layout
 from utils.errors import run_main
 
@@ -107,15 +108,14 @@ class StepRecorder:
 
 
 def seconds_since_start():
-    """Wall-clock seconds since this process started (from Linux's /proc), or None elsewhere."""
-    try:
-        with open("/proc/self/stat", encoding="ascii") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the name
-        with open("/proc/uptime", encoding="ascii") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    """Seconds since this process first imported `utils` (the scripts do that first of all).
+
+    Not from the process's start as Linux records it (/proc/self/stat): that is the fork, so a launcher
+    that `exec`s Python after its own work (`sh -c "setup; exec python ..."`) would count that work
+    too, and Linux keeps no time of the exec. What is left out is the interpreter's own start before
+    the script's first line, a few tens of milliseconds.
+    """
+    return time.monotonic() - utils.IMPORTED_AT
 
 
 def peak_host_memory():
