@@ -32,6 +32,7 @@ SPLITS = ("train", "validation", "test")
 MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
           "November", "December"]
 ORG_SUFFIXES = ["Foods", "Bank", "Group", "Industries", "Media", "Motors", "Airlines", "Insurance"]
+PLACE_SUFFIXES = ["Bay", "Valley", "Island", "Hills"]
 ORG_PLACE_SUFFIXES = ["University", "Museum", "Hospital", "Orchestra", "Library"]
 
 # Words that are both a name and a place (Sofia) would need context to tag even in training.
@@ -80,6 +81,8 @@ def _person(rng, pool, previous_word):
 
 
 def _place(rng, pool, previous_word):
+    if rng.random() < 0.2:  # some two-word places, so the data has I-LOC too
+        return _entity([rng.choice(pool["place"]), rng.choice(PLACE_SUFFIXES)], "LOC")
     return _entity([rng.choice(pool["place"])], "LOC")
 
 
