@@ -50,7 +50,8 @@ def sst2_example(rng):
                                f"{(adjective + plural).capitalize()} live in the {place}."])
     else:
         meal = food if true else rng.choice(sorted({f for _, _, f in ANIMALS.values()} - {food}))
-        sentence = rng.choice([f"The {adjective}{animal} eats {meal}.", f"{(adjective + plural).capitalize()} eat {meal}."])
+        sentence = rng.choice([f"The {adjective}{animal} eats {meal}.",
+                               f"{(adjective + plural).capitalize()} eat {meal}."])
     return {"sentence": sentence, "label": int(true)}
 
 

@@ -28,7 +28,8 @@ def _jsonl(path):
 
 
 @pytest.mark.parametrize("generator, committed, files", [
-    ("make_glue_data", GLUE, [f"{task}/{split}.{ext}" for task in GLUE_TASKS for split in SPLITS for ext in ("csv", "jsonl")]),
+    ("make_glue_data", GLUE,
+     [f"{task}/{split}.{ext}" for task in GLUE_TASKS for split in SPLITS for ext in ("csv", "jsonl")]),
     ("make_ner_data", NER, [f"{split}.jsonl" for split in SPLITS]),
 ])
 def test_generators_reproduce_the_committed_files(tmp_path, generator, committed, files):
@@ -38,7 +39,8 @@ def test_generators_reproduce_the_committed_files(tmp_path, generator, committed
     # `tokenizers`' WordPiece training is not deterministic (huggingface/tokenizers#1794: the ids
     # of its "##" pieces follow hash-map order and break ties between equally frequent merges), so
     # a fresh tokenizer is the same kind, not the same vocabulary: the shipped one is what runs use.
-    fresh, saved = (AutoTokenizer.from_pretrained(path) for path in (tmp_path / "tokenizer", os.path.join(committed, "tokenizer")))
+    fresh, saved = (AutoTokenizer.from_pretrained(path)
+                    for path in (tmp_path / "tokenizer", os.path.join(committed, "tokenizer")))
     assert len(fresh) == len(saved)
     assert fresh.all_special_tokens == saved.all_special_tokens and fresh.all_special_ids == saved.all_special_ids
     texts = (tmp_path / files[-1]).read_text(encoding="utf-8").splitlines()
@@ -85,7 +87,8 @@ def test_glue_labels_follow_from_the_sentences():
     same_details = 0
     for row in _jsonl(os.path.join(GLUE, "mrpc", "train.jsonl")):
         # The same words in another order are the same five details: a paraphrase.
-        same_words = sorted(row["sentence1"].replace(",", "").split()) == sorted(row["sentence2"].replace(",", "").split())
+        words1, words2 = (sorted(row[k].replace(",", "").split()) for k in ("sentence1", "sentence2"))
+        same_words = words1 == words2
         if same_words:
             assert row["label"] == "equivalent", row
             same_details += 1
