@@ -3,18 +3,8 @@
 A script defines its loss and evaluate / predict functions and keeps its own loop; `make_steps`
 turns the loss into the state and the compiled train and eval steps, and `TrainingRun` does the
 rest in one order: resume (the last check), open the run directory and the checkpoints, feed the
-training batches, decide when to log, evaluate and save, and write the results.
-
-    state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data)
-    run = TrainingRun(training_args, all_args, plan, layout, train_data, is_main)
-    state = run.start(state, preflight.resume, config, model, tokenizer)
-    for step, batch in run.train_batches(seq_length):
-        state, sums = steps.train(state, batch)
-        run.after_step(step, sums)
-        if run.eval_due(step):
-            run.report("eval", evaluate(state.params))
-        run.save_if_due(step, state)
-    run.end_training(state)
+training batches, decide when to log, evaluate and save, and write the results. The Training
+section of any `run_*_flax.py` shows the loop they serve.
 """
 
 import logging
