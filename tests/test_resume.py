@@ -98,8 +98,8 @@ SCRIPTS = {
 # is the first 75 lines (86 blocks): a pass is 5 steps (2 with the fsdp run's batch of 32), so every
 # resume below continues across the end of a pass into the next, reshuffled one.
 STREAM_CORPUS = "the first lines of data/lm/train.txt"  # written by the `command` fixture
-SCRIPTS["clm stream"] = (SCRIPTS["clm"][0], [STREAM_CORPUS if arg == "data/lm/train.txt" else arg
-                                             for arg in SCRIPTS["clm"][1]] + ["--streaming", "--shuffle_buffer_size", 64])
+SCRIPTS["clm stream"] = (SCRIPTS["clm"][0], [STREAM_CORPUS if arg == "data/lm/train.txt" else arg for arg in
+                                             SCRIPTS["clm"][1]] + ["--streaming", "--shuffle_buffer_size", 64])
 SCRIPTS["clm"][1].extend(["--max_train_samples", 96])
 # The same run with the state split over the devices (one dropout key for the whole batch).
 SCRIPTS["clm fsdp"] = (SCRIPTS["clm"][0], SCRIPTS["clm"][1] + ["--sharding", "fsdp"])

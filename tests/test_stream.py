@@ -205,7 +205,8 @@ def test_passes_repeat_the_rows_without_the_held_out_ones(tmp_path, tokenizer, c
     np.testing.assert_array_equal(np.concatenate([b["input_ids"] for b in batches]), np.concatenate([one_pass] * 3))
     assert [int(b["index"][0]) for b in batches] == list(range(24))
     logged = [r.getMessage() for r in caplog.records if r.name == "utils.stream"]
-    assert logged == ["pass 2 of the training stream starts at step 9", "pass 3 of the training stream starts at step 17",
+    assert logged == ["pass 2 of the training stream starts at step 9",
+                      "pass 3 of the training stream starts at step 17",
                       "pass 3 of the training stream ended at step 24, the last of --max_stream_passes 3"]
 
 

@@ -114,6 +114,7 @@ order: the same on every process, but it depends on P.
 """
 
 import collections
+import contextlib
 import copy
 import csv
 import io
@@ -559,7 +560,7 @@ class Stream:
 
     def __init__(self, source, encoder, batch_size, shuffle_buffer_size=10000, seed=0, workers=1, state=None,
                  start=None, transform=None, queue_size=8, agree=all_processes_have, max_passes=1):
-        if batch_size <= 0 or shuffle_buffer_size < 0 or workers <= 0 or (max_passes is not None and max_passes <= 0):
+        if batch_size <= 0 or shuffle_buffer_size < 0 or workers <= 0 or (max_passes is not None and max_passes < 1):
             raise ValueError(f"batch_size {batch_size}, workers {workers} and max_passes {max_passes} must be "
                              f"positive, shuffle_buffer_size {shuffle_buffer_size} not negative")
         self.source, self.encoder, self.batch_size = source, encoder, batch_size
@@ -686,7 +687,7 @@ class Stream:
         rows = None
         groups = self._encoded_groups()
         try:
-            while self._pass <= self._reading:  # the consumer left this pass: what is left of it is not needed
+            while self._pass <= self._reading:  # until the consumer leaves this pass (its rest would be dropped)
                 size_before = size = self._size
                 while size < capacity and not self._exhausted:
                     if rows is None or used == len(rows[columns[0]]):
@@ -750,16 +751,17 @@ class Stream:
         index = self._step  # of the next batch, for `transform`; None until the consumer enters a new pass
         try:
             while True:
-                for event, batch in self._draw():
-                    if index is None:
-                        index = self._first_step_of(self._reading)
+                with contextlib.closing(self._draw()) as draws:  # closing it stops the tokenizer threads
+                    for event, batch in draws:
                         if index is None:
+                            index = self._first_step_of(self._reading)
+                            if index is None:
+                                return
+                        if self.transform:
+                            batch = self.transform(batch, index)
+                        if not self._put(_Batch(self._reading, event, batch)):
                             return
-                    if self.transform:
-                        batch = self.transform(batch, index)
-                    if not self._put(_Batch(self._reading, event, batch)):
-                        return
-                    index += 1
+                        index += 1
                 if not self._put(_PassEnd(self._reading)) or self._reading == self.max_passes:
                     return
                 self._next_pass()
