@@ -215,7 +215,7 @@ def main(argv=None):
             reason = loop.save_reason(step)
             if reason:
                 saver.save(step, state, reason)
-        saver.save_if_the_data_ran_out(loop.step, state)  # a stream that ran dry stopped every process early
+        saver.save_if_the_data_ran_out(loop.step, state)  # --max_stream_passes may end a stream early
         # A stream has no size: its examples are the steps'.
         run_dir.add_results(train_runtime=round(time.time() - train_start, 2),
                             train_samples=train_data.size or loop.examples_trained)
