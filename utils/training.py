@@ -155,9 +155,9 @@ class TrainingRun:
             self.saver.save(step, state, reason)
 
     def end_training(self, state):
-        """After the loop: a stream that ran dry saves where it stopped; train_runtime and
-        train_samples go into the results."""
-        self.saver.save_if_the_data_ran_out(self.step, state)  # a stream that ran dry stopped every process early
+        """After the loop: a stream that ended before the last step (`--max_stream_passes`) saves
+        where it stopped; train_runtime and train_samples go into the results."""
+        self.saver.save_if_the_data_ran_out(self.step, state)  # --max_stream_passes may end a stream early
         # A stream has no size: its examples are the steps'.
         self.dir.add_results(train_runtime=round(time.time() - self._train_start, 2),
                              train_samples=self.train_data.size or self.loop.examples_trained)
