@@ -13,12 +13,9 @@ import utils  # noqa: F401  first of all: start-up is timed from here (utils.per
 
 import os
 import sys
-import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Optional
 
-import jax
 import numpy as np
 from transformers import FlaxAutoModelForSeq2SeqLM
 
@@ -26,17 +23,13 @@ from utils import data, devices
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
-from utils.logging import throughput_meter
-from utils.loop import InMemoryData, TrainLoop, eval_batches, host_means
+from utils.loop import InMemoryData, host_means
 from utils.metrics import rouge
 from utils.models import (decoder_input_ids, enable_gradient_checkpointing, fit_config_to_tokenizer, fit_length,
                           load_config, load_model, load_tokenizer, max_positions)
-from utils.optim import create_optimizer, learning_rate_schedule
-from utils.resume import resume_or_start, run_fingerprint
 from utils.run import SPLIT_FLAGS, check_before_work, needed_splits, set_up, training_plan
-from utils.rundir import RunDirectory
-from utils.saving import Saver
-from utils.steps import cross_entropy_sums, token_weighted_grads
+from utils.steps import cross_entropy_sums
+from utils.training import TrainingRun, make_steps
 
 # (document column, summary column) of well-known hub datasets.
 SUMMARIZATION_COLUMNS = {
@@ -197,8 +190,7 @@ def main(argv=None):
         if len(usable[split]) == 0:
             raise UsageError(f"the {split} data has no usable examples (all documents or summaries are empty)")
     # Before the model: too few examples for one batch fails now.
-    train_batch_size, steps_per_epoch, total_steps = (
-        training_plan(training_args, len(usable["train"])) if training_args.do_train else (0, 0, 0))
+    plan = training_plan(training_args, len(usable["train"]) if training_args.do_train else None)
 
     # ------------------------------------------------------------------------------------------
     # Model, preprocessing
@@ -214,32 +206,20 @@ def main(argv=None):
         dataset = preprocess(usable[split], tokenizer, config, data_args, text_column, summary_column, target_length)
         arrays[split], sizes[split] = data.to_arrays(dataset, INPUT_COLUMNS), len(dataset)
         logger.info("%s: %d examples", split, len(dataset))
+    train_data = InMemoryData(arrays["train"], sizes["train"]) if training_args.do_train else None
 
     # ------------------------------------------------------------------------------------------
-    # Optimizer, state, steps (placed and compiled by the layout)
+    # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
-    eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
-    schedule = learning_rate_schedule(training_args.lr_scheduler_type, training_args.learning_rate,
-                                      training_args.warmup_steps, max(total_steps, 1))
-    state = layout.create_state(model.__call__, params, create_optimizer(training_args, schedule), training_args.seed)
-    accumulation, label_smoothing = training_args.gradient_accumulation_steps, training_args.label_smoothing_factor
+    label_smoothing = training_args.label_smoothing_factor
 
     def loss_fn(params, batch, dropout_rng, train):
         inputs = {k: batch[k] for k in MODEL_INPUTS}
-        logits = state.apply_fn(**inputs, params=params, dropout_rng=dropout_rng, train=train)[0]
+        logits = model(**inputs, params=params, dropout_rng=dropout_rng, train=train)[0]
         return summary_loss(logits, batch["labels"], batch["decoder_attention_mask"], batch.get("example_weight"),
                             label_smoothing if train else 0.0)
 
-    def train_step(state, batch):
-        dropout_rng, state = state.next_dropout_rng()
-        grads, sums = token_weighted_grads(partial(loss_fn, train=True), state.params, batch, dropout_rng,
-                                           accumulation, layout)
-        return state.apply_gradients(grads=grads), sums
-
-    def eval_step(params, batch):
-        _, sums = loss_fn(params, batch, None, train=False)
-        return layout.batch_sum(sums)
-
+    state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data)
     generate_kwargs = {"max_length": data_args.val_max_target_length,
                        "num_beams": data_args.num_beams or model.config.num_beams}
 
@@ -248,33 +228,16 @@ def main(argv=None):
                                 **generate_kwargs)
         return output.sequences
 
-    if training_args.do_train:  # compiled now: its device memory is known (and checked) before anything is written
-        train_data = InMemoryData(arrays["train"], sizes["train"])
-        p_train_step = layout.compile_train_step(train_step, state, train_data.example_batch(train_batch_size),
-                                                 accumulation)
-    p_eval_step = layout.compile_step("eval_step", eval_step)
     p_generate_step = layout.compile_step("generate_step", generate_step)
 
-    # ------------------------------------------------------------------------------------------
-    # Resume, run directory, checkpoints
-    # ------------------------------------------------------------------------------------------
-    fingerprint = run_fingerprint(config, training_args, layout, sizes.get("train"))
-    state, start_step = resume_or_start(preflight.resume, fingerprint, state, total_steps, layout)  # the last check
-    # Nothing has been written so far: a run that stops on a check leaves --output_dir as it was.
-    run_dir = RunDirectory(training_args, (model_args, data_args, training_args), model, tokenizer, is_main,
-                           total_steps, preflight.resume, layout.train_step_memory)
-    if training_args.do_train:
-        saver = Saver(training_args, run_dir, layout, train_data, fingerprint, steps_per_epoch, total_steps, start_step,
-                      is_main)
-
-    def evaluate(split):
+    def evaluate(params, split):
         """Token-weighted loss, the summary tokens scored, and with `predict_with_generate` ROUGE, gen_len
         and the texts."""
         sums, predictions = [], []
-        for batch, valid in eval_batches(arrays[split], sizes[split], eval_batch_size, layout):
-            sums.append(p_eval_step(state.params, batch))
+        for batch, valid in steps.eval_batches(arrays[split], sizes[split]):
+            sums.append(steps.eval(params, batch))
             if data_args.predict_with_generate:
-                ids = layout.rows_to_host(p_generate_step(state.params, batch))
+                ids = layout.rows_to_host(p_generate_step(params, batch))
                 predictions.extend(ids[:valid])
         metrics = {**host_means(sums, keep_tokens=True), "samples": sizes[split]}
         if not data_args.predict_with_generate:
@@ -286,46 +249,35 @@ def main(argv=None):
         return metrics, texts
 
     # ------------------------------------------------------------------------------------------
+    # Resume (the last check), run directory, checkpoints
+    # ------------------------------------------------------------------------------------------
+    run = TrainingRun(training_args, (model_args, data_args, training_args), plan, layout, train_data, is_main)
+    state = run.start(state, preflight.resume, config, model, tokenizer)
+
+    # ------------------------------------------------------------------------------------------
     # Training
     # ------------------------------------------------------------------------------------------
-    last_eval_step = None
     if training_args.do_train:
-        logger.info("training: %d steps (%d per epoch), global batch %d = %d per device x %d devices x %d",
-                    total_steps, steps_per_epoch, train_batch_size, training_args.per_device_train_batch_size,
-                    jax.device_count(), accumulation)
         # Throughput counts source tokens; flops_per_token charges the decoder's work to them.
-        loop = TrainLoop(training_args, steps_per_epoch, total_steps, start_step, schedule, run_dir,
-                         throughput_meter(config, data_args.max_source_length, data_args.max_target_length),
-                         tokens_per_step=train_batch_size * data_args.max_source_length,
-                         examples_per_step=train_batch_size)
-        batches = train_data.batches(train_batch_size, training_args.seed, steps_per_epoch, start_step, total_steps,
-                                     layout)
-        train_start = time.time()
-        for step, batch in enumerate(batches, start=start_step + 1):
-            state, sums = p_train_step(state, batch)
-            loop.after_step(step, sums)
-            if loop.eval_due(step):
-                run_dir.report("eval", evaluate("validation")[0], step)
-                last_eval_step = step
-            reason = loop.save_reason(step)
-            if reason:
-                saver.save(step, state, reason)
-        run_dir.add_results(train_runtime=round(time.time() - train_start, 2), train_samples=sizes["train"])
+        for step, batch in run.train_batches(data_args.max_source_length, data_args.max_target_length):
+            state, sums = steps.train(state, batch)
+            run.after_step(step, sums)
+            if run.eval_due(step):
+                run.report("eval", evaluate(state.params, "validation")[0])
+            run.save_if_due(step, state)
+        run.end_training(state)
 
     # ------------------------------------------------------------------------------------------
     # Final evaluation, prediction, result files
     # ------------------------------------------------------------------------------------------
-    final_step = loop.step if training_args.do_train else start_step
-    if training_args.do_eval and last_eval_step != final_step:
-        run_dir.report("eval", evaluate("validation")[0], final_step)
+    if run.final_eval_due():
+        run.report("eval", evaluate(state.params, "validation")[0])
     if training_args.do_predict:
-        metrics, texts = evaluate("test")
-        run_dir.report("test", metrics, final_step)
+        metrics, texts = evaluate(state.params, "test")
+        run.report("test", metrics)
         if texts is not None:
-            run_dir.write_text("generated_predictions.txt", texts)
-    if training_args.do_train:
-        saver.close()  # the last checkpoint is complete before the results say the run is done
-    run_dir.finish()
+            run.write_text("generated_predictions.txt", texts)
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -17,11 +17,8 @@ in `utils/`.
 import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
 
 import sys
-import time
 from dataclasses import dataclass, field
-from functools import partial
 
-import jax
 import jax.numpy as jnp
 from transformers import FlaxAutoModelForSeq2SeqLM
 
@@ -29,18 +26,13 @@ from utils import devices, lm, stream
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
-from utils.logging import throughput_meter
-from utils.loop import TrainLoop, eval_batches, host_means
 from utils.metrics import perplexity
 from utils.models import (enable_gradient_checkpointing, fit_config_to_tokenizer, fit_length, load_config,
                           load_model, load_tokenizer, max_positions)
-from utils.optim import create_optimizer, learning_rate_schedule
-from utils.resume import resume_or_start, run_fingerprint
 from utils.run import set_up, training_plan
-from utils.rundir import RunDirectory
-from utils.saving import Saver
 from utils.span_corruption import plan_span_corruption, span_corruption, span_corruption_lengths
-from utils.steps import cross_entropy_sums, token_weighted_grads
+from utils.steps import cross_entropy_sums
+from utils.training import TrainingRun, make_steps
 
 # The families with sentinel-token pretraining and a Flax class in transformers 4.57 (UMT5 has none).
 MODEL_TYPES = ("t5", "mt5", "longt5")
@@ -132,8 +124,7 @@ def main(argv=None):
             lambda split: f"the {split} data has fewer than {raw_length} tokens, the raw block that --max_seq_length "
                           f"{seq_length} needs: lower --max_seq_length or add text")
     eval_size = len(eval_arrays["input_ids"]) if eval_arrays is not None else 0
-    train_batch_size, steps_per_epoch, total_steps = (
-        training_plan(training_args, train_data.size) if training_args.do_train else (0, 0, 0))
+    plan = training_plan(training_args, train_data and train_data.size)
 
     model, params = load_model(FlaxAutoModelForSeq2SeqLM, model_args, config, devices.to_dtype(model_args.dtype),
                                training_args.seed, layout)
@@ -141,94 +132,49 @@ def main(argv=None):
         enable_gradient_checkpointing(model)
 
     # ------------------------------------------------------------------------------------------
-    # Optimizer, state, steps (placed and compiled by the layout)
+    # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
-    eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
-    schedule = learning_rate_schedule(training_args.lr_scheduler_type, training_args.learning_rate,
-                                      training_args.warmup_steps, max(total_steps, 1))
-    state = layout.create_state(model.__call__, params, create_optimizer(training_args, schedule), training_args.seed)
-    accumulation, label_smoothing = training_args.gradient_accumulation_steps, training_args.label_smoothing_factor
+    label_smoothing = training_args.label_smoothing_factor
 
     def loss_fn(params, batch, dropout_rng, train):
         # No attention masks: inputs and targets are all real tokens, of fixed lengths.
-        logits = state.apply_fn(batch["input_ids"], decoder_input_ids=batch["decoder_input_ids"], params=params,
-                                dropout_rng=dropout_rng, train=train)[0]
+        logits = model(batch["input_ids"], decoder_input_ids=batch["decoder_input_ids"], params=params,
+                       dropout_rng=dropout_rng, train=train)[0]
         return span_target_loss(logits, batch["labels"], batch.get("example_weight"),
                                 label_smoothing if train else 0.0)
 
-    def train_step(state, batch):
-        dropout_rng, state = state.next_dropout_rng()
-        grads, sums = token_weighted_grads(partial(loss_fn, train=True), state.params, batch, dropout_rng,
-                                           accumulation, layout)
-        return state.apply_gradients(grads=grads), sums
+    state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data, train_corruption)
 
-    def eval_step(params, batch):
-        _, sums = loss_fn(params, batch, None, train=False)
-        return layout.batch_sum(sums)
-
-    if training_args.do_train:  # compiled now: its device memory is known (and checked) before anything is written
-        p_train_step = layout.compile_train_step(
-            train_step, state, train_data.example_batch(train_batch_size, train_corruption), accumulation)
-    p_eval_step = layout.compile_step("eval_step", eval_step)
-
-    # ------------------------------------------------------------------------------------------
-    # Resume, run directory, checkpoints
-    # ------------------------------------------------------------------------------------------
-    fingerprint = run_fingerprint(config, training_args, layout, train_data and (train_data.size or "streamed"))
-    state, start_step = resume_or_start(preflight.resume, fingerprint, state, total_steps, layout,  # the last check
-                                        train_data)
-    # Nothing has been written so far: a run that stops on a check leaves --output_dir as it was.
-    run_dir = RunDirectory(training_args, (model_args, data_args, training_args), model, tokenizer, is_main,
-                           total_steps, preflight.resume, layout.train_step_memory)
-    if training_args.do_train:
-        saver = Saver(training_args, run_dir, layout, train_data, fingerprint, steps_per_epoch, total_steps, start_step,
-                      is_main)
-
-    def evaluate():
+    def evaluate(params):
         """Token-weighted loss and accuracy over every target token of the corrupted validation blocks
         (the same corruption every time), and how many target tokens that is."""
-        sums = [p_eval_step(state.params, batch) for batch, _ in
-                eval_batches(eval_arrays, eval_size, eval_batch_size, layout, transform=eval_corruption)]
-        metrics = host_means(sums, keep_tokens=True)
+        metrics, _ = steps.evaluate(params, eval_arrays, eval_size, transform=eval_corruption)
         return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": eval_size}
+
+    # ------------------------------------------------------------------------------------------
+    # Resume (the last check), run directory, checkpoints
+    # ------------------------------------------------------------------------------------------
+    run = TrainingRun(training_args, (model_args, data_args, training_args), plan, layout, train_data, is_main)
+    state = run.start(state, preflight.resume, config, model, tokenizer)
 
     # ------------------------------------------------------------------------------------------
     # Training
     # ------------------------------------------------------------------------------------------
-    last_eval_step = None
     if training_args.do_train:
-        logger.info("training: %d steps (%d per epoch), global batch %d = %d per device x %d devices x %d",
-                    total_steps, steps_per_epoch, train_batch_size, training_args.per_device_train_batch_size,
-                    jax.device_count(), accumulation)
-        loop = TrainLoop(training_args, steps_per_epoch, total_steps, start_step, schedule, run_dir,
-                         throughput_meter(config, seq_length, target_length),
-                         tokens_per_step=train_batch_size * seq_length, examples_per_step=train_batch_size)
-        batches = train_data.batches(train_batch_size, training_args.seed, steps_per_epoch, start_step, total_steps,
-                                     layout, transform=train_corruption)
-        train_start = time.time()
-        for step, batch in enumerate(batches, start=start_step + 1):
-            state, sums = p_train_step(state, batch)
-            loop.after_step(step, sums)
-            if loop.eval_due(step):
-                run_dir.report("eval", evaluate(), step)
-                last_eval_step = step
-            reason = loop.save_reason(step)
-            if reason:
-                saver.save(step, state, reason)
-        saver.save_if_the_data_ran_out(loop.step, state)  # --max_stream_passes may end a stream early
-        # A stream has no size: its examples are the steps'.
-        run_dir.add_results(train_runtime=round(time.time() - train_start, 2),
-                            train_samples=train_data.size or loop.examples_trained)
+        for step, batch in run.train_batches(seq_length, target_length, transform=train_corruption):
+            state, sums = steps.train(state, batch)
+            run.after_step(step, sums)
+            if run.eval_due(step):
+                run.report("eval", evaluate(state.params))
+            run.save_if_due(step, state)
+        run.end_training(state)
 
     # ------------------------------------------------------------------------------------------
     # Final evaluation, result files
     # ------------------------------------------------------------------------------------------
-    final_step = loop.step if training_args.do_train else start_step
-    if training_args.do_eval and last_eval_step != final_step:
-        run_dir.report("eval", evaluate(), final_step)
-    if training_args.do_train:
-        saver.close()  # the last checkpoint is complete before the results say the run is done
-    run_dir.finish()
+    if run.final_eval_due():
+        run.report("eval", evaluate(state.params))
+    run.finish()
 
 
 if __name__ == "__main__":

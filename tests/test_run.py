@@ -75,7 +75,11 @@ def test_explicit_output_dir_without_a_checkpoint_says_what_happened(tmp_path):
 def test_training_plan():
     args = TrainingArguments(output_dir="out", do_train=True, per_device_train_batch_size=2,
                              gradient_accumulation_steps=3, num_train_epochs=2)
-    assert training_plan(args, 100) == (48, 2, 4)  # 2 x 8 devices x 3; 100 // 48 steps per epoch
-    assert training_plan(TrainingArguments(output_dir="out", do_train=True, max_steps=7), 64) == (64, 1, 7)
+    plan = training_plan(args, 100)
+    assert plan[:3] == (48, 2, 4)  # 2 x 8 devices x 3; 100 // 48 steps per epoch
+    # linear decay to 0 at the last of the 4 steps, from 5e-5 (the default learning rate, no warmup)
+    assert [float(plan.schedule(step)) for step in (0, 2, 4)] == pytest.approx([5e-5, 2.5e-5, 0.0])
+    assert training_plan(TrainingArguments(output_dir="out", do_train=True, max_steps=7), 64)[:3] == (64, 1, 7)
+    assert training_plan(TrainingArguments(output_dir="out", do_eval=True), None)[:3] == (0, 0, 0)
     with pytest.raises(UsageError, match="47 training examples are fewer than one global batch of 48"):
         training_plan(args, 47)

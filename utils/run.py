@@ -1,6 +1,6 @@
 """The start of every `run_*_flax.py`: the checks before any work, set-up, and the training plan.
 
-The run's outputs come after (`utils.rundir`, `utils.saving`), once `utils.resume.check_resume`,
+The run's outputs come after (`utils.training.TrainingRun`), once `utils.resume.resume_or_start`,
 the last check, has passed.
 """
 
@@ -16,6 +16,7 @@ from utils.args import check_output_dir, check_phases
 from utils.checkpoint import checkpoint_steps, find_checkpoint_dir
 from utils.errors import UsageError
 from utils.logging import setup_logging
+from utils.optim import learning_rate_schedule
 from utils.resume import find_checkpoint
 from utils.rundir import check_replaceable
 
@@ -101,9 +102,27 @@ def fit_batch_to_devices(training_args):
     training_args.per_device_train_batch_size = total // (devices * accumulation)
 
 
+class TrainingPlan(NamedTuple):
+    batch_size: int  # global, accumulation included
+    steps_per_epoch: int
+    total_steps: int  # optimizer steps
+    schedule: object  # the learning rate at each optimizer step (`utils.optim.learning_rate_schedule`)
+
+
 def training_plan(training_args, num_train_examples):
-    """(global train batch, steps per epoch, total optimizer steps). A stream (`num_train_examples`
-    None) has no epochs: one of `--max_steps`."""
+    """The `TrainingPlan`; no steps when not training (`num_train_examples` is then not looked at).
+    A stream (`num_train_examples` None) has no epochs: one of `--max_steps`."""
+    if not training_args.do_train:
+        batch, steps_per_epoch, total = 0, 0, 0
+    else:
+        batch, steps_per_epoch, total = _train_steps(training_args, num_train_examples)
+    schedule = learning_rate_schedule(training_args.lr_scheduler_type, training_args.learning_rate,
+                                      training_args.warmup_steps, max(total, 1))
+    return TrainingPlan(batch, steps_per_epoch, total, schedule)
+
+
+def _train_steps(training_args, num_train_examples):
+    """(global train batch, steps per epoch, total optimizer steps)."""
     batch = devices.global_batch_size(training_args.per_device_train_batch_size,
                                        training_args.gradient_accumulation_steps)
     if num_train_examples is None:

@@ -1,0 +1,163 @@
+"""utils/training.py: steps built from a loss (vs a hand-written step), per-row eval outputs, and a
+whole run's bookkeeping (when it evaluates, saves, and what it writes)."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from transformers import PretrainedConfig
+
+from utils import rundir, saving
+from utils.args import TrainingArguments
+from utils.layout import DataParallel
+from utils.loop import InMemoryData
+from utils.run import training_plan
+from utils.steps import cross_entropy_sums
+from utils.training import TrainingRun, make_steps
+
+N, DIM, CLASSES, EXAMPLES = 8, 3, 4, 16
+
+
+class TinyModel:
+    """Logits = features @ w: a model whose gradient numpy can check, with a `save_pretrained`."""
+
+    config = PretrainedConfig()
+
+    def __call__(self, features, params, dropout_rng=None, train=False):
+        return (features @ params["w"],)
+
+    def save_pretrained(self, directory, params):
+        np.save(os.path.join(directory, "weights.npy"), np.asarray(params["w"]))
+
+
+MODEL = TinyModel()
+
+
+def loss_fn(params, batch, dropout_rng, train):
+    logits = MODEL(batch["features"], params=params)[0]
+    weights = batch.get("example_weight", jnp.ones(len(logits)))
+    loss, tokens = cross_entropy_sums(logits, batch["labels"], weights)
+    return loss, {"loss": loss, "tokens": tokens}
+
+
+def predicted_class(params, batch):
+    return MODEL(batch["features"], params=params)[0].argmax(-1)
+
+
+def examples(count=EXAMPLES, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"features": rng.normal(size=(count, DIM)).astype(np.float32),
+            "labels": rng.integers(0, CLASSES, size=count).astype(np.int32)}
+
+
+def init_params():
+    return {"w": np.random.default_rng(1).normal(size=(DIM, CLASSES)).astype(np.float32)}
+
+
+def args(tmp_path, **overrides):
+    # A large adam epsilon makes the first update ~ lr * gradient (not its sign): it checks the gradient's values.
+    values = dict(output_dir=str(tmp_path / "out"), do_train=True, per_device_train_batch_size=1,
+                  per_device_eval_batch_size=1, learning_rate=0.1, adam_epsilon=1.0, weight_decay=0.0,
+                  num_train_epochs=1)
+    return TrainingArguments(**{**values, **overrides})
+
+
+def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_train_step_is_the_hand_written_step(tmp_path):
+    training_args = args(tmp_path)
+    data = InMemoryData(examples(), EXAMPLES)
+    plan = training_plan(training_args, EXAMPLES)
+    layout = DataParallel()
+    state, steps = make_steps(loss_fn, MODEL, init_params(), layout, training_args, plan, data)
+    batch = data.example_batch(plan.batch_size)
+    state, sums = steps.train(state, layout.place_batch(batch))
+
+    # By hand, in numpy: the mean token loss over the whole global batch, its gradient, one AdamW step.
+    w = init_params()["w"].astype(np.float64)
+    x, y = batch["features"].astype(np.float64), batch["labels"]
+    probs = np.exp(log_softmax(x @ w))
+    loss = -log_softmax(x @ w)[np.arange(N), y].sum()
+    grad = x.T @ (probs - np.eye(CLASSES)[y]) / N
+    tx = optax.adamw(0.1, eps=1.0, weight_decay=0.0)  # the linear schedule starts at its peak
+    update, _ = tx.update({"w": grad}, tx.init({"w": grad}), {"w": w})
+    # float32 forward/backward and psum over 8 devices vs float64 in one sum: a few float32 eps.
+    np.testing.assert_allclose(np.asarray(state.params["w"])[0], w + update["w"], rtol=1e-5, atol=1e-6)
+    assert float(np.asarray(sums["loss"])[0]) == pytest.approx(loss, rel=1e-5)  # same: float32 vs float64
+    assert float(np.asarray(sums["tokens"])[0]) == N
+    assert int(np.asarray(state.step)[0]) == 1
+
+
+def test_eval_with_predict_fn_gives_every_real_row_once(tmp_path):
+    training_args = args(tmp_path, do_train=False, do_eval=True)
+    layout = DataParallel()
+    params = init_params()
+    state, steps = make_steps(loss_fn, MODEL, params, layout, training_args, training_plan(training_args, None),
+                              predict_fn=predicted_class)
+    assert steps.train is None
+    arrays = examples(10, seed=2)  # 10 rows: a full batch of 8, then 2 real rows and 6 padded
+    means, rows = steps.evaluate(state.params, arrays, 10)
+    logits = arrays["features"].astype(np.float64) @ params["w"]
+    np.testing.assert_array_equal(np.asarray(rows), logits.argmax(-1))
+    expected = -log_softmax(logits)[np.arange(10), arrays["labels"]].mean()
+    assert means["tokens"] == 10  # padded rows weigh 0
+    assert means["loss"] == pytest.approx(expected, rel=1e-5)  # float32 vs float64
+    _, plain = make_steps(loss_fn, MODEL, params, layout, training_args, training_plan(training_args, None))
+    assert plain.evaluate(state.params, arrays, 10) == (means, None)
+
+
+def run_to_the_end(training_args, train_data, evaluate_at=None):
+    """The loop every script writes; returns the run."""
+    layout = DataParallel()
+    plan = training_plan(training_args, train_data and train_data.size)
+    state, steps = make_steps(loss_fn, MODEL, init_params(), layout, training_args, plan, train_data)
+    arrays = examples(10, seed=3)
+
+    def evaluate(params):
+        return steps.evaluate(params, arrays, 10)[0]
+
+    run = TrainingRun(training_args, (training_args,), plan, layout, train_data, is_main=True)
+    state = run.start(state, None, MODEL.config, MODEL, None)
+    if training_args.do_train:
+        for step, batch in run.train_batches(1):
+            state, sums = steps.train(state, batch)
+            run.after_step(step, sums)
+            if run.eval_due(step):
+                run.report("eval", evaluate(state.params))
+            run.save_if_due(step, state)
+        run.end_training(state)
+    final_eval = run.final_eval_due()
+    if final_eval:
+        run.report("eval", evaluate(state.params))
+    run.finish()
+    return run, final_eval
+
+
+def test_a_run_evaluates_saves_and_writes_its_results_when_due(tmp_path, monkeypatch):
+    for module in (rundir, saving):  # run_main's list, which nothing here drains
+        monkeypatch.setattr(module, "at_exit", lambda callback: None)
+    # 16 examples, global batch 8: 2 steps per epoch, 3 epochs; eval at epoch ends, saves every 4 steps and at the end
+    training_args = args(tmp_path, do_eval=True, num_train_epochs=3, save_steps=4, logging_steps=1)
+    run, final_eval = run_to_the_end(training_args, InMemoryData(examples(), EXAMPLES))
+    out = training_args.output_dir
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [line["step"] for line in lines if line["split"] == "eval"] == [2, 4, 6]
+    assert [line["step"] for line in lines if line["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert sorted(int(name) for name in os.listdir(os.path.join(out, "checkpoints")) if name.isdigit()) == [4, 6]
+    assert run.step == 6 and not final_eval  # step 6 was evaluated in the loop
+    results = json.load(open(os.path.join(out, "all_results.json")))
+    assert results["train_samples"] == EXAMPLES and "eval_loss" in results and results["train_runtime"] >= 0
+
+    # Evaluation only, of the same directory: nothing in a loop, so the final evaluation at step 0.
+    eval_args = args(tmp_path, do_train=False, do_eval=True)
+    run, final_eval = run_to_the_end(eval_args, None)
+    assert run.step == 0 and final_eval
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [(line["split"], line["step"]) for line in lines if line["split"] == "eval"][-1] == ("eval", 0)

@@ -1,0 +1,182 @@
+"""The spine every `run_*_flax.py` shares: its steps built from its loss, and the run's bookkeeping.
+
+A script defines its loss and evaluate / predict functions and keeps its own loop; `make_steps`
+turns the loss into the state and the compiled train and eval steps, and `TrainingRun` does the
+rest in one order: resume (the last check), open the run directory and the checkpoints, feed the
+training batches, decide when to log, evaluate and save, and write the results. The Training
+section of any `run_*_flax.py` shows the loop they serve.
+"""
+
+import logging
+import time
+from functools import partial
+
+import jax
+
+from utils import devices
+from utils.logging import throughput_meter
+from utils.loop import TrainLoop, eval_batches, host_means
+from utils.optim import create_optimizer
+from utils.resume import resume_or_start, run_fingerprint
+from utils.rundir import RunDirectory
+from utils.saving import Saver
+from utils.steps import token_weighted_grads
+
+logger = logging.getLogger(__name__)
+
+
+class Steps:
+    """A script's compiled steps (see `make_steps`).
+
+    `train(state, batch) -> (state, sums)`, None when not training; `eval(params, batch) -> sums`,
+    or `(sums, rows)` with a `predict_fn`. Sums are over the global batch.
+    """
+
+    def __init__(self, train, eval, layout, eval_batch_size, predicts):
+        self.train, self.eval, self.layout = train, eval, layout
+        self.eval_batch_size, self.predicts = eval_batch_size, predicts
+
+    def eval_batches(self, arrays, num_examples, transform=None):
+        """(placed batch, valid rows) of every eval batch, the last one padded (`utils.loop.eval_batches`)."""
+        return eval_batches(arrays, num_examples, self.eval_batch_size, self.layout, transform)
+
+    def evaluate(self, params, arrays, num_examples, transform=None):
+        """(token-weighted means of the eval sums over every example, "tokens" included; with a
+        `predict_fn` the per-row outputs of the real rows, in order, on the host, else None)."""
+        sums, rows = [], []
+        for batch, valid in self.eval_batches(arrays, num_examples, transform):
+            if self.predicts:
+                batch_sums, batch_rows = self.eval(params, batch)
+                rows.extend(self.layout.rows_to_host(batch_rows)[:valid])
+            else:
+                batch_sums = self.eval(params, batch)
+            sums.append(batch_sums)
+        return host_means(sums, keep_tokens=True), (rows if self.predicts else None)
+
+
+def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=None, transform=None,
+               predict_fn=None):
+    """(train state, `Steps`) for a script's loss, placed and compiled by `layout`.
+
+    `loss_fn(params, batch, dropout_rng, train) -> (loss sum, sums)` with at least "loss" and
+    "tokens" in `sums` (`utils.steps.token_weighted_grads`). The optimizer follows `plan`'s
+    learning-rate schedule. When training, the train step is compiled now, for batches like
+    `train_data`'s (after `transform`): its device memory is known, and checked, before anything is
+    written. `predict_fn(params, batch) -> [rows, ...]` (class ids, logits, tags) makes the eval
+    step return its per-row outputs beside the sums, in the same compiled step.
+    """
+    state = layout.create_state(model.__call__, params, create_optimizer(training_args, plan.schedule),
+                                training_args.seed)
+    accumulation = training_args.gradient_accumulation_steps
+
+    def train_step(state, batch):
+        dropout_rng, state = state.next_dropout_rng()
+        grads, sums = token_weighted_grads(partial(loss_fn, train=True), state.params, batch, dropout_rng,
+                                           accumulation, layout)
+        return state.apply_gradients(grads=grads), sums
+
+    def eval_step(params, batch):
+        _, sums = loss_fn(params, batch, None, train=False)
+        if predict_fn is None:
+            return layout.batch_sum(sums)
+        return layout.batch_sum(sums), predict_fn(params, batch)
+
+    p_train_step = None
+    if training_args.do_train:
+        p_train_step = layout.compile_train_step(train_step, state,
+                                                 train_data.example_batch(plan.batch_size, transform), accumulation)
+    p_eval_step = layout.compile_step("eval_step", eval_step)
+    eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
+    return state, Steps(p_train_step, p_eval_step, layout, eval_batch_size, predict_fn is not None)
+
+
+class TrainingRun:
+    """One run's bookkeeping from its last check to its result files, in the order every script
+    follows: `start` (resume or start afresh, then open the run directory and the checkpoints),
+    `train_batches` / `after_step` / `eval_due` / `report` / `save_if_due` in the script's loop,
+    `end_training`, the final `report`s, `finish`.
+
+    `plan` is the `utils.run.TrainingPlan`; `train_data` the `utils.loop.InMemoryData` or
+    `utils.stream.StreamedData` (None when not training). `step` is the last step finished: the
+    step results are reported at.
+    """
+
+    def __init__(self, training_args, all_args, plan, layout, train_data, is_main):
+        self.args, self.all_args, self.plan, self.layout = training_args, all_args, plan, layout
+        self.train_data, self.is_main = train_data, is_main
+        self.step = None
+        self._last_eval_step = None
+
+    def start(self, state, resume, config, model, tokenizer):
+        """The state to train or evaluate from: the checkpoint `resume` names, restored after the last
+        check (`utils.resume.resume_or_start`), or `state`. Only then are the run directory and,
+        when training, the checkpoints opened: a run that stops on a check leaves --output_dir as it
+        was."""
+        args, plan, train_data = self.args, self.plan, self.train_data
+        self.config = config
+        fingerprint = run_fingerprint(config, args, self.layout, train_data and (train_data.size or "streamed"))
+        state, self.start_step = resume_or_start(resume, fingerprint, state, plan.total_steps, self.layout, train_data)
+        self.step = self.start_step
+        self.dir = RunDirectory(args, self.all_args, model, tokenizer, self.is_main, plan.total_steps, resume,
+                                self.layout.train_step_memory)
+        if args.do_train:
+            self.saver = Saver(args, self.dir, self.layout, train_data, fingerprint, plan.steps_per_epoch,
+                               plan.total_steps, self.start_step, self.is_main)
+        return state
+
+    def train_batches(self, seq_length, decoder_seq_length=None, transform=None):
+        """(step, batch placed on the devices) from the step after the start on; `transform(batch,
+        step, row_ids)` runs on the host first (e.g. masking). Throughput counts `seq_length` tokens
+        per example; FLOPs also the decoder's `decoder_seq_length`."""
+        args, plan = self.args, self.plan
+        logger.info("training: %d steps (%d per epoch), global batch %d = %d per device x %d devices x %d",
+                    plan.total_steps, plan.steps_per_epoch, plan.batch_size, args.per_device_train_batch_size,
+                    jax.device_count(), args.gradient_accumulation_steps)
+        self.loop = TrainLoop(args, plan.steps_per_epoch, plan.total_steps, self.start_step, plan.schedule, self.dir,
+                              throughput_meter(self.config, seq_length, decoder_seq_length),
+                              tokens_per_step=plan.batch_size * seq_length, examples_per_step=plan.batch_size)
+        batches = self.train_data.batches(plan.batch_size, args.seed, plan.steps_per_epoch, self.start_step,
+                                          plan.total_steps, self.layout, transform=transform)
+        self._train_start = time.time()
+        return enumerate(batches, start=self.start_step + 1)
+
+    def after_step(self, step, sums):
+        """Record a finished step (`utils.loop.TrainLoop.after_step`: logs when due)."""
+        self.loop.after_step(step, sums)
+        self.step = step
+
+    def eval_due(self, step):
+        return self.loop.eval_due(step)
+
+    def save_if_due(self, step, state):
+        """Save `state` if `step` is to be saved (`utils.saving.SavePolicy`). Call it after every step."""
+        reason = self.loop.save_reason(step)
+        if reason:
+            self.saver.save(step, state, reason)
+
+    def end_training(self, state):
+        """After the loop: a stream that ended before the last step (`--max_stream_passes`) saves
+        where it stopped; train_runtime and train_samples go into the results."""
+        self.saver.save_if_the_data_ran_out(self.step, state)  # --max_stream_passes may end a stream early
+        # A stream has no size: its examples are the steps'.
+        self.dir.add_results(train_runtime=round(time.time() - self._train_start, 2),
+                             train_samples=self.train_data.size or self.loop.examples_trained)
+
+    def final_eval_due(self):
+        """--do_eval and no evaluation yet at the last step."""
+        return self.args.do_eval and self._last_eval_step != self.step
+
+    def report(self, prefix, metrics):
+        """Log `metrics` at the current step and write `{prefix}_results.json` (`RunDirectory.report`)."""
+        if prefix == "eval":
+            self._last_eval_step = self.step
+        return self.dir.report(prefix, metrics, self.step)
+
+    def write_text(self, name, lines):
+        self.dir.write_text(name, lines)
+
+    def finish(self):
+        """The last checkpoint complete, then all_results.json and the last push (`RunDirectory.finish`)."""
+        if self.args.do_train:
+            self.saver.close()  # the last checkpoint is complete before the results say the run is done
+        self.dir.finish()
