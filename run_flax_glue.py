@@ -52,7 +52,8 @@ class GlueModelArguments(ModelArguments):
 class DataTrainingArguments(BaseDataArguments):
     task_name: Optional[str] = field(
         default=None, metadata={"help": "GLUE task (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli): its columns "
-                                        "and metrics; its data from the hub's glue dataset unless local files are given."})
+                                        "and metrics; its data from the hub's glue dataset unless local files are "
+                                        "given."})
     test_file: Optional[str] = field(
         default=None, metadata={"help": "Local test file (json, jsonl or csv), also compressed; labels not needed."})
     text_column_name: Optional[str] = field(
@@ -62,7 +63,8 @@ class DataTrainingArguments(BaseDataArguments):
     label_column_name: Optional[str] = field(default=None, metadata={"help": "Label column (default: 'label')."})
     max_seq_length: Optional[int] = field(
         default=None, metadata={"help": "Tokens per example, pairs together; longer are truncated, shorter padded "
-                                        "(default: min(512, the tokenizer's max length); at most the model's positions)."})
+                                        "(default: min(512, the tokenizer's max length); at most the model's "
+                                        "positions)."})
     max_predict_samples: Optional[int] = field(default=None, metadata={"help": "Truncate the test set."})
 
     def __post_init__(self):
@@ -224,7 +226,8 @@ def main(argv=None):
     phases = phase_splits(task, local)
     needed = {phase: phases[phase] for phase in ("train", "validation", "test")
               if getattr(training_args, SPLIT_FLAGS[phase][0])}
-    phase_of = {split if isinstance(split, str) else split[0]: phase for phase, group in needed.items() for split in group}
+    phase_of = {split if isinstance(split, str) else split[0]: phase
+                for phase, group in needed.items() for split in group}
     splits = list(phase_of)
     if local and all(split in preflight.columns for split in splits):
         resolve_columns(data_args, task, {split: preflight.columns[split] for split in splits})  # fails now

@@ -621,4 +621,5 @@ def test_glue_labels_not_in_the_checkpoints_label_map(fails, tmp_path):
 
 def test_glue_task_without_local_files_needs_the_hub(fails):
     fails(["--model_type", "bert", "--config_overrides", TINY_BERT, "--tokenizer_name", GLUE_TOKENIZER,
-           "--task_name", "sst2", "--do_train"], r"could not load dataset .nyu-mll/glue.: it is not in the local cache", script=glue)
+           "--task_name", "sst2", "--do_train"], r"could not load dataset .nyu-mll/glue.: it is not in the local cache",
+          script=glue)
