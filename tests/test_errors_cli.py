@@ -21,6 +21,7 @@ from huggingface_hub import constants
 from transformers import PretrainedConfig
 
 import run_clm_flax as clm
+import run_flax_glue as glue
 import run_mlm_flax as mlm
 import run_summarization_flax as summarization
 import run_t5_mlm_flax as t5_mlm
@@ -86,7 +87,7 @@ def stop_at_model(monkeypatch, error):
     def load_model(*args, **kwargs):
         raise error
 
-    for script in (summarization, clm, mlm, t5_mlm):
+    for script in (summarization, clm, mlm, t5_mlm, glue):
         monkeypatch.setattr(script, "load_model", load_model)
 
 
@@ -577,3 +578,48 @@ def test_disk_full_simulated_export_keeps_the_previous_one(saver):
         saver.save(2, state, "save_steps")
     assert open(os.path.join(out, "flax_model.msgpack"), "rb").read() == before
     assert not [name for name in os.listdir(out) if name.startswith(".export-")]
+
+
+# ---------------------------------------------------------------------------------------------
+# run_flax_glue.py
+# ---------------------------------------------------------------------------------------------
+GLUE_TOKENIZER = os.path.join(ROOT, "data", "glue", "tokenizer")
+SST2 = os.path.join(ROOT, "data", "glue", "sst2")
+TINY_BERT = "hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=32"
+
+
+def glue_scratch(*args, train=os.path.join(SST2, "train.csv")):
+    return ["--model_type", "bert", "--config_overrides", TINY_BERT, "--tokenizer_name", GLUE_TOKENIZER,
+            "--train_file", train, "--do_train", "--max_seq_length", 16, *args]
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--task_name", "mnli_matched"], r"unknown --task_name 'mnli_matched'; expected one of cola, sst2, mrpc"),
+    (["--label_column_name", "score"], r"--label_column_name 'score' is not a column of the train data; its columns: "
+                                       r"sentence, label"),
+    (["--text_column_name", "text"], r"--text_column_name 'text' is not a column of the train data"),
+    (["--task_name", "mrpc"], r"--text_column_name 'sentence1' is not a column of the train data"),
+    (["--do_eval", "--validation_file", os.path.join(SST2, "test.csv")],
+     r"--label_column_name 'label' is not a column of the validation data; its columns: sentence"),
+])
+def test_glue_bad_inputs(fails, args, pattern):
+    fails(glue_scratch(*args), pattern, script=glue)
+
+
+def test_glue_labels_not_in_the_checkpoints_label_map(fails, tmp_path):
+    """A checkpoint fine-tuned on other labels: its head's classes cannot be the data's."""
+    from transformers import AutoTokenizer, BertConfig
+
+    checkpoint = tmp_path / "sentiment"
+    BertConfig(vocab_size=800, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+               id2label={0: "negative", 1: "positive"}).save_pretrained(checkpoint)
+    AutoTokenizer.from_pretrained(GLUE_TOKENIZER).save_pretrained(checkpoint)
+    fails(["--model_name_or_path", checkpoint, "--train_file", os.path.join(SST2, "train.csv"), "--do_train"],
+          r"labels not in the checkpoint's label map: '0', '1' \(the checkpoint knows 'negative', 'positive'\)",
+          script=glue)
+
+
+def test_glue_task_without_local_files_needs_the_hub(fails):
+    fails(["--model_type", "bert", "--config_overrides", TINY_BERT, "--tokenizer_name", GLUE_TOKENIZER,
+           "--task_name", "sst2", "--do_train"], r"could not load dataset .nyu-mll/glue.: it is not in the local cache",
+          script=glue)

@@ -18,7 +18,8 @@ import safetensors.flax
 import safetensors.numpy
 from flax.traverse_util import flatten_dict
 from transformers import (AutoConfig, BartConfig, BertConfig, FlaxAutoModelForCausalLM, FlaxAutoModelForMaskedLM,
-                          FlaxAutoModelForSeq2SeqLM, FlaxBertModel, GPT2Config)
+                          FlaxAutoModelForSeq2SeqLM, FlaxAutoModelForSequenceClassification, FlaxBertModel,
+                          GPT2Config)
 
 from tests.script_runner import ROOT, read_metrics, run_script
 from utils.args import ModelArguments
@@ -237,6 +238,10 @@ SCRIPTS = {  # script: (its auto class, the family and its size, tokenizer, data
                                   "num_decoder_layers=1,num_heads=2,d_kv=16", "data/summarization/tokenizer",
                                   ["--train_file", "data/summarization/train.jsonl", "--max_source_length", "96",
                                    "--max_target_length", "16", "--max_train_samples", "32"]),
+    "run_flax_glue.py": (FlaxAutoModelForSequenceClassification, "bert", "hidden_size=32,num_hidden_layers=1,"
+                         "num_attention_heads=2,intermediate_size=64,max_position_embeddings=64", "data/glue/tokenizer",
+                         ["--train_file", "data/glue/sst2/train.csv", "--max_seq_length", "16",
+                          "--max_train_samples", "32"]),
 }
 
 
@@ -257,7 +262,8 @@ def hub_style_checkpoint(directory, auto_class, family, overrides, tokenizer_nam
 
 def _task(auto_class):
     return {FlaxAutoModelForCausalLM: "causal-lm", FlaxAutoModelForMaskedLM: "masked-lm",
-            FlaxAutoModelForSeq2SeqLM: "seq2seq"}[auto_class]
+            FlaxAutoModelForSeq2SeqLM: "seq2seq", FlaxAutoModelForSequenceClassification: "sequence-classification",
+            }[auto_class]
 
 
 @pytest.mark.slow

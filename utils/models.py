@@ -22,6 +22,8 @@ TASK_MODEL_TYPES = {
     "seq2seq": modeling_flax_auto.FLAX_MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     "causal-lm": modeling_flax_auto.FLAX_MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     "masked-lm": modeling_flax_auto.FLAX_MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    "sequence-classification": modeling_flax_auto.FLAX_MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    "token-classification": modeling_flax_auto.FLAX_MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
 }
 
 
@@ -253,6 +255,26 @@ def _with_missing_initialised(model, params, name):
     return unflatten_dict({**loaded, **{key: fresh[key] for key in missing}})
 
 
+def _drop_mismatched_head(model, params, name):
+    """`params` without the weights outside the base model whose shapes `model`'s differ from (a task
+    head for another number of labels): they are initialised fresh, and a warning names them. A
+    mismatch inside the base model means another config: the same error as any shape mismatch."""
+    expected, loaded = flatten_dict(unfreeze(model.params_shape_tree)), flatten_dict(params)
+    mismatched = sorted(key for key in set(expected) & set(loaded)
+                        if tuple(loaded[key].shape) != tuple(expected[key].shape))
+    in_body = [key for key in mismatched if key[0] == model.base_model_prefix]
+    if in_body:
+        key = in_body[0]
+        raise weights.mismatch(name, f"{'/'.join(key)} has shape {tuple(loaded[key].shape)} where the model needs "
+                                     f"{tuple(expected[key].shape)}.")
+    if mismatched:
+        logger.warning("weights of %s whose shapes do not fit %s (another number of labels), initialised fresh "
+                       "(train them): %s", name, type(model).__name__,
+                       ", ".join(f"{'/'.join(key)} {tuple(loaded[key].shape)} -> {tuple(expected[key].shape)}"
+                                 for key in mismatched))
+    return unflatten_dict({key: value for key, value in loaded.items() if key not in mismatched})
+
+
 def _pretrained(auto_class, model_args, config, kwargs):
     """(model, host params) of the checkpoint `--model_name_or_path`, in whichever format it holds."""
     name = model_args.model_name_or_path
@@ -266,6 +288,15 @@ def _pretrained(auto_class, model_args, config, kwargs):
     return model, weights.read_converted(model, name, filename, path, model_args.cache_dir, model_args.token)
 
 
+def _saved_config(model_args):
+    name = model_args.model_name_or_path
+    try:
+        return AutoConfig.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token,
+                                          trust_remote_code=model_args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise _hub_error("model config", name, e)
+
+
 def _from_config(auto_class, config, kwargs):
     """The model of `config`, without weights where the family allows it."""
     try:
@@ -276,7 +307,7 @@ def _from_config(auto_class, config, kwargs):
             return auto_class.from_config(config, **kwargs)
 
 
-def load_model(auto_class, model_args, config, dtype, seed, layout):
+def load_model(auto_class, model_args, config, dtype, seed, layout, new_head_if_mismatched=False):
     """(model, params): the model (its code and config, no weights) and its parameters, placed by
     `layout` (`utils.layout`): pretrained, or fresh ones from `config`.
 
@@ -285,16 +316,24 @@ def load_model(auto_class, model_args, config, dtype, seed, layout):
     compiled init that writes them where they belong (transformers inits op by op, a hundred or so
     small programs compiled on every start). `dtype` is the compute dtype (activations); the weights
     are stored in `--param_dtype`, float32 master weights by default whatever the checkpoint holds
-    (hub Flax weights are sometimes bf16).
+    (hub Flax weights are sometimes bf16). With `new_head_if_mismatched`, a pretrained head of
+    other shapes than `config`'s (another number of labels) is replaced by a fresh one, with a
+    warning (`_drop_mismatched_head`).
     """
     param_dtype = jnp.dtype(model_args.param_dtype)
     kwargs = dict(seed=seed, dtype=dtype, trust_remote_code=model_args.trust_remote_code)
     if model_args.model_name_or_path:
+        name = model_args.model_name_or_path
+        # Read with the checkpoint's own config, whose shapes its weights have; then fitted to `config`'s.
+        saved_config = _saved_config(model_args) if new_head_if_mismatched else config
         try:
-            model, params = _pretrained(auto_class, model_args, config, kwargs)
+            model, params = _pretrained(auto_class, model_args, saved_config, kwargs)
         except (OSError, ValueError) as e:
-            raise _hub_error("model", model_args.model_name_or_path, e)
-        params = _with_missing_initialised(model, params, model_args.model_name_or_path)
+            raise _hub_error("model", name, e)
+        if new_head_if_mismatched:
+            model = _from_config(auto_class, config, kwargs)
+            params = _drop_mismatched_head(model, params, name)
+        params = _with_missing_initialised(model, params, name)
         return model, layout.place_params(cast_floats(params, param_dtype))
     model = _from_config(auto_class, config, kwargs)
     if model._is_initialized:

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 # Names (glob patterns) of everything a run writes into its output directory.
 RUN_OUTPUTS = (
     CHECKPOINT_SUBDIR, "run_args.json", "metrics.jsonl", "metrics.jsonl.tmp", "events.out.tfevents.*",
-    "*_results.json", "generated_predictions.txt", ".export-*",
+    "*_results.json", "generated_predictions.txt", "predict_results*.txt", ".export-*",
     # The Hugging Face export: model (one file, or shards with an index) and tokenizer.
     "config.json", "generation_config.json", "flax_model.msgpack", "flax_model-*.msgpack",
     "flax_model.msgpack.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -155,12 +155,13 @@ class RunDirectory:
         """Entries of all_results.json that no results file holds (train_runtime, train_samples)."""
         self._results.update(values)
 
-    def write_text(self, name, lines):
-        """One line per item, inner whitespace collapsed (generated texts may hold newlines)."""
+    def write_text(self, name, lines, collapse_whitespace=True):
+        """One line per item, inner whitespace collapsed (generated texts may hold newlines) unless
+        `collapse_whitespace` is False (tab-separated tables)."""
         if self.is_main:
             with disk_full_is_fatal(self.output_dir), open(os.path.join(self.output_dir, name), "w",
                                                            encoding="utf-8") as f:
-                f.writelines(" ".join(line.split()) + "\n" for line in lines)
+                f.writelines((" ".join(line.split()) if collapse_whitespace else line) + "\n" for line in lines)
 
     def export(self, params, commit_message):
         """The Hugging Face export of `params` (host arrays; a full disk keeps the previous export),

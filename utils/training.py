@@ -172,8 +172,8 @@ class TrainingRun:
             self._last_eval_step = self.step
         return self.dir.report(prefix, metrics, self.step)
 
-    def write_text(self, name, lines):
-        self.dir.write_text(name, lines)
+    def write_text(self, name, lines, collapse_whitespace=True):
+        self.dir.write_text(name, lines, collapse_whitespace)
 
     def finish(self):
         """The last checkpoint complete, then all_results.json and the last push (`RunDirectory.finish`)."""

@@ -120,7 +120,7 @@ def _matched_to_model(state, model, name):
                        ", ".join("/".join(key) for key in unexpected))
     for key in set(loaded) & set(expected):
         if tuple(loaded[key].shape) != tuple(expected[key].shape):
-            raise _mismatch(name, f"{'/'.join(key)} has shape {tuple(loaded[key].shape)} where the model needs "
+            raise mismatch(name, f"{'/'.join(key)} has shape {tuple(loaded[key].shape)} where the model needs "
                                   f"{tuple(expected[key].shape)}.")
     return unflatten_dict({key: loaded[key] for key in set(loaded) & set(expected)})
 
@@ -139,10 +139,10 @@ def read_converted(model, name, filename, path, cache_dir=None, token=None):
             state = (convert_pytorch_state_dict_to_flax(tensors, _ShapesOnly(model)) if kind == "pt"
                      else _from_flax_names(tensors, model))
         except ValueError as e:  # the conversion checks every shape it renames
-            raise _mismatch(name, str(e))
+            raise mismatch(name, str(e))
     return _matched_to_model(state, model, name)
 
 
-def _mismatch(name, detail):
+def mismatch(name, detail):
     return UsageError(f"the weights of {name!r} do not fit the model: {detail} The config does not match the "
                       "checkpoint: use the checkpoint's own config (no --config_name, no --config_overrides)")
