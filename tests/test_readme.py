@@ -9,6 +9,7 @@ import re
 import pytest
 
 import run_clm_flax
+import run_flax_glue
 import run_mlm_flax
 import run_summarization_flax
 import run_t5_mlm_flax
@@ -21,6 +22,7 @@ COMMON = ("Model", "Training (all scripts)", "Data (every script)")
 # scripts share by name (`max_seq_length`: None for mlm, 512 for t5 mlm) is read from the first that has it.
 SCRIPTS = {
     "summarization": (run_summarization_flax, ("Data (summarization)",)),
+    "glue": (run_flax_glue, ("Data (glue)",)),
     "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm and t5 mlm)")),
     "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm and t5 mlm)")),
     "t5 mlm": (run_t5_mlm_flax, ("Data (t5 mlm only)", "Data (clm, mlm and t5 mlm)")),
@@ -45,7 +47,10 @@ def documented_defaults(sections):
 def test_every_argument_is_documented_with_its_default(name):
     script, sections = SCRIPTS[name]
     documented = documented_defaults(sections + COMMON)
-    for dataclass in (ModelArguments, TrainingArguments, script.DataTrainingArguments):
+    # A script's own model arguments (GLUE's --use_slow_tokenizer) extend the shared ones: the most derived.
+    model_arguments = max((value for value in vars(script).values()
+                           if isinstance(value, type) and issubclass(value, ModelArguments)), key=lambda c: len(c.__mro__))
+    for dataclass in (model_arguments, TrainingArguments, script.DataTrainingArguments):
         for field in dataclasses.fields(dataclass):
             expected = "(required)" if field.default is dataclasses.MISSING else f"`{field.default!r}`"
             assert documented.get(field.name) == expected, f"{name}: --{field.name} (default {expected})"
