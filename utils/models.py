@@ -22,6 +22,7 @@ TASK_MODEL_TYPES = {
     "seq2seq": modeling_flax_auto.FLAX_MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     "causal-lm": modeling_flax_auto.FLAX_MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     "masked-lm": modeling_flax_auto.FLAX_MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    "token-classification": modeling_flax_auto.FLAX_MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
 }
 
 
@@ -222,14 +223,15 @@ def fit_length(value, limit, flag, logger):
     return value
 
 
-def load_tokenizer(model_args):
+def load_tokenizer(model_args, **kwargs):
+    """The tokenizer of `--tokenizer_name` or the model; `kwargs` go to `from_pretrained` (add_prefix_space)."""
     name = model_args.tokenizer_name or model_args.model_name_or_path
     if not name:
         raise UsageError("no tokenizer: pass --tokenizer_name (a new model needs an existing tokenizer)")
     try:
         return AutoTokenizer.from_pretrained(
             name, cache_dir=model_args.cache_dir, use_fast=model_args.use_fast_tokenizer,
-            token=model_args.token, trust_remote_code=model_args.trust_remote_code,
+            token=model_args.token, trust_remote_code=model_args.trust_remote_code, **kwargs,
         )
     except (OSError, ValueError) as e:
         raise _hub_error("tokenizer", name, e)
@@ -253,9 +255,32 @@ def _with_missing_initialised(model, params, name):
     return unflatten_dict({**loaded, **{key: fresh[key] for key in missing}})
 
 
-def _pretrained(auto_class, model_args, config, kwargs):
-    """(model, host params) of the checkpoint `--model_name_or_path`, in whichever format it holds."""
+def _drop_mismatched_head(model, params, name):
+    """`params` without the leaves whose shape the model does not have (a task head sized for another
+    number of labels), named in a warning; `_with_missing_initialised` then makes them fresh."""
+    expected, loaded = flatten_dict(unfreeze(model.params_shape_tree)), flatten_dict(params)
+    mismatched = sorted(key for key in set(loaded) & set(expected)
+                        if tuple(loaded[key].shape) != tuple(expected[key].shape))
+    if mismatched:
+        logger.warning("weights of %s whose shape %s does not have, replaced by fresh ones (train them): %s", name,
+                       type(model).__name__, ", ".join("/".join(key) for key in mismatched))
+    return unflatten_dict({key: value for key, value in loaded.items() if key not in mismatched})
+
+
+def _pretrained(auto_class, model_args, config, kwargs, ignore_mismatched_head=False):
+    """(model, host params) of the checkpoint `--model_name_or_path`, in whichever format it holds.
+
+    With `ignore_mismatched_head`, a checkpoint saved with another number of labels than `config`
+    has is read as its own config shapes it, and the head that no longer fits is left out.
+    """
     name = model_args.model_name_or_path
+    if ignore_mismatched_head:
+        saved = AutoConfig.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token,
+                                           trust_remote_code=model_args.trust_remote_code)
+        if saved.num_labels != config.num_labels:
+            _, params = _pretrained(auto_class, model_args, saved, kwargs)
+            model = _from_config(auto_class, config, kwargs)
+            return model, _drop_mismatched_head(model, params, name)
     filename, path = weights.find_weights(name, model_args.cache_dir, model_args.token)
     load_kwargs = dict(config=config, cache_dir=model_args.cache_dir, token=model_args.token, _do_init=False, **kwargs)
     if filename is None or filename in weights.FLAX_MSGPACK:
@@ -276,7 +301,7 @@ def _from_config(auto_class, config, kwargs):
             return auto_class.from_config(config, **kwargs)
 
 
-def load_model(auto_class, model_args, config, dtype, seed, layout):
+def load_model(auto_class, model_args, config, dtype, seed, layout, ignore_mismatched_head=False):
     """(model, params): the model (its code and config, no weights) and its parameters, placed by
     `layout` (`utils.layout`): pretrained, or fresh ones from `config`.
 
@@ -285,13 +310,14 @@ def load_model(auto_class, model_args, config, dtype, seed, layout):
     compiled init that writes them where they belong (transformers inits op by op, a hundred or so
     small programs compiled on every start). `dtype` is the compute dtype (activations); the weights
     are stored in `--param_dtype`, float32 master weights by default whatever the checkpoint holds
-    (hub Flax weights are sometimes bf16).
+    (hub Flax weights are sometimes bf16). With `ignore_mismatched_head` a pretrained head for another
+    number of labels than `config`'s is replaced by a fresh one, with a warning (else: a shape error).
     """
     param_dtype = jnp.dtype(model_args.param_dtype)
     kwargs = dict(seed=seed, dtype=dtype, trust_remote_code=model_args.trust_remote_code)
     if model_args.model_name_or_path:
         try:
-            model, params = _pretrained(auto_class, model_args, config, kwargs)
+            model, params = _pretrained(auto_class, model_args, config, kwargs, ignore_mismatched_head)
         except (OSError, ValueError) as e:
             raise _hub_error("model", model_args.model_name_or_path, e)
         params = _with_missing_initialised(model, params, model_args.model_name_or_path)
