@@ -73,14 +73,15 @@ def calls_of_steps_compiled_once(steps_report):
     return {name: step["calls"] for name, step in report.items()}
 
 
-def run_streamed_config(script, config, output_dir, max_steps, logging_steps, *extra):
-    """all_results.json of `config` run with --streaming for `max_steps` (evaluated at the end),
-    after checking it succeeded, logged every `logging_steps` and its loss fell by a fifth or more."""
+def run_streamed_config(script, config, output_dir, max_steps, logging_steps, *extra, steps=None):
+    """(all_results.json, log) of `config` run with --streaming for `max_steps` (evaluated at the end),
+    after checking it succeeded, trained `steps` steps (default `max_steps`; fewer when
+    --max_stream_passes ends it), logged every `logging_steps` and its loss fell by a fifth or more."""
     result = run_script(script, [config, "--streaming", "--max_steps", max_steps, "--logging_steps", logging_steps,
                                  "--eval_steps", max_steps, "--output_dir", output_dir, "--compilation_cache_dir",
                                  "none", *extra])
     assert result.returncode == 0, result.stderr[-3000:]
     train = read_metrics(str(output_dir))
-    assert [row["step"] for row in train] == list(range(logging_steps, max_steps + 1, logging_steps))
+    assert [row["step"] for row in train] == list(range(logging_steps, (steps or max_steps) + 1, logging_steps))
     assert train[-1]["loss"] < 0.8 * train[0]["loss"]
-    return read_json(os.path.join(output_dir, "all_results.json"))
+    return read_json(os.path.join(output_dir, "all_results.json")), result.stderr

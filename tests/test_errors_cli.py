@@ -408,6 +408,11 @@ def lm_args(name, *args, train=LM_TRAIN):
     (None, ["--streaming", "--max_steps", 5, "--max_train_samples", 10],
      r"--max_train_samples does not apply with --streaming: bound the run with --max_steps"),
     (None, ["--streaming", "--max_steps", 5, "--shuffle_buffer_size", -1], r"--shuffle_buffer_size must be 0 or more"),
+    (None, ["--max_stream_passes", 1], r"--max_stream_passes applies with --streaming only"),
+    (None, ["--streaming", "--max_steps", 5, "--max_stream_passes", 0],
+     r"--max_stream_passes must be 1 or more, got 0"),
+    ("titles.csv", ["--streaming", "--max_steps", 5],
+     r"the training data gives 0 examples, fewer than one global batch of 8 \(per_device_train_batch_size x devices"),
 ])
 def test_lm_scripts(fails, lm_files, name, file, args, pattern):
     script, argv = lm_args(name, *args, train=lm_files[file] if file else LM_TRAIN)

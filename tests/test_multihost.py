@@ -242,7 +242,7 @@ def test_fsdp_on_hosts_without_shared_storage_says_so(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# A streamed corpus on 2 processes: each reads its own rows, and all stop together when it runs dry
+# A streamed corpus on 2 processes: each reads its own rows, and all end a pass together when one runs dry
 # ---------------------------------------------------------------------------------------------
 STREAMED = ["--model_type", "roberta", "--tokenizer_name", "data/lm/tokenizer", "--config_overrides",
             "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,max_position_embeddings=34,"
@@ -255,7 +255,8 @@ STREAMED = ["--model_type", "roberta", "--tokenizer_name", "data/lm/tokenizer", 
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory):
     """mlm --streaming, one example per line in stream order (an order the process count does not
-    change: utils/stream.py), 200 lines: 12 global batches of 16, then the stream runs dry."""
+    change: utils/stream.py), 200 lines: a pass is 12 global batches of 16, so 20 steps start a
+    second pass at step 13."""
     tmp = tmp_path_factory.mktemp("streamed")
     with open(os.path.join(ROOT, "data", "lm", "train.txt"), encoding="utf-8") as f:
         lines = [line for line in f if line.strip()][:200]
@@ -272,15 +273,16 @@ def streamed(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_stream_read_by_two_processes_trains_as_one_and_both_stop_when_it_runs_dry(streamed):
+def test_a_stream_read_by_two_processes_trains_as_one_pass_after_pass(streamed):
     single, multi = streamed / "single", streamed / "host0"
-    assert [step for step, _ in losses(multi)] == [step for step, _ in losses(single)] == list(range(1, 13))
+    assert [step for step, _ in losses(multi)] == [step for step, _ in losses(single)] == list(range(1, 21))
     # The same sums in another order across processes, as in LOSS_RTOL.
     assert [loss for _, loss in losses(multi)] == pytest.approx([loss for _, loss in losses(single)], rel=LOSS_RTOL)
     for log in ("single.log", "process0.log"):
-        assert "the training data ran out after step 12 of 20: training ends there" in (streamed / log).read_text()
-    assert read_json(multi / "all_results.json")["train_samples"] == 12 * 16
-    assert sorted(os.listdir(multi / "checkpoints")) == ["12"] and os.listdir(streamed / "host1") == []
+        text = (streamed / log).read_text()
+        assert "pass 2 of the training stream starts at step 13" in text and "ran out" not in text
+    assert read_json(multi / "all_results.json")["train_samples"] == 20 * 16
+    assert sorted(os.listdir(multi / "checkpoints")) == ["20"] and os.listdir(streamed / "host1") == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,8 +94,12 @@ SCRIPTS = {
         "--config_overrides", "n_embd=32,n_layer=1,n_head=2,n_positions=32",  # GPT-2's dropouts are 0.1
         "--train_file", "data/lm/train.txt", "--block_size", 16]),
 }
-# The same runs streamed: the stream's shuffle pool and position are in every checkpoint.
-SCRIPTS["clm stream"] = (SCRIPTS["clm"][0], SCRIPTS["clm"][1] + ["--streaming", "--shuffle_buffer_size", 64])
+# The same runs streamed: the stream's shuffle pool and position are in every checkpoint. The corpus
+# is the first 75 lines (86 blocks): a pass is 5 steps (2 with the fsdp run's batch of 32), so every
+# resume below continues across the end of a pass into the next, reshuffled one.
+STREAM_CORPUS = "the first lines of data/lm/train.txt"  # written by the `command` fixture
+SCRIPTS["clm stream"] = (SCRIPTS["clm"][0], [STREAM_CORPUS if arg == "data/lm/train.txt" else arg for arg in
+                                             SCRIPTS["clm"][1]] + ["--streaming", "--shuffle_buffer_size", 64])
 SCRIPTS["clm"][1].extend(["--max_train_samples", 96])
 # The same run with the state split over the devices (one dropout key for the whole batch).
 SCRIPTS["clm fsdp"] = (SCRIPTS["clm"][0], SCRIPTS["clm"][1] + ["--sharding", "fsdp"])
@@ -114,9 +118,13 @@ KILLED = ["summarization", "clm", "clm stream", "clm fsdp", "t5 mlm"]
 def command(tmp_path_factory):
     """command(name, output_dir, *extra): the script and its arguments (one compilation cache for all runs)."""
     cache = str(tmp_path_factory.mktemp("jax_cache"))
+    corpus = tmp_path_factory.mktemp("stream") / "train.txt"
+    with open(os.path.join(ROOT, "data", "lm", "train.txt"), encoding="utf-8") as f:
+        corpus.write_text("".join(f.readlines()[:75]), encoding="utf-8")
 
     def make(name, output_dir, *extra):
         script, args = SCRIPTS[name]
+        args = [corpus if arg == STREAM_CORPUS else arg for arg in args]
         return [os.path.join(ROOT, script), *map(str, args + TRAINING + ["--compilation_cache_dir", cache,
                                                                           "--output_dir", output_dir, *extra])]
 
@@ -190,6 +198,8 @@ def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path, command, unin
 
     resumed = run_ok(command(name, out, "--resume_from_checkpoint", "latest"))
     assert "resumed from the checkpoint of step" in resumed.stderr
+    if name == "clm stream":  # resumed at step 4 (pass 1) or 8 (pass 2), on into pass 3
+        assert "pass 3 of the training stream starts at step 11" in resumed.stderr
     assert_same_run(out, reference)
 
 

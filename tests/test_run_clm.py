@@ -207,7 +207,8 @@ def test_greedy_continuation_follows_the_learned_sequence(tmp_path, cache_dir):
 @pytest.mark.slow
 def test_the_embedded_config_streams_and_learns(tmp_path):
     """configs/clm_tiny.json with --streaming: read, tokenized and shuffled on the fly, evaluated on
-    its validation file."""
-    results = run_streamed_config(SCRIPT, "configs/clm_tiny.json", tmp_path / "out", 40, 10)
+    its validation file; a pass over the corpus is 53 steps, so the stream starts again for the last 7."""
+    results, log = run_streamed_config(SCRIPT, "configs/clm_tiny.json", tmp_path / "out", 60, 10)
+    assert "pass 2 of the training stream starts at step 54" in log and "ran out" not in log
     # A stream has no size: the examples trained on are the steps' (16 a step, the config's total batch).
-    assert results["eval_samples"] > 0 and results["train_samples"] == 40 * 16
+    assert results["eval_samples"] > 0 and results["train_samples"] == 60 * 16

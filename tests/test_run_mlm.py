@@ -180,7 +180,13 @@ def test_usage_errors_are_one_line(tmp_path):
 @pytest.mark.slow
 def test_the_embedded_config_streams_and_learns(tmp_path):
     """configs/mlm_tiny.json with --streaming: read, tokenized and shuffled on the fly, evaluated on
-    its validation file."""
-    results = run_streamed_config(SCRIPT, "configs/mlm_tiny.json", tmp_path / "out", 40, 10)
+    its validation file; bounded to one pass over the corpus (53 steps), it ends there, before
+    --max_steps, and saves that step."""
+    out = tmp_path / "out"
+    results, log = run_streamed_config(SCRIPT, "configs/mlm_tiny.json", out, 60, 10, "--max_stream_passes", 1,
+                                       steps=53)
+    assert "pass 1 of the training stream ended at step 53, the last of --max_stream_passes 1" in log
+    assert "the training data ran out after step 53 of 60: training ends there" in log
+    assert "pass 2" not in log and sorted(os.listdir(out / "checkpoints")) == ["53"]
     # A stream has no size: the examples trained on are the steps' (64 a step, the config's total batch).
-    assert results["eval_samples"] > 0 and results["train_samples"] == 40 * 64
+    assert results["eval_samples"] > 0 and results["train_samples"] == 53 * 64

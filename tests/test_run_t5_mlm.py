@@ -151,8 +151,8 @@ def test_the_embedded_config_streams_and_learns(tmp_path):
     """configs/t5_mlm_tiny.json with --streaming: read, tokenized, shuffled and corrupted on the fly,
     evaluated on its validation file."""
     # 20 steps of 64 raw blocks of 70 tokens: most of the one pass over the corpus a stream makes.
-    results = run_streamed_config(SCRIPT, "configs/t5_mlm_tiny.json", tmp_path / "out", 20, 5,
-                                  "--max_eval_samples", 32)
+    results, _ = run_streamed_config(SCRIPT, "configs/t5_mlm_tiny.json", tmp_path / "out", 20, 5,
+                                     "--max_eval_samples", 32)
     # A stream has no size: the examples trained on are the steps' (64 a step, the config's total batch).
     assert results["eval_samples"] == 32 and results["eval_tokens"] == 32 * 14 and results["train_samples"] == 20 * 64
 

@@ -179,11 +179,77 @@ def test_lines_equal_those_of_the_in_memory_path(tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------
+# Passes: the stream starts again until the caller stops, or after `max_passes`
+# ---------------------------------------------------------------------------------------------
+def small_corpus(tmp_path, corpus_lines, lines=300):
+    """The first `lines` lines as a txt file (one group of texts: 171 blocks of 32)."""
+    return write(tmp_path / "small.txt", "".join(corpus_lines[:lines]))
+
+
+def test_passes_repeat_the_rows_without_the_held_out_ones(tmp_path, tokenizer, corpus_lines, caplog):
+    """Stream order (no shuffling), 40 blocks held out: each of 3 passes gives blocks 40 onwards of
+    the in-memory path's, its last 3 (fewer than a batch) dropped, as an in-memory epoch drops its
+    remainder; every pass says where it starts; `transform` counts the steps across passes."""
+    path = small_corpus(tmp_path, corpus_lines)
+    loaded = data.load_splits(NO_HUB, {"train": path}, keep_linebreaks=True)["train"]
+    blocks = np.asarray(lm.tokenize_and_group(loaded, tokenizer, "text", 32, NO_WORKERS)["input_ids"])
+    assert len(blocks) == 171
+    encoder = stream.Blocks(tokenizer, 32)
+    held_out, start = stream.eval_set(stream.FileSource(path), encoder, 40)
+    np.testing.assert_array_equal(held_out["input_ids"], blocks[:40])
+    caplog.set_level("INFO", logger="utils.stream")
+    made = stream.Stream(stream.FileSource(path), encoder, 16, shuffle_buffer_size=0, start=start, max_passes=3,
+                         transform=lambda batch, index: {**batch, "index": np.full(1, index)})
+    batches = batches_of(made)
+    one_pass = blocks[40: 40 + 8 * 16]  # 131 blocks: 8 batches
+    np.testing.assert_array_equal(np.concatenate([b["input_ids"] for b in batches]), np.concatenate([one_pass] * 3))
+    assert [int(b["index"][0]) for b in batches] == list(range(24))
+    logged = [r.getMessage() for r in caplog.records if r.name == "utils.stream"]
+    assert logged == ["pass 2 of the training stream starts at step 9",
+                      "pass 3 of the training stream starts at step 17",
+                      "pass 3 of the training stream ended at step 24, the last of --max_stream_passes 3"]
+
+
+def test_each_pass_is_reshuffled_by_its_own_seed(tmp_path, tokenizer, corpus_lines):
+    """Shuffled, unbounded: each pass draws 160 of the 171 blocks (the rest, fewer than a batch,
+    dropped), in an order of its own; a bound of one pass stops where the first pass ends."""
+    path = small_corpus(tmp_path, corpus_lines)
+    encoder = stream.Blocks(tokenizer, 32)
+    every_row = set(map(bytes, stream.read_examples(stream.FileSource(path), encoder)[0]["input_ids"]))
+    with stream.Stream(stream.FileSource(path), encoder, 16, shuffle_buffer_size=50, seed=5, max_passes=None) as made:
+        passes = [np.concatenate([next(made)["input_ids"] for _ in range(10)]) for _ in range(3)]
+    for rows in passes:
+        assert len(set(map(bytes, rows))) == 160 and set(map(bytes, rows)) <= every_row
+    assert not np.array_equal(passes[0], passes[1]) and not np.array_equal(passes[1], passes[2])
+    one = batches_of(stream.Stream(stream.FileSource(path), encoder, 16, shuffle_buffer_size=50, seed=5, max_passes=1))
+    np.testing.assert_array_equal(np.concatenate([b["input_ids"] for b in one]), passes[0])
+
+
+def test_a_pass_without_one_batch_is_an_error_not_a_loop(tmp_path, tokenizer, corpus_lines):
+    path = write(tmp_path / "tiny.txt", "".join(corpus_lines[:20]))  # 10 blocks of 32: fewer than a batch
+    with pytest.raises(UsageError, match=r"the training data gives no batch in pass 1: a process has fewer than 16 "
+                                         r"examples \(its rows of a global batch\): add data or lower the batch size"):
+        batches_of(stream.Stream(stream.FileSource(path), stream.Blocks(tokenizer, 32), 16, max_passes=None))
+    encoder = stream.Blocks(tokenizer, 32)
+    with pytest.raises(UsageError, match=r"the training data gives 10 examples, fewer than one global batch of 16 "
+                                         r"\(per_device_train_batch_size x devices x gradient_accumulation_steps\): "
+                                         r"lower the batch size, add data$"):
+        stream.check_one_batch(stream.FileSource(path), encoder, 16, None, 16)
+    _, start = stream.eval_set(stream.FileSource(path), encoder, 4)
+    with pytest.raises(UsageError, match=r"gives 6 examples in process 1's part after the rows held out for "
+                                         r"evaluation, fewer than its 8 rows of a global batch of 16 .* or hold out "
+                                         r"fewer \(--max_eval_samples\)"):
+        stream.check_one_batch(stream.FileSource(path), encoder, 8, start, 16,
+                               gather=lambda rows: np.concatenate([rows + 2, rows]))  # process 0 has 2 more
+    stream.check_one_batch(stream.FileSource(path), encoder, 10, None, 10)
+
+
+# ---------------------------------------------------------------------------------------------
 # Shuffling and exact resume
 # ---------------------------------------------------------------------------------------------
 def sources(tmp_path, corpus_lines):
-    """Makers of the same 3000 lines (three groups of texts) as a txt file, JSON lines compressed, a dataset."""
-    lines = corpus_lines[:3000]
+    """Makers of the same 1500 lines (two groups of texts) as a txt file, JSON lines compressed, a dataset."""
+    lines = corpus_lines[:1500]
     txt = write(tmp_path / "c.txt", "".join(lines))
     jsonl = write(tmp_path / "c.jsonl", "".join(json.dumps({"text": line}) + "\n" for line in lines), ".gz")
     return {"txt": lambda: stream.FileSource(txt), "jsonl.gz": lambda: stream.FileSource(jsonl),
@@ -193,30 +259,35 @@ def sources(tmp_path, corpus_lines):
 @pytest.mark.parametrize("kind", ["txt", "jsonl.gz", "dataset"])
 @pytest.mark.parametrize("lines", [False, True])
 def test_a_resumed_stream_continues_exactly(tmp_path, tokenizer, corpus_lines, kind, lines):
-    """Resumed after k batches, from the fill of the pool to its drain at the end, even when the
-    caller had taken 3 batches more (prefetch): the batches of the uninterrupted stream."""
+    """Resumed after k batches of two passes, from the fill of the pool to its drain, across the
+    boundary and in the second pass, even when the caller had taken 3 batches more (prefetch): the
+    batches of the uninterrupted stream."""
     make_source = sources(tmp_path, corpus_lines)[kind]
     encoder = stream.Lines(tokenizer, 24) if lines else stream.Blocks(tokenizer, 32)
     batch_size = 32 if lines else 16
 
     def make(**kwargs):
-        return stream.Stream(make_source(), encoder, batch_size, shuffle_buffer_size=100, seed=3, **kwargs)
+        return stream.Stream(make_source(), encoder, batch_size, shuffle_buffer_size=100, seed=3, max_passes=2,
+                             **kwargs)
 
     full = batches_of(make())
     every_row = np.concatenate([b["input_ids"] for b in batches_of(stream.Stream(
         make_source(), encoder, 1, shuffle_buffer_size=0))])
-    shuffled = np.concatenate([b["input_ids"] for b in full])
-    assert len(full) == len(every_row) // batch_size and not np.array_equal(shuffled, every_row[: len(shuffled)])
-    if not lines:  # blocks are distinct: each is drawn at most once (a last short batch's worth is dropped)
-        drawn = set(map(bytes, shuffled))
-        assert len(drawn) == len(shuffled) and drawn <= set(map(bytes, every_row))
-    for k in (0, 1, 7, len(full) - 4, len(full) - 1):  # the last ones: the source is read, the pool drains
+    per_pass = len(every_row) // batch_size
+    passes = [np.concatenate([b["input_ids"] for b in full[i * per_pass: (i + 1) * per_pass]]) for i in range(2)]
+    assert len(full) == 2 * per_pass and not np.array_equal(passes[0], every_row[: len(passes[0])])
+    assert not np.array_equal(passes[0], passes[1])
+    if not lines:  # blocks are distinct: each is drawn at most once a pass (a last short batch's worth is dropped)
+        for drawn in passes:
+            assert len(set(map(bytes, drawn))) == len(drawn) and set(map(bytes, drawn)) <= set(map(bytes, every_row))
+    for k in (0, 1, 7, per_pass - 1, per_pass, per_pass + 1, per_pass + 5, len(full) - 1):
         with make() as interrupted:
             for _ in range(min(k + 3, len(full))):
                 next(interrupted)
             state = json_round_trip(interrupted.state_after(k))
             assert {name: (rows.shape, rows.dtype) for name, rows in state["arrays"].items()} == \
                 interrupted.state_template()
+        assert state["meta"]["pass"] == (1 if k <= per_pass else 2)  # the batch of step per_pass ends pass 1
         assert same_batches(batches_of(make(state=state)), full[k:]), f"resumed after {k} batches"
 
 
@@ -262,6 +333,11 @@ def test_a_resume_with_other_settings_is_refused(tokenizer):
     with pytest.raises(UsageError, match=r"source\.process is \[0, 1\] in the checkpoint but \[1, 2\]"):
         stream.Stream(stream.FileSource(CORPUS, process_index=1, process_count=2), encoder, 16, seed=3,
                       shuffle_buffer_size=10, state=state).close()
+    _, held_out = stream.eval_set(stream.FileSource(CORPUS), encoder, 20)  # every pass would skip 20 rows
+    with pytest.raises(UsageError, match=r"cannot resume the data stream: start is None in the checkpoint but .* in "
+                                         r"this run \(the rows held out for evaluation: --do_eval, --max_eval_samples"):
+        stream.Stream(stream.FileSource(CORPUS), encoder, 16, seed=3, shuffle_buffer_size=10, state=state,
+                      start=held_out).close()
 
 
 def test_transform_gets_each_batch_and_its_index(tokenizer):
@@ -366,6 +442,40 @@ def test_processes_stop_at_the_same_step(tmp_path, tokenizer, corpus_lines):
     together = processes.run(lambda index: work(
         index, lambda p: lambda flag: all(processes.allgather(p, flag))))
     assert alone[1] > alone[0] and together == [alone[0], alone[0]]
+
+
+def test_processes_end_each_pass_together_and_resume_across_its_end(tmp_path, tokenizer, corpus_lines):
+    """Process 1 has twice the text of process 0: every pass ends for both when 0 runs dry (1 drops
+    the rest of its pass and starts the next one from its start), the steps count on across passes,
+    and both resume exactly from states on either side of a pass's end."""
+    files = [write(tmp_path / f"{p}.txt", "".join(corpus_lines[: 300 * (p + 1)])) for p in range(2)]
+    encoder, processes = stream.Blocks(tokenizer, 32), Processes(2)
+    first_rows = [set(map(bytes, stream.read_examples(stream.FileSource(path), encoder, 28)[0]["input_ids"]))
+                  for path in files]  # the pool's capacity (20 + 8): a pass's first batch comes from these
+
+    def make(index, **kwargs):
+        return stream.Stream(stream.FileSource(files[index]), encoder, 8, shuffle_buffer_size=20, seed=2,
+                             transform=lambda batch, step: {**batch, "step": np.full(1, step)},
+                             agree=lambda flag: all(processes.allgather(index, flag)), max_passes=3, **kwargs)
+
+    steps = processes.run(lambda index: len(batches_of(stream.Stream(
+        stream.FileSource(files[index]), encoder, 8, agree=bool))))  # one pass alone, in stream order
+    assert steps[1] > 1.5 * steps[0]
+    full = processes.run(lambda index: batches_of(make(index)))
+    per_pass = steps[0]
+    for batches, first in zip(full, first_rows):
+        assert [int(b["step"][0]) for b in batches] == list(range(3 * per_pass))
+        assert set(map(bytes, batches[per_pass]["input_ids"])) <= first  # pass 2 starts at the start again
+    for k in (per_pass - 1, per_pass, per_pass + 1):
+        def resumed(index):
+            with make(index) as interrupted:
+                for _ in range(k + 3):
+                    next(interrupted)
+                state = json_round_trip(interrupted.state_after(k))
+            return batches_of(make(index, state=state))
+
+        for batches, expected in zip(processes.run(resumed), full):
+            assert same_batches(batches, expected[k:]), f"resumed after {k} batches"
 
 
 def test_all_processes_have(monkeypatch):

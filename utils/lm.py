@@ -38,17 +38,30 @@ class LMDataArguments(BaseDataArguments):
     streaming: bool = field(
         default=False, metadata={"help": "Read, tokenize and shuffle the data on the fly instead of into memory "
                                          "(for corpora larger than memory, or hub datasets not to download); needs "
-                                         "--max_steps. Evaluation: the validation data, else the first "
-                                         "--max_eval_samples (default 10000) examples of the stream, held out."}
+                                         "--max_steps: each time the stream ends it starts again, reshuffled, "
+                                         "until then. Evaluation: the validation data, else the first "
+                                         "--max_eval_samples (default 10000) examples of the stream, held out on "
+                                         "every pass."}
     )
     shuffle_buffer_size: int = field(
         default=10000, metadata={"help": "With --streaming: examples in the seeded shuffle pool (0: stream order)."}
+    )
+    max_stream_passes: Optional[int] = field(
+        default=None, metadata={"help": "With --streaming: at most this many passes over the training data; "
+                                        "training ends (and saves) at the end of the last one, even before "
+                                        "--max_steps (default: as many as --max_steps takes)."}
     )
 
     def __post_init__(self):
         super().__post_init__()
         if self.shuffle_buffer_size < 0:
             raise UsageError(f"--shuffle_buffer_size must be 0 or more, got {self.shuffle_buffer_size}")
+        if self.max_stream_passes is not None:
+            if not self.streaming:
+                raise UsageError("--max_stream_passes applies with --streaming only (in memory, --num_train_epochs "
+                                 "counts the passes)")
+            if self.max_stream_passes < 1:
+                raise UsageError(f"--max_stream_passes must be 1 or more, got {self.max_stream_passes}")
         if not 0 < self.validation_split_percentage < 100:
             raise UsageError(
                 f"--validation_split_percentage must be between 1 and 99, got {self.validation_split_percentage}"

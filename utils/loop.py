@@ -1,9 +1,9 @@
 """The mechanical parts of a training loop that every script shares.
 
-The scripts keep the loop itself (`for step, batch in ...: state, sums = p_train_step(...)`);
-`TrainLoop` decides *when* to log, evaluate and save (asking `SavePolicy`) and does the bookkeeping
-in between, and
-`eval_batches` feeds eval/predict with fixed shapes so no example is dropped or counted twice.
+The scripts keep the loop itself (`for step, batch in ...: state, sums = steps.train(...)`);
+`TrainLoop` (driven by `utils.training.TrainingRun`) decides *when* to log, evaluate and save
+(asking `SavePolicy`) and does the bookkeeping in between, and `eval_batches` feeds eval/predict
+with fixed shapes so no example is dropped or counted twice.
 """
 
 import logging

@@ -99,8 +99,9 @@ class Saver:
         at_exit(self.close)
 
     def save_if_the_data_ran_out(self, step, state):
-        """After the training loop: a stream that ran dry stopped every process at `step`, before the
-        run's last step; say so and save there (nothing to do when the loop ran to its end)."""
+        """After the training loop: a stream that ended (its last pass, `--max_stream_passes`) stopped
+        every process at `step`, before the run's last step; say so and save there (nothing to do
+        when the loop ran to its end)."""
         if step < self.total_steps:
             logger.warning("the training data ran out after step %d of %d: training ends there", step,
                            self.total_steps)

@@ -24,23 +24,34 @@ Encoders (texts -> rows of a fixed length, the same rows as the in-memory path):
       would add its noise as the `transform` of the stream).
   `Lines(tokenizer, max_length)`: `lm.tokenize_lines` (mlm --line_by_line): input_ids + attention_mask.
 `Stream(source, encoder, batch_size, shuffle_buffer_size=10000, seed=0, workers=1, state=None,
-        start=None, transform=None, queue_size=8, agree=all_processes_have)`
+        start=None, transform=None, queue_size=8, agree=all_processes_have, max_passes=1)`
   Iterate it for this process's host batches ({column: int32 [batch_size, length]}), batch_size being
-  this process's rows of a global batch. `transform(batch, index)` runs in the background thread on
+  this process's rows of a global batch, pass after pass over the source (each from `start`, the
+  position after the held-out rows, or the source's start), `max_passes` of them (None: until the
+  caller stops). `transform(batch, index)` runs in the background thread on
   batch `index` (0-based, counted from the start of training: the step, as in `loop.train_batches`).
   Reading starts when the stream is made, so the shuffle pool fills while the model compiles.
   `workers` tokenizer threads (`--preprocessing_num_workers`, default 1), each with its own copy of
   the tokenizer. `close()` (or `with Stream(...) as stream:`) stops the threads.
 `eval_set(train_source, encoder, held_out, validation_source=None, max_examples=None)`
   -> (arrays for `loop.eval_batches`, `start` for the training Stream or None).
+`check_one_batch(train_source, encoder, local_batch_size, start, global_batch_size)`: UsageError
+  unless every process's part of a pass gives a batch (before a run writes anything).
 `read_examples(source, encoder, limit=None, start=None)` -> (arrays, position after them).
 `all_processes_have(flag)`: True when every process passes True (a host allgather; no-op alone).
 
 How a batch is drawn: fixed-length rows enter a pool of `shuffle_buffer_size + batch_size` rows;
 once it is full, each batch takes `batch_size` distinct random rows of it (numpy Generator seeded by
-(seed, process index)) and the next rows of the stream take their places. When the source runs dry
-the pool drains in random order; a last batch shorter than `batch_size` is dropped.
-`shuffle_buffer_size=0` gives the rows in stream order.
+(seed, process index, pass - 1): each pass is reshuffled, the same way in every run) and the next
+rows of the stream take their places. When the source runs dry the pool drains in random order;
+the rows left, fewer than `batch_size`, are dropped (as an in-memory epoch drops its remainder), and
+the next pass starts with an empty pool. `shuffle_buffer_size=0` gives the rows in stream order.
+A hub dataset is read in its own order every pass (it is not shuffled by `datasets`, so
+`set_epoch` would change nothing): the pool's per-pass seed is the reshuffle.
+
+Passes: a pass ends when one process runs out of its rows (`agree`, below); every process then
+starts the next one at the same step, logging "pass N of the training stream starts at step S".
+A pass that gives not one batch is a UsageError (never an endless loop of empty passes).
 
 Grouping: like `lm.tokenize_and_group` (which groups per `datasets.map` batch of `lm.GROUP_ROWS`
 rows of the tokenized, i.e. non-blank, texts), the stream concatenates each run of `lm.GROUP_ROWS`
@@ -53,16 +64,17 @@ Exact resume
 `stream.state_after(n)` -> {"meta": JSON-able dict, "arrays": {column: int32 [shuffle_buffer_size +
 batch_size, length]}} is the stream after its first n batches: the source position of the group of
 texts being read and how many of its rows were taken, the pool (its first meta["size"] rows count,
-the rest are zeros), the RNG state, the batch count. `Stream(..., state=saved)` continues exactly as
-the uninterrupted stream would have (shuffling included); it refuses (UsageError) a state made with
-other settings (source, encoder, batch size, shuffle size, seed, process index and count). The
+the rest are zeros), the RNG state, the batch count, the pass and the steps before it.
+`Stream(..., state=saved)` continues exactly as the uninterrupted stream would have (shuffling and
+passes included); it refuses (UsageError) a state made with other settings (source, encoder, batch
+size, shuffle size, seed, process index and count, the held-out `start`). The
 arrays have a shape known from the flags (`state_template()`), so they can be one more item of the
 orbax checkpoint, restored into a template. Saving copies the pool (~20 MB for 10,000 blocks of 512
 tokens) and nothing else.
-- n may be any of the last `queue_size + HISTORY` batches the stream has made, not only the last one
-  handed out: a caller that prefetches k batches onto the devices saves step s with
-  `state_after(s)` although it has taken s + k batches (the stream undoes its last pool changes on
-  the copy).
+- n may be any of the last `HISTORY` + 1 batches handed out, not only the last one: a caller that
+  prefetches k batches onto the devices saves step s with `state_after(s)` although it has taken
+  s + k batches (the stream undoes its later pool changes on the copy, a new pass's included: the
+  pool is copied once a pass for that, while the steps before the pass can still be asked for).
 - With several processes every process has its own state: each saves its own (orbax writes only
   process 0's host arrays and JSON: gather them with a host allgather, they have one shape on every
   process, or write one item per process) and resumes from its own.
@@ -77,14 +89,16 @@ tokens) and nothing else.
   reads and drops its tables): the consumed part of the current shard is downloaded and parsed
   again, not tokenized.
 - The held-out eval rows (`eval_set`) are not in the state: rebuild them on resume (they are the
-  first rows of the stream, cheap to read) and ignore `start`, which the state supersedes.
+  first rows of the stream, cheap to read) and pass the same `start` (every later pass begins there).
 
 Multi-host
 ----------
 Each process reads its own rows (above) and makes its own batches; every `next()` asks
 `agree(has_batch)` (default `all_processes_have`, a tiny allgather in the consumer's thread), so all
-processes stop at the same step as soon as one runs dry, dropping the others' last batches. When do
-2 processes x 4 devices see the same global batches (as sets of rows per step) as 1 x 8?
+processes end a pass at the same step as soon as one runs dry, dropping the others' last batches of
+it (the next pass, or the end after `max_passes`). When do 2 processes x 4 devices see the same
+global batches (as sets of rows per step) as 1 x 8? (The answers hold for every pass: one process's
+pass has floor(N / B) batches, and so has the process with the fewest rows.)
 - One example per row (`Lines`), `shuffle_buffer_size=0`, no blank rows, a `FileSource` (or a
   `DatasetSource` whose shard count is not a multiple of the process count, which datasets splits by
   examples too): yes. Process p's i-th row is global row i * P + p, so the P local batches of step s
@@ -100,11 +114,13 @@ order: the same on every process, but it depends on P.
 """
 
 import collections
+import contextlib
 import copy
 import csv
 import io
 import itertools
 import json
+import logging
 import os
 import queue
 import threading
@@ -118,9 +134,10 @@ from utils import data, devices, lm
 from utils.errors import UsageError, is_disk_full
 
 FORMATS = ("json", "csv", "text")
-STATE_VERSION = 1
-# Batches `state_after` can still describe beyond those in the queue: covers a caller's prefetch.
+STATE_VERSION = 2  # 2: passes (the pass, its first step, the start of every pass)
+# Steps before the last one handed out that `state_after` can still describe: covers a caller's prefetch.
 HISTORY = 16
+logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -508,8 +525,14 @@ def eval_set(train_source, encoder, held_out, validation_source=None, max_exampl
 # ----------------------------------------------------------------------------------------------
 # The stream
 # ----------------------------------------------------------------------------------------------
-class _End:
-    pass
+class _Batch:
+    def __init__(self, pass_, event, batch):
+        self.pass_, self.event, self.batch = pass_, event, batch
+
+
+class _PassEnd:
+    def __init__(self, pass_):
+        self.pass_ = pass_
 
 
 class _Failed:
@@ -528,29 +551,40 @@ def _first_difference(saved, current, where=""):
     return None if saved == current else (where, saved, current)
 
 
+# What a resume refused for a setting must change back (the settings' own flags otherwise).
+_SETTING_HINTS = {"start": " (the rows held out for evaluation: --do_eval, --max_eval_samples, --validation_file)"}
+
+
 class Stream:
-    """This process's host batches of a streamed source; see the module docstring."""
+    """This process's host batches of a streamed source, pass after pass; see the module docstring."""
 
     def __init__(self, source, encoder, batch_size, shuffle_buffer_size=10000, seed=0, workers=1, state=None,
-                 start=None, transform=None, queue_size=8, agree=all_processes_have):
-        if batch_size <= 0 or shuffle_buffer_size < 0 or workers <= 0:
-            raise ValueError(f"batch_size {batch_size} and workers {workers} must be positive, "
-                             f"shuffle_buffer_size {shuffle_buffer_size} not negative")
+                 start=None, transform=None, queue_size=8, agree=all_processes_have, max_passes=1):
+        if batch_size <= 0 or shuffle_buffer_size < 0 or workers <= 0 or (max_passes is not None and max_passes < 1):
+            raise ValueError(f"batch_size {batch_size}, workers {workers} and max_passes {max_passes} must be "
+                             f"positive, shuffle_buffer_size {shuffle_buffer_size} not negative")
         self.source, self.encoder, self.batch_size = source, encoder, batch_size
         self.shuffle_buffer_size, self.workers = shuffle_buffer_size, workers
-        self.transform, self.agree = transform, agree
+        self.transform, self.agree, self.max_passes = transform, agree, max_passes
+        self.seed = seed
+        self._start = (start["source"], start["taken"]) if start else (source.start(), 0)
         self.settings = {"source": source.describe(), "encoder": encoder.describe(), "batch_size": batch_size,
-                         "shuffle_buffer_size": shuffle_buffer_size, "seed": seed}
+                         "shuffle_buffer_size": shuffle_buffer_size, "seed": seed, "start": start}
         capacity = shuffle_buffer_size + batch_size
         self._pool = {name: np.zeros((capacity, encoder.width), np.int32) for name in encoder.columns}
-        self._size, self._exhausted, self._batches = 0, False, 0
-        self._rng = np.random.default_rng([seed, source.process_index])
-        self._group = (start["source"], start["taken"]) if start else (source.start(), 0)
+        # Producer (the pass it reads and its place in it) and consumer (steps handed out, the pass
+        # all processes are in and the steps before it) start where the state says, else at pass 1.
+        self._begin_pass(1)
+        self._step, self._pass, self._first = 0, 1, 0
         if state is not None:
             self._load(state)
         self._meta = self._snapshot(*self._group)
-        self._history = collections.deque(maxlen=queue_size + HISTORY)
+        # Undo entries of the producer's events (batches drawn, passes begun), numbered from 1, and
+        # the event after which each recent step's batch came: `state_after` undoes the later ones.
+        self._events, self._history = 0, collections.deque()
+        self._steps = collections.deque([(self._step, 0, self._first)], maxlen=HISTORY + 1)
         self._lock, self._local = threading.Lock(), threading.local()
+        self._entered = threading.Condition()  # the consumer entered a pass: its first step is known
         self._queue, self._stop = queue.Queue(maxsize=queue_size), threading.Event()
         self._finished = False
         self._thread = threading.Thread(target=self._produce, name="stream", daemon=True)
@@ -561,9 +595,17 @@ class Stream:
         """{column: (shape, dtype)} of the state's arrays (e.g. for an orbax restore template)."""
         return {name: (pool.shape, pool.dtype) for name, pool in self._pool.items()}
 
+    def _begin_pass(self, number):
+        """The producer at the start of pass `number`: an empty pool, the source at `start`, the
+        pass's own RNG (a pure function of the seed, the process and the pass)."""
+        self._reading, self._size, self._exhausted = number, 0, False
+        self._group = self._start
+        # Pass 1's RNG is [seed, process]'s (trailing zeros do not change a numpy SeedSequence).
+        self._rng = np.random.default_rng([self.seed, self.source.process_index, number - 1])
+
     def _snapshot(self, position, taken):
-        return {"version": STATE_VERSION, "settings": self.settings, "source": position, "taken": taken,
-                "size": self._size, "exhausted": self._exhausted, "batches": self._batches,
+        return {"version": STATE_VERSION, "settings": self.settings, "pass": self._reading, "source": position,
+                "taken": taken, "size": self._size, "exhausted": self._exhausted,
                 "rng": self._rng.bit_generator.state}
 
     def _load(self, state):
@@ -575,29 +617,41 @@ class Stream:
         if difference:
             key, saved, current = difference
             raise UsageError(f"cannot resume the data stream: {key} is {saved!r} in the checkpoint but {current!r} "
-                             "in this run; resume with the same data settings")
+                             f"in this run{_SETTING_HINTS.get(key.split('.')[0], '')}; resume with the same data "
+                             "settings")
         for name, pool in self._pool.items():
             pool[...] = arrays[name]
-        self._size, self._exhausted, self._batches = meta["size"], meta["exhausted"], meta["batches"]
+        self._reading, self._size, self._exhausted = meta["pass"], meta["size"], meta["exhausted"]
         self._rng.bit_generator.state = meta["rng"]
         self._group = (meta["source"], meta["taken"])
+        self._step, self._pass, self._first = meta["batches"], meta["pass"], meta["first"]
 
     def state_after(self, batches):
-        """The state after the first `batches` batches (counted from the start of training)."""
+        """The state after the first `batches` batches (counted from the start of training): one of
+        the last `HISTORY` + 1 handed out (a caller may have taken some more ahead)."""
         with self._lock:
-            latest, meta = self._batches, self._meta
-            undo = [entry for entry in self._history if entry[0] > batches]
+            found = [entry for entry in self._steps if entry[0] == batches]
+            if not found:
+                raise ValueError(f"the stream can describe batches {self._steps[0][0]} to {self._steps[-1][0]}, "
+                                 f"not {batches}")
+            _, event, first = found[0]
+            meta = self._meta
+            undo = [entry for entry in self._history if entry[0] > event]
             pool = {name: rows.copy() for name, rows in self._pool.items()}
-        if batches > latest or len(undo) != latest - batches:
-            raise ValueError(f"the stream can describe batches {latest - len(self._history)} to {latest}, "
-                             f"not {batches}")
         for _, meta_before, kept, rows_before in reversed(undo):
             for name in pool:
                 pool[name][kept] = rows_before[name]
             meta = meta_before
         for rows in pool.values():
             rows[meta["size"]:] = 0
-        return {"meta": copy.deepcopy(meta), "arrays": pool}
+        return {"meta": {**copy.deepcopy(meta), "batches": batches, "first": first}, "arrays": pool}
+
+    def _record(self, kept):
+        """Log how to undo the event about to change the pool rows `kept` (call with the lock held)."""
+        self._events += 1
+        self._history.append((self._events, self._meta, kept,
+                              {name: pool[kept].copy() for name, pool in self._pool.items()}))
+        return self._events
 
     # --- producer (background thread) ----------------------------------------------------------
     def _encode(self, texts):
@@ -618,13 +672,14 @@ class Stream:
                 if len(pending) > self.workers:
                     position, future = pending.popleft()
                     yield position, future.result()
-                if self._stop.is_set():
+                if self._stop.is_set() or self._pass > self._reading:
                     return
             for position, future in pending:
                 yield position, future.result()
 
     def _draw(self):
-        """(index, batch) of each batch, changing the pool in place and logging how to undo it."""
+        """(event, batch) of each batch of the pass being read, until it drains or the consumer
+        leaves it, changing the pool in place and logging how to undo it."""
         columns = self.encoder.columns
         capacity = len(self._pool[columns[0]])
         position, used = self._group
@@ -632,7 +687,7 @@ class Stream:
         rows = None
         groups = self._encoded_groups()
         try:
-            while True:
+            while self._pass <= self._reading:  # until the consumer leaves this pass (its rest would be dropped)
                 size_before = size = self._size
                 while size < capacity and not self._exhausted:
                     if rows is None or used == len(rows[columns[0]]):
@@ -646,7 +701,7 @@ class Stream:
                     for name in columns:
                         self._pool[name][size: size + count] = rows[name][used: used + count]
                     size, used = size + count, used + count
-                if size < self.batch_size:
+                if size < self.batch_size:  # the pass is over: fewer rows than a batch are left (dropped)
                     return
                 if self.shuffle_buffer_size:
                     chosen = self._rng.choice(size, self.batch_size, replace=False)
@@ -658,17 +713,30 @@ class Stream:
                 holes = chosen[chosen < remaining]
                 movers = np.setdiff1d(np.arange(remaining, size), chosen, assume_unique=True)
                 with self._lock:
-                    kept = holes[holes < size_before]  # rows of the pool before this batch that change
-                    undo = (self._batches + 1, self._meta, kept,
-                            {name: self._pool[name][kept].copy() for name in columns})
+                    event = self._record(holes[holes < size_before])  # rows of the pool before this batch that change
                     for name in columns:
                         self._pool[name][holes] = self._pool[name][movers]
-                    self._size, self._batches = remaining, self._batches + 1
+                    self._size = remaining
                     self._meta = self._snapshot(position, used)
-                    self._history.append(undo)
-                yield self._batches - 1, batch
+                yield event, batch
         finally:
             groups.close()
+
+    def _next_pass(self):
+        """Begin the next pass. The whole pool is logged for undo: the new pass's rows overwrite rows
+        that the states of the last pass still hold."""
+        with self._lock:
+            self._record(np.arange(len(self._pool[self.encoder.columns[0]])))
+            self._begin_pass(self._reading + 1)
+            self._meta = self._snapshot(*self._group)
+
+    def _first_step_of(self, pass_):
+        """The step index of pass `pass_`'s first batch, once the consumer has entered that pass
+        (every process ended the one before at the same step); None when the stream stops."""
+        with self._entered:
+            while self._pass < pass_ and not self._stop.is_set():
+                self._entered.wait(0.1)
+            return self._first if self._pass == pass_ else None
 
     def _put(self, item):
         while not self._stop.is_set():
@@ -680,34 +748,65 @@ class Stream:
         return False
 
     def _produce(self):
-        draws = self._draw()
+        index = self._step  # of the next batch, for `transform`; None until the consumer enters a new pass
         try:
-            for index, batch in draws:
-                if self.transform:
-                    batch = self.transform(batch, index)
-                if not self._put((index, batch)):
+            while True:
+                with contextlib.closing(self._draw()) as draws:  # closing it stops the tokenizer threads
+                    for event, batch in draws:
+                        if index is None:
+                            index = self._first_step_of(self._reading)
+                            if index is None:
+                                return
+                        if self.transform:
+                            batch = self.transform(batch, index)
+                        if not self._put(_Batch(self._reading, event, batch)):
+                            return
+                        index += 1
+                if not self._put(_PassEnd(self._reading)) or self._reading == self.max_passes:
                     return
-            self._put(_End())
+                self._next_pass()
+                index = None
         except BaseException as error:  # raised again in the consumer's thread
             self._put(_Failed(error))
-        finally:
-            draws.close()  # and with it the tokenizer threads
 
     # --- consumer ------------------------------------------------------------------------------
     def __iter__(self):
         return self
 
     def __next__(self):
-        if self._finished:
-            raise StopIteration
-        item = self._queue.get()
-        if isinstance(item, _Failed):
-            self.close()
-            raise item.error
-        if not self.agree(not isinstance(item, _End)):
-            self.close()
-            raise StopIteration
-        return item[1]
+        while not self._finished:
+            item = self._queue.get()
+            if isinstance(item, _Failed):
+                self.close()
+                raise item.error
+            if item.pass_ < self._pass:
+                continue  # the rest of a pass that another process's end of data ended
+            if self.agree(isinstance(item, _Batch)):
+                return self._hand_out(item)
+            # A process ran out of this pass's rows: every process ends the pass at this step.
+            if self._step == self._first:
+                self.close()
+                raise UsageError(f"the training data gives no batch in pass {self._pass}: a process has fewer than "
+                                 f"{self.batch_size} examples (its rows of a global batch): add data or lower the "
+                                 "batch size")
+            if self._pass == self.max_passes:
+                logger.info("pass %d of the training stream ended at step %d, the last of --max_stream_passes %d",
+                            self._pass, self._step, self.max_passes)
+                break
+            with self._entered:
+                self._pass, self._first = self._pass + 1, self._step
+                self._entered.notify_all()
+            logger.info("pass %d of the training stream starts at step %d", self._pass, self._step + 1)
+        self.close()
+        raise StopIteration
+
+    def _hand_out(self, item):
+        self._step += 1
+        with self._lock:
+            self._steps.append((self._step, item.event, self._first))
+            while self._history and self._history[0][0] <= self._steps[0][1]:
+                self._history.popleft()  # no state `state_after` can still be asked for needs it
+        return item.batch
 
     def close(self):
         """Stop reading (the threads end after the group they are on). Safe to call again."""
@@ -735,9 +834,10 @@ DEFAULT_EVAL_EXAMPLES = 10000
 
 class StreamedData:
     """`--streaming`: the eval set (the validation data's first `--max_eval_samples` examples, else
-    that many of the training stream's first, held out from training) and the training batches,
-    read, tokenized and shuffled on the fly. The methods are those of `utils.loop.InMemoryData`;
-    checkpoints keep the stream's state (`state_after`), a resumed run gets it back (`resume_from`)."""
+    that many of the training stream's first, held out from training on every pass) and the
+    training batches, read, tokenized and shuffled on the fly, pass after pass until `--max_steps`
+    (or `--max_stream_passes`). The methods are those of `utils.loop.InMemoryData`; checkpoints keep
+    the stream's state (`state_after`), a resumed run gets it back (`resume_from`)."""
 
     def __init__(self, data_args, training_args, encoder, cache_dir=None):
         self.data_args, self.encoder = data_args, encoder
@@ -754,6 +854,8 @@ class StreamedData:
         # the global batch, so an example's mask is the same on any number of processes.
         local = global_batch_size // jax.process_count()
         self._row_ids = np.arange(local) * jax.process_count() + jax.process_index()
+        if training_args.do_train:
+            check_one_batch(self.sources["train"], encoder, local, self._start, global_batch_size)
         self._state, self._stream = None, None
 
     def example_batch(self, global_batch_size, transform=None):
@@ -762,11 +864,13 @@ class StreamedData:
 
     def batches(self, global_batch_size, seed, steps_per_epoch, start_step, total_steps, layout, transform=None):
         """This process's rows of each global batch from `start_step` on, placed by `layout`; fewer
-        than `total_steps - start_step` when the data runs out (every process stops at the same step)."""
+        than `total_steps - start_step` when `--max_stream_passes` ends the stream first (every
+        process stops at the same step)."""
         masked = None if transform is None else (lambda batch, step: transform(batch, step, self._row_ids))
         self._stream = Stream(self.sources["train"], self.encoder, len(self._row_ids),
                               self.data_args.shuffle_buffer_size, seed, self.data_args.preprocessing_num_workers or 1,
-                              state=self._state, start=None if self._state else self._start, transform=masked)
+                              state=self._state, start=self._start, transform=masked,
+                              max_passes=self.data_args.max_stream_passes)
         return layout.prefetch(itertools.islice(self._stream, total_steps - start_step))
 
     def state_template(self):
@@ -779,3 +883,22 @@ class StreamedData:
 
     def resume_from(self, state):
         self._state = state
+
+
+def check_one_batch(train_source, encoder, local_batch_size, start, global_batch_size, gather=_gather_processes):
+    """UsageError, on every process, unless each process's part of a pass (from `start`, after the
+    held-out rows) gives one batch: else no pass could ever give a step (checked before the run
+    writes anything, by reading at most the first group of texts)."""
+    arrays, _ = read_examples(train_source, encoder, local_batch_size, start)
+    counts = gather(np.array([len(arrays["input_ids"])]))
+    if counts.min() >= local_batch_size:
+        return
+    if len(counts) == 1:
+        where, need = "", f"one global batch of {global_batch_size}"
+    else:
+        where = f" in process {int(counts.argmin())}'s part"
+        need = f"its {local_batch_size} rows of a global batch of {global_batch_size}"
+    held_out = " after the rows held out for evaluation" if start else ""
+    raise UsageError(f"the training data gives {int(counts.min())} examples{where}{held_out}, fewer than {need} "
+                     "(per_device_train_batch_size x devices x gradient_accumulation_steps): lower the batch size, "
+                     f"add data{' or hold out fewer (--max_eval_samples)' if start else ''}")

@@ -3,18 +3,8 @@
 A script defines its loss and evaluate / predict functions and keeps its own loop; `make_steps`
 turns the loss into the state and the compiled train and eval steps, and `TrainingRun` does the
 rest in one order: resume (the last check), open the run directory and the checkpoints, feed the
-training batches, decide when to log, evaluate and save, and write the results.
-
-    state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data)
-    run = TrainingRun(training_args, all_args, plan, layout, train_data, is_main)
-    state = run.start(state, preflight.resume, config, model, tokenizer)
-    for step, batch in run.train_batches(seq_length):
-        state, sums = steps.train(state, batch)
-        run.after_step(step, sums)
-        if run.eval_due(step):
-            run.report("eval", evaluate(state.params))
-        run.save_if_due(step, state)
-    run.end_training(state)
+training batches, decide when to log, evaluate and save, and write the results. The Training
+section of any `run_*_flax.py` shows the loop they serve.
 """
 
 import logging
@@ -165,9 +155,9 @@ class TrainingRun:
             self.saver.save(step, state, reason)
 
     def end_training(self, state):
-        """After the loop: a stream that ran dry saves where it stopped; train_runtime and
-        train_samples go into the results."""
-        self.saver.save_if_the_data_ran_out(self.step, state)  # a stream that ran dry stopped every process early
+        """After the loop: a stream that ended before the last step (`--max_stream_passes`) saves
+        where it stopped; train_runtime and train_samples go into the results."""
+        self.saver.save_if_the_data_ran_out(self.step, state)  # --max_stream_passes may end a stream early
         # A stream has no size: its examples are the steps'.
         self.dir.add_results(train_runtime=round(time.time() - self._train_start, 2),
                              train_samples=self.train_data.size or self.loop.examples_trained)
