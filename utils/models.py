@@ -224,14 +224,15 @@ def fit_length(value, limit, flag, logger):
     return value
 
 
-def load_tokenizer(model_args):
+def load_tokenizer(model_args, **kwargs):
+    """The tokenizer of `--tokenizer_name` or the model; `kwargs` go to `from_pretrained` (add_prefix_space)."""
     name = model_args.tokenizer_name or model_args.model_name_or_path
     if not name:
         raise UsageError("no tokenizer: pass --tokenizer_name (a new model needs an existing tokenizer)")
     try:
         return AutoTokenizer.from_pretrained(
             name, cache_dir=model_args.cache_dir, use_fast=model_args.use_fast_tokenizer,
-            token=model_args.token, trust_remote_code=model_args.trust_remote_code,
+            token=model_args.token, trust_remote_code=model_args.trust_remote_code, **kwargs,
         )
     except (OSError, ValueError) as e:
         raise _hub_error("tokenizer", name, e)
