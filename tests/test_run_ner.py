@@ -261,7 +261,7 @@ def test_pytorch_checkpoint_with_another_head_fine_tunes(tmp_path):
                      CONFIG["train_file"], "--max_train_samples", 160, "--max_seq_length", 64, "--do_train",
                      "--per_device_train_batch_size", 2, "--learning_rate", 3e-3, "--num_train_epochs", 2,
                      "--logging_steps", 5, "--output_dir", out, "--compilation_cache_dir", "none"])
-    assert re.search(r"replaced by fresh ones .*classifier/kernel", result.stderr)
+    assert re.search(r"initialised fresh .*classifier/kernel \(32, 3\) -> \(32, 9\)", result.stderr)
     train = read_metrics(out, "train")
     assert train[-1]["loss"] < 0.5 * train[0]["loss"]
     assert len(read_json(out / "config.json")["id2label"]) == 9
