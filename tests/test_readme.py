@@ -10,6 +10,7 @@ import pytest
 
 import run_clm_flax
 import run_flax_glue
+import run_flax_ner
 import run_mlm_flax
 import run_summarization_flax
 import run_t5_mlm_flax
@@ -23,6 +24,7 @@ COMMON = ("Model", "Training (all scripts)", "Data (every script)")
 SCRIPTS = {
     "summarization": (run_summarization_flax, ("Data (summarization)",)),
     "glue": (run_flax_glue, ("Data (glue)",)),
+    "ner": (run_flax_ner, ("Data (ner)",)),
     "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm and t5 mlm)")),
     "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm and t5 mlm)")),
     "t5 mlm": (run_t5_mlm_flax, ("Data (t5 mlm only)", "Data (clm, mlm and t5 mlm)")),
