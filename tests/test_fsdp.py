@@ -50,7 +50,25 @@ SCRIPTS = {
         "d_model=128,d_ff=32,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.0",
         "--train_file", "data/lm/train.txt", "--validation_file", "data/lm/validation.txt", "--max_seq_length", 32,
         "--max_train_samples", 320, "--max_eval_samples", 40]),
+    # intermediate_size 256: the 64 x 256 feed-forward kernels are large enough to split as well.
+    "glue": ("run_flax_glue.py", [
+        "--model_type", "bert", "--tokenizer_name", "data/glue/tokenizer", "--config_overrides",
+        "hidden_size=64,num_hidden_layers=1,num_attention_heads=2,intermediate_size=256,max_position_embeddings=16,"
+        "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+        "--task_name", "cola", "--train_file", "data/glue/cola/train.csv", "--validation_file",
+        "data/glue/cola/validation.csv", "--test_file", "data/glue/cola/test.csv", "--max_seq_length", 16,
+        "--max_train_samples", 160, "--max_eval_samples", 40, "--max_predict_samples", 21, "--do_predict"]),
+    "ner": ("run_flax_ner.py", [
+        "--model_type", "bert", "--tokenizer_name", "data/ner/tokenizer", "--config_overrides",
+        "hidden_size=64,num_hidden_layers=1,num_attention_heads=2,intermediate_size=128,max_position_embeddings=32,"
+        "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+        "--train_file", "data/ner/train.jsonl", "--validation_file", "data/ner/validation.jsonl",
+        "--test_file", "data/ner/test.jsonl", "--max_seq_length", 32, "--max_train_samples", 160,
+        "--max_eval_samples", 37, "--max_predict_samples", 21, "--do_predict"]),
 }
+# What each script predicts, one line per example: the same lines in both layouts.
+PREDICTIONS = {"summarization": "generated_predictions.txt", "glue": "predict_results_cola.txt",
+               "ner": "predictions.txt"}
 
 
 def command(name, output_dir, *extra):
@@ -58,21 +76,30 @@ def command(name, output_dir, *extra):
     return [os.path.join(ROOT, script), *map(str, args + COMMON + ["--output_dir", output_dir, *extra])]
 
 
+class LayoutRuns(dict):
+    """{(script, layout): output dir}, each script's pair run when first asked for, so that `-k` runs
+    only the scripts it selects: both layouts side by side (two cores, two runs)."""
+
+    def __init__(self, tmp):
+        super().__init__()
+        self.tmp = tmp
+
+    def __missing__(self, key):
+        import sys
+
+        from script_runner import script_env
+
+        pair = {(key[0], sharding): self.tmp / f"{key[0]}_{sharding}" for sharding in ("dp", "fsdp")}
+        run_processes([[sys.executable, *command(name, str(out), "--sharding", sharding)]
+                       for (name, sharding), out in pair.items()],
+                      [out.parent / f"{out.name}.log" for out in pair.values()], [script_env()] * 2)
+        self.update(pair)  # only once both ran: a failed pair fails again in each test that asks for it
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{(script, layout): output dir}: both layouts of a script side by side (two cores, two runs)."""
-    import sys
-
-    from script_runner import script_env
-
-    tmp, outs = tmp_path_factory.mktemp("fsdp"), {}
-    for name in SCRIPTS:
-        pair = [(name, sharding) for sharding in ("dp", "fsdp")]
-        for key in pair:
-            outs[key] = tmp / f"{key[0]}_{key[1]}"
-        run_processes([[sys.executable, *command(name, str(outs[key]), "--sharding", key[1])] for key in pair],
-                      [tmp / f"{key[0]}_{key[1]}.log" for key in pair], [script_env()] * 2)
-    return outs
+    return LayoutRuns(tmp_path_factory.mktemp("fsdp"))
 
 
 def losses(out):
@@ -93,8 +120,8 @@ def test_fsdp_trains_and_evaluates_as_dp_does(runs, name):
         # Counts alike; losses and ROUGE of a float32 run differ in the last digits at most: the results
         # round to 4 decimals (abs 1e-3 covers that with the float32 sums), rel 1e-4 a ROUGE near 10-50.
         assert fsdp_results[key] == pytest.approx(value, rel=1e-4, abs=1e-3), key
-    if name == "summarization":
-        assert (fsdp / "generated_predictions.txt").read_text() == (dp / "generated_predictions.txt").read_text()
+    if name in PREDICTIONS:
+        assert (fsdp / PREDICTIONS[name]).read_text() == (dp / PREDICTIONS[name]).read_text()
     # The exported models are the same model.
     with open(fsdp / "config.json") as a, open(dp / "config.json") as b:
         assert json.load(a) == json.load(b)

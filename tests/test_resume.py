@@ -111,7 +111,18 @@ SCRIPTS["t5 mlm"] = ("run_t5_mlm_flax.py", [
     "--model_type", "t5", "--tokenizer_name", "data/lm/t5_tokenizer",
     "--config_overrides", "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.1",
     "--train_file", "data/lm/train.txt", "--max_seq_length", 16, "--max_train_samples", 96])
-KILLED = ["summarization", "clm", "clm stream", "clm fsdp", "t5 mlm"]
+# The classification scripts on tiny BERTs (dropouts 0.1 by default): one label per sentence, one per word.
+SCRIPTS["glue"] = ("run_flax_glue.py", [
+    "--model_type", "bert", "--tokenizer_name", "data/glue/tokenizer",
+    "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,"
+    "max_position_embeddings=16", "--task_name", "cola", "--train_file", "data/glue/cola/train.csv",
+    "--max_seq_length", 16, "--max_train_samples", 96])
+SCRIPTS["ner"] = ("run_flax_ner.py", [
+    "--model_type", "bert", "--tokenizer_name", "data/ner/tokenizer",
+    "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,"
+    "max_position_embeddings=32", "--train_file", "data/ner/train.jsonl", "--max_seq_length", 32,
+    "--max_train_samples", 96])
+KILLED = ["summarization", "clm", "clm stream", "clm fsdp", "t5 mlm", "glue", "ner"]
 
 
 @pytest.fixture(scope="module")
