@@ -10,6 +10,7 @@ from utils.layout import DataParallel
 from utils.errors import RunError
 from utils.logging import Throughput
 from utils.loop import TrainLoop, eval_batches, host_means, train_batches
+from utils.optim import learning_rate_schedule
 
 N = 8
 DP = DataParallel()
@@ -26,11 +27,17 @@ class Writer:
         self.advanced.append(step)
 
 
-def make_loop(total=10, per_epoch=4, start=0, **args):
+def make_loop(total=10, per_epoch=4, start=0, schedule=lambda step: 0.1 * step, **args):
     defaults = dict(do_eval=True, eval_steps=None, save_steps=3, logging_steps=2, save_on_epoch_end=False)
     training_args = SimpleNamespace(**{**defaults, **args})
-    return TrainLoop(training_args, per_epoch, total, start, schedule=lambda step: 0.1 * step, writer=Writer(),
+    return TrainLoop(training_args, per_epoch, total, start, schedule=schedule, writer=Writer(),
                      throughput=Throughput(), tokens_per_step=100, examples_per_step=4)
+
+
+def test_a_constant_schedule_gives_every_step_its_rate():
+    """--lr_scheduler_type constant --warmup_steps 0 is optax's constant schedule: one number for any steps."""
+    loop = make_loop(schedule=learning_rate_schedule("constant", 3e-4, 0, 10))
+    assert loop.learning_rates.shape == (10,) and set(loop.learning_rates) == {3e-4}
 
 
 def due(loop, method, total=10):

@@ -117,7 +117,9 @@ class TrainLoop:
         self.steps_per_epoch, self.total_steps, self.start_step = steps_per_epoch, total_steps, start_step
         self.writer, self.throughput = writer, throughput
         # All learning rates at once: calling the schedule at each log would compile its ops mid-run.
-        self.learning_rates = np.asarray(schedule(np.arange(max(total_steps, 1))), np.float64)
+        # Broadcast: a constant schedule (optax's) gives one number for all steps.
+        steps = np.arange(max(total_steps, 1))
+        self.learning_rates = np.broadcast_to(np.asarray(schedule(steps), np.float64), steps.shape)
         self.tokens_per_step, self.examples_per_step = tokens_per_step, examples_per_step
         self.window = []
         self.step = start_step  # the last step finished
