@@ -53,3 +53,11 @@ def jax_platforms():
     saved = jax.config.jax_platforms
     yield lambda value: jax.config.update("jax_platforms", value)
     jax.config.update("jax_platforms", saved)
+
+
+@pytest.fixture(scope="session")
+def layout_runs(tmp_path_factory):
+    """Every script's tiny run in each layout, run when first asked for (tests/layout_runs.py)."""
+    from layout_runs import LayoutRuns
+
+    return LayoutRuns(tmp_path_factory.mktemp("layouts"))

@@ -3,10 +3,15 @@
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 600  # seconds for a whole run of run_processes (shared CPUs are slow); then it kills them
 
 
 def script_env(**extra):
@@ -35,6 +40,44 @@ def run_script(script, args, timeout=600, env=None, cwd=ROOT, steps_report=None)
         [sys.executable, *recorder, os.path.join(ROOT, script), *map(str, args)],
         cwd=cwd, env=env or script_env(), capture_output=True, text=True, timeout=timeout,
     )
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(commands, logs, envs):
+    """Run the commands side by side; fail (and kill the rest) as soon as one fails or the time is up.
+
+    A dead process would leave its peers blocked in a collective: nothing here waits on them.
+    """
+    handles = [open(log, "w") for log in logs]
+    procs = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+             for command, env, f in zip(commands, envs, handles)]
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while True:
+            codes = [p.poll() for p in procs]  # every process, every time: a failure must not wait its turn
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                why, culprit = f"exited with {codes[failed[0]]}", failed[0]
+            elif None not in codes:
+                return
+            elif time.monotonic() > deadline:
+                why, culprit = f"still running after {TIMEOUT} s", codes.index(None)
+            else:
+                time.sleep(0.2)
+                continue
+            pytest.fail(f"{logs[culprit]}: {why}:\n" + open(logs[culprit]).read()[-3000:])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in handles:
+            f.close()
 
 
 def directory_state(path):

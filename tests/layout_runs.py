@@ -1,0 +1,94 @@
+"""Every training script on one tiny config, run in each layout the cross-layout tests compare:
+`dp` and `fsdp` on 1 process x 8 virtual devices (tests/test_fsdp.py), and `dp` on 2 processes x 4
+devices (tests/test_multihost.py). Each run starts when a test first asks for it, so `-k` runs only
+what it selects, and is shared by every test module of the session (the `layout_runs` fixture).
+
+Dropout is off: dp draws one dropout key per device, fsdp one for the global batch, so with dropout
+on the layouts would differ by design.
+"""
+
+import os
+import sys
+
+from script_runner import ROOT, free_port, run_processes, script_env
+
+COMMON = ["--do_train", "--do_eval", "--max_steps", 10, "--logging_steps", 1, "--save_steps", 5,
+          "--learning_rate", 3e-3, "--per_device_train_batch_size", 2, "--per_device_eval_batch_size", 2,
+          "--compilation_cache_dir", "none"]
+SCRIPTS = {
+    "summarization": ("run_summarization_flax.py", [
+        "--model_type", "t5", "--tokenizer_name", "data/summarization/tokenizer", "--config_overrides",
+        "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.0",
+        "--train_file", "data/summarization/train.jsonl", "--validation_file", "data/summarization/validation.jsonl",
+        "--test_file", "data/summarization/test.jsonl", "--max_train_samples", 160, "--max_eval_samples", 21,
+        "--max_predict_samples", 21, "--max_source_length", 48, "--max_target_length", 12, "--do_predict",
+        "--predict_with_generate", "--num_beams", 2]),
+    "clm": ("run_clm_flax.py", [
+        "--model_type", "gpt2", "--tokenizer_name", "data/lm/tokenizer", "--config_overrides",
+        "n_embd=64,n_layer=2,n_head=4,n_positions=32,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0",
+        "--train_file", "data/lm/train.txt", "--validation_file", "data/lm/validation.txt", "--block_size", 32,
+        "--max_train_samples", 640, "--max_eval_samples", 40]),
+    "mlm": ("run_mlm_flax.py", [
+        "--model_type", "roberta", "--tokenizer_name", "data/lm/tokenizer", "--config_overrides",
+        "hidden_size=64,num_hidden_layers=2,num_attention_heads=4,intermediate_size=128,max_position_embeddings=34,"
+        "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+        "--train_file", "data/lm/train.txt", "--validation_file", "data/lm/validation.txt", "--max_seq_length", 32,
+        "--max_train_samples", 640, "--max_eval_samples", 40]),
+    # d_model 128: the 405-token shared embedding is then large enough to split (utils/layout.py).
+    "t5 mlm": ("run_t5_mlm_flax.py", [
+        "--model_type", "t5", "--tokenizer_name", "data/lm/t5_tokenizer", "--config_overrides",
+        "d_model=128,d_ff=32,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.0",
+        "--train_file", "data/lm/train.txt", "--validation_file", "data/lm/validation.txt", "--max_seq_length", 32,
+        "--max_train_samples", 320, "--max_eval_samples", 40]),
+    # intermediate_size 256: the 64 x 256 feed-forward kernels are large enough to split as well.
+    "glue": ("run_flax_glue.py", [
+        "--model_type", "bert", "--tokenizer_name", "data/glue/tokenizer", "--config_overrides",
+        "hidden_size=64,num_hidden_layers=1,num_attention_heads=2,intermediate_size=256,max_position_embeddings=16,"
+        "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+        "--task_name", "cola", "--train_file", "data/glue/cola/train.csv", "--validation_file",
+        "data/glue/cola/validation.csv", "--test_file", "data/glue/cola/test.csv", "--max_seq_length", 16,
+        "--max_train_samples", 160, "--max_eval_samples", 40, "--max_predict_samples", 21, "--do_predict"]),
+    "ner": ("run_flax_ner.py", [
+        "--model_type", "bert", "--tokenizer_name", "data/ner/tokenizer", "--config_overrides",
+        "hidden_size=64,num_hidden_layers=1,num_attention_heads=2,intermediate_size=128,max_position_embeddings=32,"
+        "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+        "--train_file", "data/ner/train.jsonl", "--validation_file", "data/ner/validation.jsonl",
+        "--test_file", "data/ner/test.jsonl", "--max_seq_length", 32, "--max_train_samples", 160,
+        "--max_eval_samples", 37, "--max_predict_samples", 21, "--do_predict"]),
+}
+# What each script predicts, one line per example: the same lines in every layout.
+PREDICTIONS = {"summarization": "generated_predictions.txt", "glue": "predict_results_cola.txt",
+               "ner": "predictions.txt"}
+
+
+def command(name, output_dir, *extra):
+    script, args = SCRIPTS[name]
+    return [os.path.join(ROOT, script), *map(str, args + COMMON + ["--output_dir", output_dir, *extra])]
+
+
+
+class LayoutRuns(dict):
+    """{(script, layout): output dir}; layout "dp" or "fsdp" (run as a pair, side by side: two cores,
+    two runs), or "2x4": (process 0's output dir, process 1's), each process with a disk of its own."""
+
+    def __init__(self, tmp):
+        super().__init__()
+        self.tmp = tmp
+
+    def __missing__(self, key):
+        name, layout = key
+        if layout == "2x4":
+            outs, port = (self.tmp / f"{name}_2x4_host0", self.tmp / f"{name}_2x4_host1"), free_port()
+            run_processes([[sys.executable, *command(name, str(out), "--coordinator_address", f"127.0.0.1:{port}",
+                                                     "--num_processes", 2, "--process_id", i)]
+                           for i, out in enumerate(outs)],
+                          [out.parent / f"{out.name}.log" for out in outs],
+                          [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
+            self[key] = outs
+            return outs
+        pair = {(name, sharding): self.tmp / f"{name}_{sharding}" for sharding in ("dp", "fsdp")}
+        run_processes([[sys.executable, *command(name, str(out), "--sharding", sharding)]
+                       for (name, sharding), out in pair.items()],
+                      [out.parent / f"{out.name}.log" for out in pair.values()], [script_env()] * 2)
+        self.update(pair)  # only once both ran: a failed pair fails again in each test that asks for it
+        return self[key]
