@@ -1,4 +1,5 @@
-"""Run a flaxtune script as a user would: a subprocess with 8 virtual CPU devices, offline."""
+"""Run a flaxtune script as a user would: a process of its own with 8 virtual CPU devices, offline
+(forked from a process that imported the libraries already: tests/script_launcher.py)."""
 
 import hashlib
 import json
@@ -9,6 +10,8 @@ import sys
 import time
 
 import pytest
+
+import script_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 600  # seconds for a whole run of run_processes (shared CPUs are slow); then it kills them
@@ -36,10 +39,8 @@ def run_script(script, args, timeout=600, env=None, cwd=ROOT, steps_report=None)
     of each pmap'd step compiled (`utils.perf.step_report`).
     """
     recorder = ["-m", "utils.perf", str(steps_report)] if steps_report else []
-    return subprocess.run(
-        [sys.executable, *recorder, os.path.join(ROOT, script), *map(str, args)],
-        cwd=cwd, env=env or script_env(), capture_output=True, text=True, timeout=timeout,
-    )
+    return script_launcher.run([sys.executable, *recorder, os.path.join(ROOT, script), *map(str, args)],
+                               cwd=cwd, env=env or script_env(), timeout=timeout)
 
 
 def free_port():
@@ -54,7 +55,7 @@ def run_processes(commands, logs, envs):
     A dead process would leave its peers blocked in a collective: nothing here waits on them.
     """
     handles = [open(log, "w") for log in logs]
-    procs = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    procs = [script_launcher.popen(command, ROOT, env, stdout=f, stderr=subprocess.STDOUT)
              for command, env, f in zip(commands, envs, handles)]
     deadline = time.monotonic() + TIMEOUT
     try:

@@ -20,7 +20,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import T5Config
 
-from script_runner import ROOT, directory_state, read_metrics, run_script, script_env
+import script_launcher
+from script_runner import ROOT, directory_state, read_metrics, script_env
 from utils.args import TrainingArguments
 from utils.checkpoint import checkpoint_steps
 from utils.layout import DataParallel, FullySharded
@@ -144,8 +145,7 @@ def command(tmp_path_factory):
 
 def run(argv, wrapper=()):
     """Run `python [wrapper] script args` to the end; returns the CompletedProcess."""
-    return subprocess.run([sys.executable, *wrapper, *argv], cwd=ROOT, env=script_env(), capture_output=True,
-                          text=True, timeout=600)
+    return script_launcher.run([sys.executable, *wrapper, *argv], ROOT, script_env(), timeout=600)
 
 
 def run_ok(argv):
@@ -198,8 +198,8 @@ def assert_same_run(output_dir, reference):
 @pytest.mark.parametrize("name", KILLED)
 def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path, command, uninterrupted, name):
     reference, out = uninterrupted(name), str(tmp_path / "run")
-    process = subprocess.Popen([sys.executable, *command(name, out)], cwd=ROOT, env=script_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = script_launcher.popen([sys.executable, *command(name, out)], ROOT, script_env(),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not os.path.isdir(os.path.join(out, "checkpoints", "4")):
         assert process.poll() is None, "the run ended before its first checkpoint"
         time.sleep(0.02)

@@ -21,7 +21,7 @@ from transformers import (AutoConfig, BartConfig, BertConfig, FlaxAutoModelForCa
                           FlaxAutoModelForSeq2SeqLM, FlaxAutoModelForSequenceClassification, FlaxBertModel,
                           GPT2Config)
 
-from tests.script_runner import ROOT, read_metrics, run_script
+from script_runner import ROOT, read_metrics, run_script
 from utils.args import ModelArguments
 from utils.errors import UsageError
 from utils.layout import DataParallel, FullySharded
