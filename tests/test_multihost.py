@@ -326,3 +326,45 @@ def test_t5_span_corruption_on_two_processes_matches_one(t5_mlm):
     assert [row["tokens"] for row in evals[1]] == [row["tokens"] for row in evals[0]] == [40 * 8] * 2
     assert read_json(multi / "all_results.json")["train_samples"] == 320
     assert os.listdir(t5_mlm / "host1") == []
+
+
+# Images: each process decodes and crops only its rows of the global batch, with each example's own
+# random numbers; dropout on (keys per device, the same devices in both). 10 steps of 16 images,
+# evaluated on 40 (a padded last batch) at steps 5 and 10, 21 predicted.
+IMAGE = ["--model_type", "vit", "--config_overrides",
+         "image_size=16,patch_size=4,hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64",
+         "--train_dir", "data/images/train", "--validation_dir", "data/images/validation", "--test_dir",
+         "data/images/validation", "--max_train_samples", "160", "--max_eval_samples", "40", "--max_predict_samples",
+         "21", "--do_train", "--do_eval", "--do_predict", "--max_steps", "10", "--per_device_train_batch_size", "2",
+         "--per_device_eval_batch_size", "2", "--learning_rate", "3e-3", "--adam_epsilon", "1e-3", "--logging_steps",
+         "1", "--eval_steps", "5", "--save_steps", "100", "--compilation_cache_dir", "none"]
+
+
+@pytest.fixture(scope="module")
+def images_run(tmp_path_factory):
+    """run_image_classification.py on 1 process x 8 devices and on 2 x 4, side by side."""
+    tmp = tmp_path_factory.mktemp("images")
+    script, port = [sys.executable, os.path.join(ROOT, "run_image_classification.py"), *IMAGE], free_port()
+    commands = [script + ["--output_dir", str(tmp / "single")]]
+    commands += [script + ["--output_dir", str(tmp / f"host{i}"), "--coordinator_address", f"127.0.0.1:{port}",
+                           "--num_processes", "2", "--process_id", str(i)] for i in range(2)]
+    logs = [tmp / "single.log", tmp / "process0.log", tmp / "process1.log"]
+    run_processes(commands, logs, [script_env()] + [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
+    return tmp
+
+
+@pytest.mark.slow
+def test_images_on_two_processes_match_one(images_run):
+    single, multi = images_run / "single", images_run / "host0"
+    assert [step for step, _ in losses(multi)] == [step for step, _ in losses(single)] == list(range(1, 11))
+    # Losses over 16 images summed in another order across processes (LOSS_RTOL).
+    assert [loss for _, loss in losses(multi)] == pytest.approx([loss for _, loss in losses(single)], rel=LOSS_RTOL)
+    evals = [read_metrics(out, "eval") for out in (single, multi)]
+    assert [row["step"] for row in evals[1]] == [row["step"] for row in evals[0]] == [5, 10]
+    # Accuracy counts argmax matches of 40 images: equal unless a rounding flips a near-tie (LOSS_RTOL allows none).
+    for key in ("loss", "accuracy", "top5_accuracy"):
+        assert [row[key] for row in evals[1]] == pytest.approx([row[key] for row in evals[0]], rel=LOSS_RTOL), key
+    assert [row["tokens"] for row in evals[1]] == [40, 40]
+    assert (multi / "predict_results.txt").read_bytes() == (single / "predict_results.txt").read_bytes()
+    assert len((multi / "predict_results.txt").read_text().splitlines()) == 22
+    assert os.listdir(images_run / "host1") == []

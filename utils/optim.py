@@ -10,8 +10,10 @@ from utils.errors import UsageError
 # Module names of normalisation layers across the supported families: T5 `layer_norm`,
 # BART `self_attn_layer_norm` / `layernorm_embedding`, GPT-2 `ln_1` / `ln_f`, BERT `LayerNorm`,
 # Llama / Mistral / Gemma `input_layernorm` / `post_attention_layernorm` / `norm`, BLOOM
-# `word_embeddings_layernorm`, OPT `final_layer_norm`.
-_NORM_MODULE = re.compile(r"(layer_?norm|(^|_)ln(_|\d|$)|(^|_)norm($|_)|rms_?norm|layernorm_embedding)", re.I)
+# `word_embeddings_layernorm`, OPT `final_layer_norm`, DINOv2 `norm1` / `norm2`, ResNet / RegNet
+# batch norm `normalization`.
+_NORM_MODULE = re.compile(r"(layer_?norm|(^|_)ln(_|\d|$)|(^|_)norm\d*($|_)|rms_?norm|layernorm_embedding|"
+                          r"^normalization$)", re.I)
 
 
 def learning_rate_schedule(kind, peak, warmup_steps, total_steps):
@@ -37,11 +39,13 @@ def learning_rate_schedule(kind, peak, warmup_steps, total_steps):
 
 
 def decay_mask(params):
-    """True for parameters that get weight decay: everything but biases and normalisation scales."""
+    """True for parameters that get weight decay: everything but biases, normalisation scales and
+    batch-norm statistics (`batch_stats`, which are not trained)."""
     flat = traverse_util.flatten_dict(params)
 
     def decays(path):
-        if str(path[-1]).endswith("bias"):  # `bias`, and BART's top-level `final_logits_bias`
+        # `bias`, and BART's top-level `final_logits_bias`
+        if path[0] == "batch_stats" or str(path[-1]).endswith("bias"):
             return False
         return not any(_NORM_MODULE.search(str(name)) for name in path[:-1])
 
