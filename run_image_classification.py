@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from transformers import FlaxAutoModelForImageClassification
@@ -33,7 +34,7 @@ from utils import classification, data, devices, images
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
-from utils.models import load_config, load_model
+from utils.models import enable_gradient_checkpointing, load_config, load_model
 from utils.run import SPLIT_FLAGS, check_before_work, set_up, training_plan
 from utils.steps import cross_entropy_sums
 from utils.training import TrainingRun, make_steps
@@ -192,17 +193,22 @@ def saved_label_names(config):
     return None if names == [f"LABEL_{i}" for i in range(config.num_labels)] else names
 
 
+def class_order(name):
+    """Sort key of class names: integers by value (2 before 10), then the others as strings."""
+    return (0, int(name), "") if name.lstrip("-").isdigit() else (1, 0, name)
+
+
 def choose_labels(splits, config, pretrained, training):
     """The label names, by id. Training: the training classes, in the checkpoint's order when it names
     exactly those (its head keeps its meaning). Else the checkpoint's, which must name every class of
     the data."""
     saved = saved_label_names(config) if pretrained else None
     if training:
-        classes = sorted(set(splits["train"][1]))
+        classes = sorted(set(splits["train"][1]), key=class_order)
         if len(classes) < 2:
             raise UsageError(f"the training images have one class only ({classes[0]!r}): classification needs two "
                              "or more (one folder per class)")
-        return saved if saved and sorted(saved) == classes else classes
+        return saved if saved and sorted(saved, key=class_order) == classes else classes
     if saved is None:
         raise UsageError("evaluation or prediction alone needs the label names: use a model fine-tuned by this "
                          "script (its config names them), or train it here (--do_train)")
@@ -342,6 +348,8 @@ def main(argv=None):
     model, params = load_model(FlaxAutoModelForImageClassification, model_args, config,
                                devices.to_dtype(model_args.dtype), training_args.seed, layout,
                                new_head_if_mismatched=True)
+    if training_args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
 
     # ------------------------------------------------------------------------------------------
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
@@ -349,13 +357,15 @@ def main(argv=None):
     label_smoothing = training_args.label_smoothing_factor
     top_k = TOP_K if len(names) > TOP_K else None
     # ResNet / RegNet take no dropout key; their batch norm always runs on its saved statistics
-    # (train=False), which training leaves as they are: frozen batch norm, the same in train and eval.
+    # (train=False), which training leaves as they are (no gradient: the statistics are used, hence
+    # differentiable): frozen batch norm, the same in train and eval.
     takes_dropout = "dropout_rng" in inspect.signature(model.__call__).parameters
 
     def logits_of(params, batch, dropout_rng=None, train=False):
         if takes_dropout:
             return model(batch["pixel_values"], params=params, dropout_rng=dropout_rng, train=train)[0]
-        return model(batch["pixel_values"], params=params, train=False)[0]
+        frozen = {**params, "batch_stats": jax.lax.stop_gradient(params["batch_stats"])}
+        return model(batch["pixel_values"], params=frozen, train=False)[0]
 
     def loss_fn(params, batch, dropout_rng, train):
         return classification_sums(logits_of(params, batch, dropout_rng, train), batch["labels"],

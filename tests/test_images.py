@@ -274,3 +274,24 @@ def test_labels_stay_with_their_images():
 
     assert accuracy(train_y) > 0.85
     assert accuracy(np.random.default_rng(0).permutation(train_y)) < 0.3
+
+
+def test_dataset_images_give_bytes_or_paths(tmp_path):
+    """A `datasets` Image column (encoded bytes, or files) and a column of paths relative to the data file."""
+    import datasets
+
+    paths, _ = small_set(tmp_path, 3)
+    with open(paths[1], "rb") as f:
+        encoded = f.read()
+    features = datasets.Features({"image": datasets.Image()})
+    stored = datasets.Dataset.from_dict({"image": [{"bytes": encoded, "path": None}, paths[2]]}, features=features)
+    column = images.DatasetImages(stored, "image")
+    assert column[0] == encoded and column[1] == paths[2]
+    assert column.name(0) == "row 0" and column.name(1) == paths[2]
+    expected = np.asarray(Image.open(paths[1]).convert("RGB"))
+    np.testing.assert_array_equal(np.asarray(images.open_rgb(column[0])), expected)
+    relative = datasets.Dataset.from_dict({"file": [os.path.basename(p) for p in paths]})
+    column = images.DatasetImages(relative, "file", base=str(tmp_path))
+    assert [column[i] for i in range(3)] == paths and column.select([2, 0])[0] == paths[2]
+    with pytest.raises(UsageError, match="neither images nor paths"):
+        images.DatasetImages(datasets.Dataset.from_dict({"file": [1, 2]}), "file")
