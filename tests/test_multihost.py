@@ -364,7 +364,7 @@ def test_images_on_two_processes_match_one(images_run):
     # Accuracy counts argmax matches of 40 images: equal unless a rounding flips a near-tie (LOSS_RTOL allows none).
     for key in ("loss", "accuracy", "top5_accuracy"):
         assert [row[key] for row in evals[1]] == pytest.approx([row[key] for row in evals[0]], rel=LOSS_RTOL), key
-    assert [row["tokens"] for row in evals[1]] == [40, 40]
+    assert [row["samples"] for row in evals[1]] == [row["samples"] for row in evals[0]] == [40, 40]
     assert (multi / "predict_results.txt").read_bytes() == (single / "predict_results.txt").read_bytes()
     assert len((multi / "predict_results.txt").read_text().splitlines()) == 22
     assert os.listdir(images_run / "host1") == []
