@@ -55,10 +55,17 @@ SCRIPTS = {
         "--train_file", "data/ner/train.jsonl", "--validation_file", "data/ner/validation.jsonl",
         "--test_file", "data/ner/test.jsonl", "--max_seq_length", 32, "--max_train_samples", 160,
         "--max_eval_samples", 37, "--max_predict_samples", 21, "--do_predict"]),
+    "image": ("run_image_classification.py", [
+        "--model_type", "vit", "--config_overrides",
+        "image_size=16,patch_size=4,hidden_size=64,num_hidden_layers=1,num_attention_heads=2,intermediate_size=256,"
+        "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+        "--train_dir", "data/images/train", "--validation_dir", "data/images/validation", "--test_dir",
+        "data/images/validation", "--max_train_samples", 160, "--max_eval_samples", 40, "--max_predict_samples", 21,
+        "--do_predict"]),
 }
 # What each script predicts, one line per example: the same lines in every layout.
 PREDICTIONS = {"summarization": "generated_predictions.txt", "glue": "predict_results_cola.txt",
-               "ner": "predictions.txt"}
+               "ner": "predictions.txt", "image": "predict_results.txt"}
 
 
 def command(name, output_dir, *extra):

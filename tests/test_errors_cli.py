@@ -623,3 +623,80 @@ def test_glue_task_without_local_files_needs_the_hub(fails):
     fails(["--model_type", "bert", "--config_overrides", TINY_BERT, "--tokenizer_name", GLUE_TOKENIZER,
            "--task_name", "sst2", "--do_train"], r"could not load dataset .nyu-mll/glue.: it is not in the local cache",
           script=glue)
+
+
+# ---------------------------------------------------------------------------------------------
+# run_image_classification.py
+# ---------------------------------------------------------------------------------------------
+TINY_VIT = "image_size=16,patch_size=4,hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=32"
+
+
+@pytest.fixture(scope="module")
+def image_folders(tmp_path_factory):
+    """ImageFolders by name: good, and each of the layouts a user gets wrong."""
+    import numpy as np
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("images")
+
+    def folder(name, classes, bad=None):
+        for cls, count in classes.items():
+            (root / name / cls).mkdir(parents=True)
+            for i in range(count):
+                Image.fromarray(np.full((8, 8), 12 * i, np.uint8)).save(root / name / cls / f"{i}.png")
+        if bad:
+            (root / name / bad).write_bytes(b"\x89PNG\r\n\x1a\n not really")
+        return str(root / name)
+
+    paths = {"good": folder("good", {"cat": 10, "dog": 10}), "empty class": folder("empty", {"cat": 3, "dog": 0}),
+             "one class": folder("one", {"cat": 20}), "corrupt": folder("corrupt", {"cat": 10, "dog": 9}, "dog/9.png"),
+             "other classes": folder("other", {"cat": 2, "bird": 2})}
+    (root / "loose").mkdir()
+    for i in range(3):
+        Image.fromarray(np.zeros((8, 8), np.uint8)).save(root / "loose" / f"{i}.png")
+    paths["loose"] = str(root / "loose")
+    return paths
+
+
+@pytest.fixture
+def image_fails(fails, monkeypatch):
+    import run_image_classification as image
+
+    monkeypatch.setattr(image, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model built")))
+    return lambda argv, pattern, code=2: fails(argv, pattern, code, script=image)
+
+
+def image_scratch(train, *args):
+    return ["--model_type", "vit", "--config_overrides", TINY_VIT, "--train_dir", train, "--do_train",
+            "--per_device_train_batch_size", 1, *args]
+
+
+@pytest.mark.parametrize("case, args, pattern", [
+    ("empty class", [], r"class folder .*/empty/dog holds no images \(looked for .png, .jpg.*\): add its images or "
+                        r"remove the folder"),
+    ("one class", [], r"the training images have one class only \('cat'\): classification needs two or more"),
+    ("corrupt", [], r"image .*/corrupt/dog/9.png cannot be read \(UnidentifiedImageError: .*\): replace or remove it"),
+    ("loose", [], r"--train_dir .*/loose holds 3 images but no class folders: put each class's images in a folder "
+                  r"named for the class \(root/<class>/<image>\)"),
+    ("good", ["--image_size", 15], r"--image_size 15 is not a multiple of the model's patch_size 4: use 12 or 16"),
+    ("good", ["--do_eval"], r"--do_eval needs validation images: pass --validation_dir \(root/<class>/<image>\), "
+                            r"--validation_file or --dataset_name"),
+    ("good", ["--train_file", "x.csv"], r"--train_dir and --train_file both give train images: pass one"),
+    ("good", ["--min_crop_scale", 0], r"--min_crop_scale must be in \(0, 1\], got 0"),
+])
+def test_image_bad_inputs(image_fails, image_folders, case, args, pattern):
+    image_fails(image_scratch(image_folders[case], *args), pattern)
+
+
+def test_image_validation_classes_unknown_to_training(image_fails, image_folders):
+    image_fails(image_scratch(image_folders["good"], "--do_eval", "--validation_dir", image_folders["other classes"]),
+                r"the validation images have classes the model does not know: 'bird' \(its classes: 'cat', 'dog'\)")
+
+
+def test_image_eval_only_needs_named_labels(image_fails, image_folders, tmp_path):
+    from transformers import ViTConfig
+
+    ViTConfig(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+              intermediate_size=32).save_pretrained(tmp_path / "vit")
+    image_fails(["--model_name_or_path", tmp_path / "vit", "--validation_dir", image_folders["good"], "--do_eval"],
+                r"evaluation or prediction alone needs the label names")

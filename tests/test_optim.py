@@ -6,9 +6,11 @@ import numpy as np
 import optax
 import pytest
 from flax import traverse_util
-from transformers import (BartConfig, BertConfig, FlaxBartForConditionalGeneration, FlaxBertForMaskedLM,
-                          FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, FlaxT5ForConditionalGeneration, GPT2Config,
-                          LlamaConfig, T5Config)
+from transformers import (BartConfig, BeitConfig, BertConfig, Dinov2Config, FlaxBartForConditionalGeneration,
+                          FlaxBeitForImageClassification, FlaxBertForMaskedLM, FlaxDinov2ForImageClassification,
+                          FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, FlaxResNetForImageClassification,
+                          FlaxT5ForConditionalGeneration, FlaxViTForImageClassification, GPT2Config, LlamaConfig,
+                          ResNetConfig, T5Config, ViTConfig)
 
 from utils import compat
 from utils.args import TrainingArguments
@@ -72,6 +74,16 @@ TINY = {
     "llama": (FlaxLlamaForCausalLM, LlamaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
                                                 num_attention_heads=2, num_key_value_heads=2, intermediate_size=32,
                                                 max_position_embeddings=32)),
+    # Vision: learned tokens, position tables and layer scales do not decay; nor batch-norm statistics.
+    "vit": (FlaxViTForImageClassification, ViTConfig(image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=32)),
+    "beit": (FlaxBeitForImageClassification, BeitConfig(image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=1,
+                                                        num_attention_heads=2, intermediate_size=32,
+                                                        use_relative_position_bias=True, layer_scale_init_value=0.1)),
+    "dinov2": (FlaxDinov2ForImageClassification, Dinov2Config(image_size=8, patch_size=4, hidden_size=16,
+                                                              num_hidden_layers=1, num_attention_heads=2)),
+    "resnet": (FlaxResNetForImageClassification, ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1],
+                                                              layer_type="basic")),
 }
 
 

@@ -11,10 +11,11 @@ import pytest
 import run_clm_flax
 import run_flax_glue
 import run_flax_ner
+import run_image_classification
 import run_mlm_flax
 import run_summarization_flax
 import run_t5_mlm_flax
-from utils.args import ModelArguments, TrainingArguments
+from utils.args import BaseDataArguments, ModelArguments, TrainingArguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The README sections (`### <title>` under Arguments) that every script takes its arguments from.
@@ -25,6 +26,7 @@ SCRIPTS = {
     "summarization": (run_summarization_flax, ("Data (summarization)",)),
     "glue": (run_flax_glue, ("Data (glue)",)),
     "ner": (run_flax_ner, ("Data (ner)",)),
+    "image": (run_image_classification, ("Data (image classification)",)),
     "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm and t5 mlm)")),
     "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm and t5 mlm)")),
     "t5 mlm": (run_t5_mlm_flax, ("Data (t5 mlm only)", "Data (clm, mlm and t5 mlm)")),
@@ -45,14 +47,18 @@ def documented_defaults(sections):
     return defaults
 
 
+def arguments_of(script, base):
+    """The script's own arguments of that kind (GLUE's model arguments add --use_slow_tokenizer): the
+    most derived subclass of `base` it defines or imports."""
+    return max((value for value in vars(script).values() if isinstance(value, type) and issubclass(value, base)),
+               key=lambda c: len(c.__mro__))
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_every_argument_is_documented_with_its_default(name):
     script, sections = SCRIPTS[name]
     documented = documented_defaults(sections + COMMON)
-    # A script's own model arguments (GLUE's --use_slow_tokenizer) extend the shared ones: the most derived.
-    model_arguments = max((value for value in vars(script).values()
-                           if isinstance(value, type) and issubclass(value, ModelArguments)), key=lambda c: len(c.__mro__))
-    for dataclass in (model_arguments, TrainingArguments, script.DataTrainingArguments):
+    for dataclass in (arguments_of(script, ModelArguments), TrainingArguments, arguments_of(script, BaseDataArguments)):
         for field in dataclasses.fields(dataclass):
             expected = "(required)" if field.default is dataclasses.MISSING else f"`{field.default!r}`"
             assert documented.get(field.name) == expected, f"{name}: --{field.name} (default {expected})"
@@ -77,14 +83,15 @@ def real_names():
     """Every ALL_CAPS_WITH_UNDERSCORES word of the project's Python code (constants, the environment
     variables it reads: XLA_FLAGS, JAX_PROCESS_ID, HF_ENDPOINT, ...), and the metavariables of the
     arguments (OUTPUT_DIR for --output_dir)."""
-    names = set(OTHER_TOOLS_VARIABLES)
+    names = set(OTHER_TOOLS_VARIABLES) | set(PLACEHOLDER.findall(read("tests/script_launcher.py")))  # its switch
     for folder, _, files in os.walk(ROOT):
         if os.path.relpath(folder, ROOT).split(os.sep)[0] in ("tests", ".git"):
             continue  # a test may name a placeholder on purpose
         for name in files:
             if name.endswith(".py"):
                 names |= set(PLACEHOLDER.findall(read(os.path.relpath(os.path.join(folder, name), ROOT))))
-    for dataclass in (ModelArguments, TrainingArguments, *(script.DataTrainingArguments for script, _ in SCRIPTS.values())):
+    for dataclass in (ModelArguments, TrainingArguments, *(arguments_of(script, BaseDataArguments)
+                                                            for script, _ in SCRIPTS.values())):
         names |= {field.name.upper() for field in dataclasses.fields(dataclass)}
     return names
 

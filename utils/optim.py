@@ -10,8 +10,14 @@ from utils.errors import UsageError
 # Module names of normalisation layers across the supported families: T5 `layer_norm`,
 # BART `self_attn_layer_norm` / `layernorm_embedding`, GPT-2 `ln_1` / `ln_f`, BERT `LayerNorm`,
 # Llama / Mistral / Gemma `input_layernorm` / `post_attention_layernorm` / `norm`, BLOOM
-# `word_embeddings_layernorm`, OPT `final_layer_norm`.
-_NORM_MODULE = re.compile(r"(layer_?norm|(^|_)ln(_|\d|$)|(^|_)norm($|_)|rms_?norm|layernorm_embedding)", re.I)
+# `word_embeddings_layernorm`, OPT `final_layer_norm`, DINOv2 `norm1` / `norm2`, ResNet / RegNet
+# batch norm `normalization`.
+# Vision transformers' learned tokens, position tables and layer scales (ViT, BEiT, DINOv2): not
+# weight matrices, so no decay either (as timm and big_vision leave them).
+_NO_DECAY_LEAVES = {"cls_token", "mask_token", "position_embeddings", "relative_position_bias_table", "lambda_1",
+                    "lambda_2", "lambda1"}
+_NORM_MODULE = re.compile(r"(layer_?norm|(^|_)ln(_|\d|$)|(^|_)norm\d*($|_)|rms_?norm|layernorm_embedding|"
+                          r"^normalization$)", re.I)
 
 
 def learning_rate_schedule(kind, peak, warmup_steps, total_steps):
@@ -37,11 +43,13 @@ def learning_rate_schedule(kind, peak, warmup_steps, total_steps):
 
 
 def decay_mask(params):
-    """True for parameters that get weight decay: everything but biases and normalisation scales."""
+    """True for parameters that get weight decay: everything but biases, normalisation scales,
+    batch-norm statistics (`batch_stats`, which are not trained) and `_NO_DECAY_LEAVES`."""
     flat = traverse_util.flatten_dict(params)
 
     def decays(path):
-        if str(path[-1]).endswith("bias"):  # `bias`, and BART's top-level `final_logits_bias`
+        # `bias`, and BART's top-level `final_logits_bias`
+        if path[0] == "batch_stats" or str(path[-1]).endswith("bias") or path[-1] in _NO_DECAY_LEAVES:
             return False
         return not any(_NORM_MODULE.search(str(name)) for name in path[:-1])
 

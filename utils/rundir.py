@@ -28,10 +28,10 @@ logger = logging.getLogger(__name__)
 RUN_OUTPUTS = (
     CHECKPOINT_SUBDIR, "run_args.json", "metrics.jsonl", "metrics.jsonl.tmp", "events.out.tfevents.*",
     "*_results.json", "generated_predictions.txt", "predict_results*.txt", ".export-*",
-    # The Hugging Face export: model (one file, or shards with an index) and tokenizer.
+    # The Hugging Face export: model (one file, or shards with an index), tokenizer or image processor.
     "config.json", "generation_config.json", "flax_model.msgpack", "flax_model-*.msgpack",
     "flax_model.msgpack.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "chat_template.*", "vocab.*", "merges.txt", "*.model", "*.spm",
+    "added_tokens.json", "chat_template.*", "vocab.*", "merges.txt", "*.model", "*.spm", "preprocessor_config.json",
 )
 
 
