@@ -114,7 +114,8 @@ def test_fsdp_splits_the_state_eight_ways_on_the_tpu_plan(v3, fsdp_plan):
 @needs_libtpu
 def test_fits_or_not_against_the_slices_memory(v3, fsdp_plan, tmp_path, capsys):
     layout, memory, _ = fsdp_plan
-    args = type("Args", (), {"output_dir": str(tmp_path), "gradient_accumulation_steps": 2})()
+    args = type("Args", (), {"output_dir": str(tmp_path), "gradient_accumulation_steps": 2,
+                             "gradient_checkpointing": False})()
     layout.plan = v3._replace(device_bytes=memory["total"])  # just enough
     with pytest.raises(Done):
         report_plan(args, layout)

@@ -117,13 +117,14 @@ def device_memory_limit():
     return (stats or {}).get("bytes_limit")
 
 
-def does_not_fit(stats, limit, gradient_accumulation_steps, layout_name, device="a device"):
+def does_not_fit(stats, limit, gradient_accumulation_steps, layout_name, device="a device", checkpointing=False):
     """What to say when a train step of `stats` cannot fit `limit` bytes per device: the need, and
-    the levers that lower it."""
+    the levers that lower it (those not pulled yet)."""
     split = "--sharding fsdp, " if layout_name == "dp" else ""
+    last = ", or --gradient_checkpointing" if not checkpointing else " (--gradient_checkpointing is on)"
     return (f"the train step needs {readable(stats['total'])} per device but {device} has {readable(limit)}: use "
             f"{split}a smaller --per_device_train_batch_size with more --gradient_accumulation_steps (now "
-            f"{gradient_accumulation_steps}), --dtype bfloat16, or --gradient_checkpointing")
+            f"{gradient_accumulation_steps}), --dtype bfloat16{last}")
 
 
 def check_fits(stats, gradient_accumulation_steps, layout_name):

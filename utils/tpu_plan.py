@@ -24,11 +24,13 @@ GIB = 2**30
 # The slices of one host (a TPU VM), by the names Cloud TPU rents them under, and the topology
 # (chips per dimension) the TPU compiler knows them by. v2 / v3 / v4 / v5p names count cores,
 # v5e / v6e chips.
-TOPOLOGIES = {"v2-8": "v2:2x2", "v3-8": "v3:2x2", "v4-8": "v4:2x2x1", "v5p-8": "v5p:2x2x1", "v5e-1": "v5e:1x1",
-              "v5e-4": "v5e:2x2", "v5e-8": "v5e:2x4", "v6e-1": "v6e:1x1", "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4"}
+TOPOLOGIES = {"v2-8": "v2:2x2", "v3-8": "v3:2x2", "v4-8": "v4:2x2x1", "v5p-8": "v5p:2x2x1", "v5e-4": "v5e:2x2",
+              "v5e-8": "v5e:2x4", "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4"}
 # A v4 chip's two cores run as one JAX device ("megacore"), as on a real v4 VM; the compile-only
 # client splits them unless told.
 TOPOLOGY_OPTIONS = {"v4": {"chip_config_name": "megacore"}}
+# Cloud TPU's accelerator type where it differs from the name above.
+ACCELERATOR_TYPES = {name: name.replace("v5e", "v5litepod") for name in TOPOLOGIES if name.startswith("v5e")}
 # High-bandwidth memory per chip (Cloud TPU's system architecture pages); a chip of two cores that
 # JAX shows as two devices gives each half.
 HBM_PER_CHIP = {"v2": 16 * GIB, "v3": 32 * GIB, "v4": 32 * GIB, "v5p": 95 * GIB, "v5e": 16 * GIB, "v6e": 32 * GIB}
@@ -105,6 +107,11 @@ def load(name):
         # libtpu takes a machine-wide lock for the chips; compiling needs none, so plans may run
         # beside each other and beside a training run on a TPU VM.
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        # Nor does it need a TPU VM: what libtpu would look up in the VM's metadata server (and warn
+        # about at length when it cannot) is this one machine and the slice named.
+        for variable, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                                ("TPU_ACCELERATOR_TYPE", ACCELERATOR_TYPES.get(name, name))):
+            os.environ.setdefault(variable, value)
         from jax.experimental import topologies
 
         topology = TOPOLOGIES[check_name(name)]

@@ -117,7 +117,8 @@ def report_plan(training_args, layout):
           f"{readable(plan.device_bytes)} per device ({parts}): {'fits' if fits else 'does not fit'}", flush=True)
     if not fits:
         raise RunError(does_not_fit(memory, plan.device_bytes, training_args.gradient_accumulation_steps, layout.name,
-                                    device=f"a TPU {plan.name} device"))
+                                    device=f"a TPU {plan.name} device",
+                                    checkpointing=training_args.gradient_checkpointing))
     raise Done()
 
 
