@@ -356,28 +356,27 @@ def test_gradient_checkpointing_where_transformers_lacks_it(family):
 
     from utils.models import enable_gradient_checkpointing
 
-    layers = 3
+    layers = 2
     if family == "gpt2":
-        build = lambda: FlaxGPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=64,  # noqa: E731
-                                                       n_positions=16), seed=0)
+        config, model_class = GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=16), \
+            FlaxGPT2LMHeadModel
     else:
-        build = lambda: FlaxLlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, hidden_size=32,  # noqa: E731
-                                                         intermediate_size=64, num_attention_heads=2,
-                                                         num_key_value_heads=2, vocab_size=64), seed=0)
-    plain, checkpointed = build(), build()
+        config, model_class = LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=64), \
+            FlaxLlamaForCausalLM
+    # Without their own init (op by op, slow): one compiled init gives both the same weights.
+    plain, checkpointed = model_class(config, _do_init=False), model_class(config, _do_init=False)
+    params = jax.jit(plain.init_weights, static_argnums=1)(jax.random.PRNGKey(0), (1, 8))
     enable_gradient_checkpointing(checkpointed)
     ids = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 8)))
 
-    def grads(model):
-        def loss(params, rng):
-            return model(ids, params=params, dropout_rng=rng, train=True).logits.mean()
+    def grad_fn(model):
+        return jax.grad(lambda params, rng: model(ids, params=params, dropout_rng=rng, train=True).logits.mean())
 
-        return jax.grad(loss), jax.jit(jax.grad(loss))(plain.params, jax.random.PRNGKey(1))
-
-    _, expected = grads(plain)
-    grad_fn, got = grads(checkpointed)
+    rng = jax.random.PRNGKey(1)  # dropout on: the recomputed layers draw the same masks
+    expected, got = (jax.jit(grad_fn(model))(params, rng) for model in (plain, checkpointed))
     for a, b in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got)):
         # Recomputing the same float32 ops in the backward pass may reassociate a sum: last-bit differences.
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
-    jaxpr = str(jax.make_jaxpr(grad_fn)(plain.params, jax.random.PRNGKey(1)))
+    jaxpr = str(jax.make_jaxpr(grad_fn(checkpointed))(params, rng))
     assert jaxpr.count("remat") == layers
