@@ -17,7 +17,9 @@ train step ahead of time, so its per-device memory is known and checked before a
 on the CPU backend, at most `CPU_STEPS_IN_FLIGHT` steps dispatched ahead),
 placing batches, gathering outputs, the dropout key, the state as checkpoints store it (global
 arrays, so a run can move between layouts and device counts), and the parameters on the host for
-the Hugging Face export.
+the Hugging Face export. Given a TPU slice (`utils.tpu_plan`, `--compile_only`), a layout holds
+shapes placed on its compile-only devices instead of values, and compiles the train step without
+running it: the TPU compiler's memory plan.
 """
 
 import collections
@@ -219,18 +221,13 @@ class Layout:
 
         return jax.tree_util.tree_map(shape, host_rows)
 
-    def abstract_params(self, shapes):
-        """Parameter `shapes` (`jax.eval_shape` of an init) as `init_params` places them, without values."""
-        return shapes
-
     def _abstract_state(self, apply_fn, params, tx, seed):
-        """What `create_state` would make of abstract `params`, as shapes (`abstract_state`)."""
+        """What `create_state` would make of the parameter shapes `params`, placed (`abstract_state`)."""
 
         def create(params):
             return TrainState.create(apply_fn=apply_fn, params=params, tx=tx, dropout_rng=jax.random.PRNGKey(seed))
 
-        strip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-        return self.abstract_state(jax.eval_shape(create, jax.tree_util.tree_map(strip, params)))
+        return self.abstract_state(jax.eval_shape(create, params))
 
 
 class DataParallel(Layout):
@@ -253,8 +250,8 @@ class DataParallel(Layout):
     # -- the state ----------------------------------------------------------------------------------
     def init_params(self, init):
         """Fresh weights `init()` from one compiled program (on the default device)."""
-        if self.plan:
-            return self.abstract_params(jax.eval_shape(init))
+        if self.plan:  # shapes only: the state is placed by `create_state`
+            return jax.eval_shape(init)
         return jax.jit(init)()
 
     def place_params(self, host_params):
@@ -389,8 +386,8 @@ class FullySharded(Layout):
     # -- the state ----------------------------------------------------------------------------------
     def init_params(self, init):
         """Fresh weights `init()` computed straight into their shards: no device ever holds them all."""
-        if self.plan:
-            return self.abstract_params(jax.eval_shape(init))
+        if self.plan:  # shapes only: the state is placed by `create_state`
+            return jax.eval_shape(init)
         return jax.jit(init, out_shardings=self._shardings(jax.eval_shape(init)))()
 
     def place_params(self, host_params):
@@ -496,10 +493,6 @@ class FullySharded(Layout):
                 return step(params, batch)
 
         return step_wrapper(name, lambda: self._in_flight.wrap(jax.jit(split_step)))
-
-    def abstract_params(self, shapes):
-        return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding_of(x.shape)),
-                                      shapes)
 
     # -- data -----------------------------------------------------------------------------------------
     def _batch_shape(self, shape):
