@@ -218,8 +218,9 @@ def main():
     if os.path.exists(out):
         with open(out, encoding="utf-8") as f:
             results = json.load(f)
-    results.update(device_count=jax.device_count(), device_kind=(plan.devices if plan else jax.devices())[0].device_kind,
-                   device_bytes=DEVICE_BYTES[0], topology=TPU if plan else None)
+    devices = plan.devices if plan else jax.devices()
+    results.update(device_count=len(devices), device_kind=devices[0].device_kind, device_bytes=DEVICE_BYTES[0],
+                   topology=TPU if plan else None)
 
     def save(part, value):
         previous = results.get(part)

@@ -22,12 +22,11 @@ from utils import tpu_plan
 from utils.errors import Done, RunError, UsageError
 from utils.layout import DataParallel, FullySharded, leaf_spec
 from utils.models import cast_floats
-from utils.state import TrainState
 from utils.steps import cross_entropy_sums, token_weighted_grads
 from utils.training import report_plan
 
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="libtpu (the TPU compiler) is not installed: pip install -r requirements-tpu.txt")
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is "
+                                  "not installed: pip install -r requirements-tpu.txt")
 
 
 def test_a_missing_libtpu_is_one_line_saying_what_to_install(monkeypatch):

@@ -198,7 +198,8 @@ class Layout:
         if self.plan:
             batch = self.abstract_batch(example_batch)
             self.train_step_memory = memory_stats(self._jit_train_step(train_step, state).lower(state, batch).compile())
-            logger.info("train step (%s) on %s: %s", self.name, self.plan.describe(), _memory_line(self.train_step_memory))
+            logger.info("train step (%s) on %s: %s", self.name, self.plan.describe(),
+                        _memory_line(self.train_step_memory))
             return None
 
         def build():
