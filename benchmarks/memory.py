@@ -1,22 +1,30 @@
 #!/usr/bin/env python
 """What fits where: the train step's per-device memory under `--sharding dp` and `--sharding fsdp`.
 
-    python benchmarks/memory.py                      # all three parts, ~15 min on 2 CPU cores
-    python benchmarks/memory.py --parts sizes        # one part: sizes, largest, speed
+    python benchmarks/memory.py                                  # the TPU plan: sizes and largest
+    python benchmarks/memory.py --plan cpu --parts sizes speed   # XLA's plan for 8 CPU devices
+    python benchmarks/memory.py --parts largest --families llama --layouts fsdp --remat on
 
 Nothing here runs a big model: each train step is compiled (the scripts' own step, through
-`utils.layout`) for a state that has shapes but no values, and XLA's memory analysis gives the
-bytes per device (arguments + outputs + temporaries - what donated outputs reuse), on 8 virtual CPU
-devices standing in for a TPUv3-8's 8 cores. Float32 master weights, bfloat16 compute, AdamW,
-per-device batch 1 x 512 tokens (T5: 512 source, 128 target).
+`utils.layout`) for a state that has shapes but no values, and the compiler's memory analysis gives
+the bytes per device (arguments + outputs + temporaries - what donated outputs reuse). Float32
+master weights, bfloat16 compute, AdamW (T5 also with Adafactor), per-device batch 1 x 512 tokens
+(T5: 512 source, 128 target).
 
-- sizes: GPT-2 medium (350M) and T5-large (770M), dp vs fsdp (target: fsdp <= 0.25 x dp).
-- largest: the largest GPT-2-style and T5-style model (from a list of layers x width) whose step
-  fits 16 GiB per device (a TPUv3 core) under each layout (target: >= 6x the parameters with fsdp).
-- speed: tokens/s of the tiny clm config trained by the real script under each layout.
+- `--plan tpu` (default): compiled by the TPU compiler for a v3-8's 8 compile-only cores (libtpu,
+  requirements-tpu.txt; `utils.tpu_plan`), the plan the TPU runs; 16 GiB per core.
+- `--plan cpu`: XLA's plan for 8 virtual CPU devices, what a CPU run needs. It keeps gathered
+  weights and gradients whole, so it overstates what fsdp needs on a TPU.
 
-Prints tables and writes benchmarks/memory_cpu.json. The figures are XLA's plan for CPU devices;
-a TPU's compiler schedules its own buffers, so they are estimates there, not measurements.
+- sizes: GPT-2 medium (355M), T5-large (738M) and a Llama-style 1.1B, dp vs fsdp (target on the TPU
+  plan: fsdp <= 0.25 x dp), without and with gradient checkpointing.
+- largest: the largest GPT-2-, Llama- and T5-style model (from a ladder of layers x width) whose step
+  fits 16 GiB per device, bisected over the ladder, for each layout and gradient checkpointing
+  setting asked for (target: fsdp + checkpointing >= 4B parameters for a decoder).
+- speed: tokens/s of the tiny clm config trained by the real script under each layout (CPU only).
+
+Each compile takes minutes on 2 CPU cores: run it under `nice`. Prints a line per compile and
+writes benchmarks/memory_{plan}.json after each (a stopped run keeps what it measured).
 """
 
 import argparse
@@ -25,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -35,41 +44,57 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from transformers import FlaxGPT2LMHeadModel, FlaxT5ForConditionalGeneration, GPT2Config, T5Config  # noqa: E402
+from transformers import (FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, FlaxT5ForConditionalGeneration,  # noqa: E402
+                          GPT2Config, LlamaConfig, T5Config)
 
-from utils import compat  # noqa: E402
+from utils import compat, tpu_plan  # noqa: E402
 from utils.layout import DataParallel, FullySharded  # noqa: E402
-from utils.models import cast_floats  # noqa: E402
+from utils.models import cast_floats, enable_gradient_checkpointing  # noqa: E402
 from utils.state import TrainState  # noqa: E402
 from utils.steps import cross_entropy_sums, token_weighted_grads  # noqa: E402
 
 GIB = 2**30
-DEVICE_BYTES = 16 * GIB  # a TPUv3 core
 SEQUENCE, TARGET = 512, 128
-GPT2_MEDIUM = dict(n_layer=24, n_embd=1024, n_head=16)
-T5_LARGE = dict(num_layers=24, d_model=1024, d_ff=4096, num_heads=16, d_kv=64)
-# Candidates for "largest that fits", smallest first: (layers, width) of GPT-2 / GPT-3-like models,
-# and T5 (v1.0 widths: d_ff = 4 x d_model).
-GPT2_LADDER = [(24, 1024), (36, 1280), (48, 1600), (32, 2560), (32, 3072), (40, 4096), (48, 5120), (64, 6144)]
-T5_LADDER = [(12, 768), (24, 1024), (24, 1536), (24, 2048), (24, 3072), (32, 4096), (40, 5120)]
+TPU = "v3-8"
+# Ladders of "largest that fits", smallest first. GPT-2 / GPT-3-like (layers, width); Llama-style
+# (layers, width, MLP width: TinyLlama, open_llama 3B, Llama 7B, 13B, 30B-like); T5 v1.0 (layers,
+# width; d_ff = 4 x width).
+FAMILIES = {
+    "gpt2": [(24, 1024), (36, 1280), (48, 1600), (32, 2560), (32, 3072), (40, 4096), (48, 5120), (64, 6144)],
+    "llama": [(22, 2048, 5632), (26, 3200, 8640), (32, 4096, 11008), (40, 5120, 13824), (48, 6656, 17920)],
+    "t5": [(12, 768), (24, 1024), (24, 1536), (24, 2048), (24, 3072), (32, 4096), (40, 5120)],
+}
+SIZES = {"GPT-2 medium": ("gpt2", (24, 1024)), "T5-large": ("t5", (24, 1024)),
+         "Llama-style 1.1B": ("llama", (22, 2048, 5632))}
 
 
-def gpt2(layers, width):
-    return FlaxGPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=width, n_head=max(width // 64, 1), n_positions=1024,
-                                          vocab_size=50257), dtype=jnp.bfloat16, _do_init=False)
-
-
-def t5(layers, width):
-    return FlaxT5ForConditionalGeneration(T5Config(num_layers=layers, d_model=width, d_ff=4 * width,
-                                                   num_heads=max(width // 64, 1), d_kv=64, vocab_size=32128,
-                                                   decoder_start_token_id=0), dtype=jnp.bfloat16, _do_init=False)
+def build(family, shape):
+    if family == "gpt2":
+        layers, width = shape
+        config = GPT2Config(n_layer=layers, n_embd=width, n_head=max(width // 64, 1), n_positions=1024,
+                            vocab_size=50257)
+        return FlaxGPT2LMHeadModel(config, dtype=jnp.bfloat16, _do_init=False)
+    if family == "llama":
+        layers, width, mlp = shape
+        config = LlamaConfig(num_hidden_layers=layers, hidden_size=width, intermediate_size=mlp,
+                             num_attention_heads=width // 128, num_key_value_heads=width // 128, vocab_size=32000,
+                             max_position_embeddings=2048)
+        return FlaxLlamaForCausalLM(config, dtype=jnp.bfloat16, _do_init=False)
+    layers, width = shape
+    config = T5Config(num_layers=layers, d_model=width, d_ff=4 * width, num_heads=max(width // 64, 1), d_kv=64,
+                      vocab_size=32128, decoder_start_token_id=0)
+    return FlaxT5ForConditionalGeneration(config, dtype=jnp.bfloat16, _do_init=False)
 
 
 def parameters(model):
     return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(model.params_shape_tree))
 
 
-def train_step_bytes(model, layout):
+def make_layout(name, plan):
+    return DataParallel(plan) if name == "dp" else FullySharded(jax.device_count(), plan)
+
+
+def train_step_memory(model, layout, optimizer="adamw"):
     """Per-device bytes of the compiled train step of `model` under `layout` (nothing allocated)."""
     seq2seq = isinstance(model, FlaxT5ForConditionalGeneration)
 
@@ -87,50 +112,75 @@ def train_step_bytes(model, layout):
         grads, sums = token_weighted_grads(loss_fn, state.params, batch, rng, 1, layout)
         return state.apply_gradients(grads=grads), sums
 
+    tx = optax.adafactor(1e-3) if optimizer == "adafactor" else optax.adamw(1e-4)
     params = jax.eval_shape(lambda: cast_floats(model.init_weights(jax.random.PRNGKey(0), (1, 8)), jnp.float32))
-    shapes = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.__call__, params=p, tx=optax.adamw(1e-4),
+    shapes = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.__call__, params=p, tx=tx,
                                                         dropout_rng=jax.random.PRNGKey(0)), params)
     rows = jax.device_count()
     batch = {"input_ids": np.ones((rows, SEQUENCE), np.int32),
              "labels": np.ones((rows, TARGET if seq2seq else SEQUENCE), np.int32)}
     layout.compile_train_step(train_step, layout.abstract_state(shapes), batch, 1)
-    return layout.train_step_memory["total"]
+    return layout.train_step_memory
 
 
-def sizes():
+def measure(family, shape, layout_name, remat, plan, optimizer="adamw"):
+    """One compile: a result row, printed."""
+    model = build(family, shape)
+    if remat:
+        enable_gradient_checkpointing(model)
+    started = time.time()
+    memory = train_step_memory(model, make_layout(layout_name, plan), optimizer)
+    row = {"family": family, "shape": list(shape), "parameters": parameters(model), "layout": layout_name,
+           "gradient_checkpointing": remat, "optimizer": optimizer, "bytes": memory["total"],
+           "temporaries": memory["temporaries"], "arguments": memory["arguments"],
+           "fits": memory["total"] <= DEVICE_BYTES[0], "compile_seconds": round(time.time() - started, 1)}
+    print(f"{family:5} {'x'.join(map(str, shape)):14} {row['parameters'] / 1e9:6.2f}B {layout_name:4} "
+          f"remat {'on ' if remat else 'off'} {optimizer:9}: {memory['total'] / GIB:7.2f} GiB per device "
+          f"(temporaries {memory['temporaries'] / GIB:.2f}) {'fits' if row['fits'] else 'does not fit'} "
+          f"[{row['compile_seconds']:.0f} s]", flush=True)
+    return row
+
+
+DEVICE_BYTES = [16 * GIB]  # per device; the TPU plan takes the slice's own figure
+
+
+def sizes(plan, args, save):
     rows = []
-    for name, model in (("GPT-2 medium", gpt2(GPT2_MEDIUM["n_layer"], GPT2_MEDIUM["n_embd"])),
-                        ("T5-large", t5(T5_LARGE["num_layers"], T5_LARGE["d_model"]))):
-        dp, fsdp = train_step_bytes(model, DataParallel()), train_step_bytes(model, FullySharded(jax.device_count()))
-        rows.append({"model": name, "parameters": parameters(model), "dp_bytes": dp, "fsdp_bytes": fsdp,
-                     "fsdp_over_dp": fsdp / dp})
-        print(f"{name:13} {parameters(model) / 1e6:7.0f}M params  dp {dp / GIB:6.2f} GiB  fsdp {fsdp / GIB:6.2f} GiB  "
-              f"fsdp/dp {fsdp / dp:.3f}", flush=True)
+    for name in args.models:
+        family, shape = SIZES[name]
+        for remat in args.remat:
+            pair = {}
+            for layout_name in ("dp", "fsdp"):
+                pair[layout_name] = measure(family, shape, layout_name, remat, plan)
+                rows.append({"model": name, **pair[layout_name]})
+                save("sizes", rows)
+            ratio = pair["fsdp"]["bytes"] / pair["dp"]["bytes"]
+            print(f"{name}: fsdp/dp {ratio:.3f} (gradient checkpointing {'on' if remat else 'off'})", flush=True)
     return rows
 
 
-def largest():
+def largest(plan, args, save):
+    """Bisect each ladder: the largest rung that fits, with as few compiles as the ladder allows."""
     result = {}
-    for family, ladder, build in (("GPT-2", GPT2_LADDER, gpt2), ("T5", T5_LADDER, t5)):
-        for name, layout in (("dp", DataParallel), ("fsdp", lambda: FullySharded(jax.device_count()))):
-            fits = None
-            for layers, width in ladder:
-                model = build(layers, width)
-                needed = train_step_bytes(model, layout())
-                fit = needed <= DEVICE_BYTES
-                print(f"{family:5} {name:4} {layers:2} x {width:4} {parameters(model) / 1e9:6.2f}B params: "
-                      f"{needed / GIB:7.2f} GiB per device {'fits' if fit else 'does not fit'}", flush=True)
-                if not fit:
-                    break
-                fits = {"layers": layers, "width": width, "parameters": parameters(model), "bytes": needed}
-            result[f"{family} {name}"] = fits
-        dp, fsdp = result[f"{family} dp"], result[f"{family} fsdp"]
-        if dp and fsdp:
-            print(f"{family}: fsdp fits {fsdp['parameters'] / dp['parameters']:.1f}x the parameters of dp", flush=True)
+    for family in args.families:
+        optimizers = ["adamw", "adafactor"] if family == "t5" else ["adamw"]
+        for optimizer in optimizers:
+            for layout_name in args.layouts:
+                for remat in args.remat:
+                    key = f"{family} {layout_name} remat {'on' if remat else 'off'} {optimizer}"
+                    ladder, low, high, tried = FAMILIES[family], -1, len(FAMILIES[family]), []
+                    while high - low > 1:  # rungs <= low fit, rungs >= high do not
+                        middle = (low + high) // 2
+                        row = measure(family, ladder[middle], layout_name, remat, plan, optimizer)
+                        tried.append(row)
+                        low, high = (middle, high) if row["fits"] else (low, middle)
+                        result[key] = {"largest": next((r for r in tried if r["shape"] == list(ladder[low])), None)
+                                       if low >= 0 else None, "tried": tried}
+                        save("largest", result)
     return result
 
 
-def speed():
+def speed(plan, args, save):
     """tokens/s of the tiny clm config under each layout (the script itself, 60 steps)."""
     rows = {}
     for name in ("dp", "fsdp"):
@@ -144,22 +194,52 @@ def speed():
                 train = [row for row in map(json.loads, f) if row["split"] == "train" and "tokens_per_second" in row]
             rows[name] = float(np.median([row["tokens_per_second"] for row in train[1:]]))
         print(f"clm tiny {name:4}: {rows[name]:,.0f} tokens/s", flush=True)
+        save("speed", rows)
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", nargs="+", default=["sizes", "largest", "speed"],
-                        choices=["sizes", "largest", "speed"])
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "memory_cpu.json"))
+    parser.add_argument("--plan", choices=["tpu", "cpu"], default="tpu")
+    parser.add_argument("--parts", nargs="+", default=["sizes", "largest"], choices=["sizes", "largest", "speed"])
+    parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--layouts", nargs="+", default=["dp", "fsdp"], choices=["dp", "fsdp"])
+    parser.add_argument("--remat", nargs="+", default=["off", "on"], choices=["off", "on"])
+    parser.add_argument("--out", default=None, help="default: benchmarks/memory_{plan}.json (merged into)")
     args = parser.parse_args()
+    args.remat = [value == "on" for value in args.remat]
     compat.apply()
-    results = {"device_count": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
-               "device_bytes": DEVICE_BYTES}
+    plan = tpu_plan.load(TPU) if args.plan == "tpu" else None
+    if plan:
+        DEVICE_BYTES[0] = plan.device_bytes
+    out = args.out or os.path.join(ROOT, "benchmarks", f"memory_{args.plan}.json")
+    results = {}
+    if os.path.exists(out):
+        with open(out, encoding="utf-8") as f:
+            results = json.load(f)
+    devices = plan.devices if plan else jax.devices()
+    results.update(device_count=len(devices), device_kind=devices[0].device_kind, device_bytes=DEVICE_BYTES[0],
+                   topology=TPU if plan else None)
+
+    def save(part, value):
+        previous = results.get(part)
+        if isinstance(previous, dict) and isinstance(value, dict):
+            value = {**previous, **value}
+        elif isinstance(previous, list) and isinstance(value, list):
+            kept = [row for row in previous if not any(_same(row, new) for new in value)]
+            value = kept + value
+        results[part] = value
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+
     for part in args.parts:
-        results[part] = {"sizes": sizes, "largest": largest, "speed": speed}[part]()
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
+        {"sizes": sizes, "largest": largest, "speed": speed}[part](plan, args, save)
+
+
+def _same(a, b):
+    keys = ("model", "layout", "gradient_checkpointing", "optimizer")
+    return all(a.get(k) == b.get(k) for k in keys)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def test_leaf_spec_keeps_small_or_indivisible_leaves_whole():
 
 
 def test_make_layout_checks_the_fsdp_size():
-    args = lambda **kw: type("Args", (), {"sharding": "fsdp", "fsdp_size": None, **kw})  # noqa: E731
+    args = lambda **kw: type("Args", (), {"sharding": "fsdp", "fsdp_size": None, "compile_only": None, **kw})  # noqa: E731
     assert isinstance(make_layout(args(sharding="dp")), DataParallel)
     assert make_layout(args()).mesh.shape == {"data": 1, "fsdp": 8}
     assert make_layout(args(fsdp_size=4)).mesh.shape == {"data": 2, "fsdp": 4}

@@ -337,15 +337,46 @@ def test_fresh_encoder_decoder(tokenizer):
 
 
 def test_gradient_checkpointing_where_the_family_has_it(tokenizer):
-    from transformers import FlaxGPT2LMHeadModel, GPT2Config, T5Config
+    from transformers import T5Config
 
     from utils.models import enable_gradient_checkpointing
 
     compat.apply()  # the T5 clip shim
-    with pytest.raises(UsageError, match=r"--gradient_checkpointing is not implemented by transformers' Flax gpt2 "
-                                         r"model: drop it"):
-        enable_gradient_checkpointing(FlaxGPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2), _do_init=False))
     t5 = FlaxAutoModelForSeq2SeqLM.from_config(T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8),
                                                _do_init=False)
     enable_gradient_checkpointing(t5)
     assert t5.module.gradient_checkpointing
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_gradient_checkpointing_where_transformers_lacks_it(family):
+    """GPT-2 and Llama checkpoint each layer through `utils.remat`: the gradients (dropout on) are the
+    plain model's, and the backward pass recomputes one checkpointed region per layer."""
+    from transformers import FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, GPT2Config, LlamaConfig
+
+    from utils.models import enable_gradient_checkpointing
+
+    layers = 2
+    if family == "gpt2":
+        config, model_class = GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=16), \
+            FlaxGPT2LMHeadModel
+    else:
+        config, model_class = LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=64), \
+            FlaxLlamaForCausalLM
+    # Without their own init (op by op, slow): one compiled init gives both the same weights.
+    plain, checkpointed = model_class(config, _do_init=False), model_class(config, _do_init=False)
+    params = jax.jit(plain.init_weights, static_argnums=1)(jax.random.PRNGKey(0), (1, 8))
+    enable_gradient_checkpointing(checkpointed)
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 8)))
+
+    def grad_fn(model):
+        return jax.grad(lambda params, rng: model(ids, params=params, dropout_rng=rng, train=True).logits.mean())
+
+    rng = jax.random.PRNGKey(1)  # dropout on: the recomputed layers draw the same masks
+    expected, got = (jax.jit(grad_fn(model))(params, rng) for model in (plain, checkpointed))
+    for a, b in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got)):
+        # Recomputing the same float32 ops in the backward pass may reassociate a sum: last-bit differences.
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    jaxpr = str(jax.make_jaxpr(grad_fn(checkpointed))(params, rng))
+    assert jaxpr.count("remat") == layers

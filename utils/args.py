@@ -15,6 +15,7 @@ from typing import Optional
 from transformers import HfArgumentParser
 
 from utils.errors import UsageError
+from utils.tpu_plan import TOPOLOGIES, check_name
 
 SECRET_FIELDS = ("hub_token", "token")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -128,6 +129,11 @@ class TrainingArguments:
     fsdp_size: Optional[int] = _help(
         "With --sharding fsdp: devices each parameter is split over (default: all); the mesh is "
         "(devices / fsdp_size) x fsdp_size, data parallel across the groups.", default=None)
+    compile_only: Optional[str] = _help(
+        f"Will it fit? Build the run as it would train, compile its train step for this TPU slice ("
+        f"{', '.join(TOPOLOGIES)}) with the TPU compiler (libtpu, requirements-tpu.txt; no TPU needed, no weights "
+        "read), report its memory per device against the slice's HBM in all_results.json and metrics.jsonl, "
+        "and exit without training (status 1 when it does not fit).", default=None)
     compilation_cache_dir: Optional[str] = _help(
         "JAX persistent compilation cache directory; 'none' turns it off.", default="~/.cache/flaxtune/jax"
     )
@@ -164,6 +170,12 @@ class TrainingArguments:
                              "--sharding fsdp")
         if self.lr_scheduler_type not in SCHEDULES:
             raise UsageError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown: use one of {', '.join(SCHEDULES)}")
+        if self.compile_only is not None:
+            check_name(self.compile_only)
+            if not self.do_train:
+                raise UsageError(f"--compile_only {self.compile_only} plans the train step: pass --do_train")
+            if self.push_to_hub:
+                raise UsageError("--compile_only trains nothing, so there is nothing to push: drop --push_to_hub")
         self.output_dir = os.path.expanduser(self.output_dir)
         check_distributed(self.coordinator_address, self.num_processes, self.process_id)
 

@@ -33,6 +33,10 @@ class RunError(Exception):
     exit_code = 1
 
 
+class Done(Exception):
+    """`main` has done all it was asked to before the end of its flow (`--compile_only`): exit 0."""
+
+
 class Stopped(Exception):
     """Training stopped on a signal after saving a checkpoint. Exit code 128 + signal number."""
 
@@ -107,7 +111,7 @@ def run_main(main, argv=None) -> int:
     finally:
         if failure is None:
             sys.unraisablehook = previous_hook
-    return 0 if failure is None else _report(failure, debug)
+    return 0 if failure is None or isinstance(failure, Done) else _report(failure, debug)
 
 
 def _quiet_library_errors():

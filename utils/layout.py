@@ -17,7 +17,9 @@ train step ahead of time, so its per-device memory is known and checked before a
 on the CPU backend, at most `CPU_STEPS_IN_FLIGHT` steps dispatched ahead),
 placing batches, gathering outputs, the dropout key, the state as checkpoints store it (global
 arrays, so a run can move between layouts and device counts), and the parameters on the host for
-the Hugging Face export.
+the Hugging Face export. Given a TPU slice (`utils.tpu_plan`, `--compile_only`), a layout holds
+shapes placed on its compile-only devices instead of values, and compiles the train step without
+running it: the TPU compiler's memory plan.
 """
 
 import collections
@@ -33,6 +35,7 @@ from flax import linen as nn
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from utils import tpu_plan
 from utils.errors import UsageError
 from utils.state import TrainState
 
@@ -57,15 +60,17 @@ CPU_STEPS_IN_FLIGHT = 4
 
 
 def make_layout(training_args):
-    """The layout `--sharding` names, for this run's devices (after `utils.run.set_up`)."""
+    """The layout `--sharding` names, for this run's devices (after `utils.run.set_up`); with
+    `--compile_only TPU`, over that slice's compile-only devices (`utils.tpu_plan`)."""
+    plan = tpu_plan.load(training_args.compile_only) if training_args.compile_only else None
     if training_args.sharding == "dp":
-        layout = DataParallel()
+        layout = DataParallel(plan)
     else:
         fsdp_size = training_args.fsdp_size or jax.device_count()
         if jax.device_count() % fsdp_size:
             raise UsageError(f"--fsdp_size {fsdp_size} does not divide the {jax.device_count()} devices: use a "
                              "divisor (the mesh is devices / fsdp_size x fsdp_size)")
-        layout = FullySharded(fsdp_size)
+        layout = FullySharded(fsdp_size, plan)
     logger.info("layout: %s", layout.describe())
     return layout
 
@@ -83,11 +88,11 @@ def leaf_spec(shape, fsdp_size):
 
 
 def _memory_line(stats):
-    parts = ", ".join(f"{name} {_readable(stats[name])}" for name in ("arguments", "temporaries", "outputs", "aliased"))
-    return f"{_readable(stats['total'])} per device ({parts})"
+    parts = ", ".join(f"{name} {readable(stats[name])}" for name in ("arguments", "temporaries", "outputs", "aliased"))
+    return f"{readable(stats['total'])} per device ({parts})"
 
 
-def _readable(n):
+def readable(n):
     """Bytes in the unit that reads best: 512 KiB, 3.4 MiB, 12.25 GiB."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
@@ -114,16 +119,21 @@ def device_memory_limit():
     return (stats or {}).get("bytes_limit")
 
 
+def does_not_fit(stats, limit, gradient_accumulation_steps, layout_name, device="a device", checkpointing=False):
+    """What to say when a train step of `stats` cannot fit `limit` bytes per device: the need, and
+    the levers that lower it (those not pulled yet)."""
+    split = "--sharding fsdp, " if layout_name == "dp" else ""
+    last = ", or --gradient_checkpointing" if not checkpointing else " (--gradient_checkpointing is on)"
+    return (f"the train step needs {readable(stats['total'])} per device but {device} has {readable(limit)}: use "
+            f"{split}a smaller --per_device_train_batch_size with more --gradient_accumulation_steps (now "
+            f"{gradient_accumulation_steps}), --dtype bfloat16{last}")
+
+
 def check_fits(stats, gradient_accumulation_steps, layout_name):
     """Stop before training when the train step cannot fit the device (where its limit is known)."""
     limit = device_memory_limit()
-    if limit is None or stats["total"] <= limit:
-        return
-    split = "--sharding fsdp, " if layout_name == "dp" else ""
-    raise UsageError(f"the train step needs {_readable(stats['total'])} per device but a device has "
-                     f"{_readable(limit)}: use {split}a smaller --per_device_train_batch_size with more "
-                     f"--gradient_accumulation_steps (now {gradient_accumulation_steps}), --dtype bfloat16, or "
-                     "--gradient_checkpointing")
+    if limit is not None and stats["total"] > limit:
+        raise UsageError(does_not_fit(stats, limit, gradient_accumulation_steps, layout_name))
 
 
 def step_wrapper(name, build, donated=()):
@@ -163,8 +173,12 @@ class Layout:
     name = None
     train_step_memory = None  # per-device bytes of the compiled train step (`memory_stats`), once compiled
 
-    def __init__(self):
-        on_cpu = jax.local_devices()[0].platform == "cpu"
+    def __init__(self, plan=None):
+        # A `utils.tpu_plan.Topology`: the layout places shapes on its compile-only devices, and
+        # compiles the train step without ever running it.
+        self.plan = plan
+        self.local_devices = plan.devices if plan else jax.local_devices()
+        on_cpu = self.local_devices[0].platform == "cpu"
         # One limit for all steps: XLA's queue of executions is per device, whichever program they run.
         self._in_flight = InFlightLimit(CPU_STEPS_IN_FLIGHT if on_cpu else None)
 
@@ -179,7 +193,14 @@ class Layout:
     def compile_train_step(self, train_step, state, example_batch, gradient_accumulation_steps):
         """`train_step(state, batch) -> (state, sums)` compiled ahead of time for `state` and batches
         like `example_batch` (host rows of this process); its per-device memory is logged, kept in
-        `train_step_memory`, and checked against the device's limit before any step runs."""
+        `train_step_memory`, and checked against the device's limit before any step runs. Planning
+        for a TPU (`plan`), nothing is checked and nothing can run: None is returned."""
+        if self.plan:
+            batch = self.abstract_batch(example_batch)
+            self.train_step_memory = memory_stats(self._jit_train_step(train_step, state).lower(state, batch).compile())
+            logger.info("train step (%s) on %s: %s", self.name, self.plan.describe(),
+                        _memory_line(self.train_step_memory))
+            return None
 
         def build():
             jitted = self._jit_train_step(train_step, state)
@@ -193,6 +214,22 @@ class Layout:
         check_fits(self.train_step_memory, gradient_accumulation_steps, self.name)
         return step
 
+    def abstract_batch(self, host_rows):
+        """The shapes `place_batch` would give `host_rows`, placed the same way, without a transfer."""
+        def shape(x):
+            x = np.asarray(x)
+            return jax.ShapeDtypeStruct(self._batch_shape(x.shape), x.dtype, sharding=self._batch_sharding)
+
+        return jax.tree_util.tree_map(shape, host_rows)
+
+    def _abstract_state(self, apply_fn, params, tx, seed):
+        """What `create_state` would make of the parameter shapes `params`, placed (`abstract_state`)."""
+
+        def create(params):
+            return TrainState.create(apply_fn=apply_fn, params=params, tx=tx, dropout_rng=jax.random.PRNGKey(seed))
+
+        return self.abstract_state(jax.eval_shape(create, params))
+
 
 class DataParallel(Layout):
     """`jax.pmap` over this process's devices; the state replicated, one dropout key per device."""
@@ -201,17 +238,21 @@ class DataParallel(Layout):
     batch_shards = 1  # a device's micro-batches are cut from its own rows
     writes_shards = False  # checkpoints hold host copies, written by process 0
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, plan=None):
+        super().__init__(plan)
         # pmap outputs carry a NamedSharding over AXIS; inputs placed the same way reuse step 1's program.
-        self._placement = NamedSharding(Mesh(np.array(jax.local_devices()), (AXIS,)), PartitionSpec(AXIS))
+        self._placement = self._batch_sharding = NamedSharding(Mesh(np.array(self.local_devices), (AXIS,)),
+                                                               PartitionSpec(AXIS))
 
     def describe(self):
-        return f"dp: jax.pmap over {jax.local_device_count()} local devices ({jax.device_count()} in all)"
+        where = f" of {self.plan.describe()}" if self.plan else ""
+        return f"dp: jax.pmap over {len(self.local_devices)} local devices{where} ({jax.device_count()} in all)"
 
     # -- the state ----------------------------------------------------------------------------------
     def init_params(self, init):
         """Fresh weights `init()` from one compiled program (on the default device)."""
+        if self.plan:  # shapes only: the state is placed by `create_state`
+            return jax.eval_shape(init)
         return jax.jit(init)()
 
     def place_params(self, host_params):
@@ -219,6 +260,8 @@ class DataParallel(Layout):
 
     def create_state(self, apply_fn, params, tx, seed):
         """The state on every device, with one dropout key per device of the run."""
+        if self.plan:
+            return self._abstract_state(apply_fn, params, tx, seed)
         state = TrainState.create(apply_fn=apply_fn, params=params, tx=tx, dropout_rng=jax.random.PRNGKey(seed))
         return self._replicate(state, _device_keys(state.dropout_rng, jax.device_count())[self._local_rows()])
 
@@ -243,7 +286,7 @@ class DataParallel(Layout):
     def abstract_state(self, shapes):
         """The state `shapes` (`jax.eval_shape` of a TrainState) as this layout places it, without
         values: what sizes a train step (`compile_train_step`) of a model too big to build here."""
-        n = jax.local_device_count()
+        n = len(self.local_devices)
         return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((n,) + x.shape, x.dtype, sharding=self._placement),
                                       shapes.replace(dropout_rng=jax.ShapeDtypeStruct((2,), shapes.dropout_rng.dtype)))
 
@@ -277,7 +320,7 @@ class DataParallel(Layout):
         return contextlib.nullcontext()  # each device computes on its own rows already
 
     def _jit_train_step(self, train_step, state):
-        return jax.pmap(train_step, AXIS, donate_argnums=(0,))
+        return jax.pmap(train_step, AXIS, donate_argnums=(0,), devices=self.plan and self.local_devices)
 
     @staticmethod
     def _callable(jitted, compiled):
@@ -291,6 +334,9 @@ class DataParallel(Layout):
         return step_wrapper(name, lambda: self._in_flight.wrap(jax.pmap(step, AXIS)))
 
     # -- data -----------------------------------------------------------------------------------------
+    def _batch_shape(self, shape):
+        return (len(self.local_devices), shape[0] // len(self.local_devices)) + shape[1:]
+
     def place_batch(self, host_rows):
         """This process's rows `[rows, ...]` -> `[local devices, rows / devices, ...]` on the devices."""
         n = jax.local_device_count()
@@ -319,18 +365,18 @@ class FullySharded(Layout):
     name = "fsdp"
     writes_shards = True  # every process writes its shards of each checkpoint
 
-    def __init__(self, fsdp_size):
-        super().__init__()
+    def __init__(self, fsdp_size, plan=None):
+        super().__init__(plan)
         self.fsdp_size = fsdp_size
-        devices = np.array(jax.devices()).reshape(jax.device_count() // fsdp_size, fsdp_size)
-        self.mesh = Mesh(devices, MESH_AXES)
-        self.batch_shards = jax.device_count()
-        self._rows = NamedSharding(self.mesh, PartitionSpec(MESH_AXES))
+        devices = np.array(plan.devices if plan else jax.devices())
+        self.mesh = Mesh(devices.reshape(devices.size // fsdp_size, fsdp_size), MESH_AXES)
+        self.batch_shards = devices.size
+        self._rows = self._batch_sharding = NamedSharding(self.mesh, PartitionSpec(MESH_AXES))
         self._whole = NamedSharding(self.mesh, PartitionSpec())
 
     def describe(self):
         return (f"fsdp: jax.jit over a {self.mesh.shape['data']} x {self.fsdp_size} (data x fsdp) mesh of "
-                f"{jax.device_count()} devices")
+                f"{self.mesh.size} devices{f' of {self.plan.describe()}' if self.plan else ''}")
 
     def sharding_of(self, shape):
         return NamedSharding(self.mesh, leaf_spec(shape, self.fsdp_size))
@@ -341,6 +387,8 @@ class FullySharded(Layout):
     # -- the state ----------------------------------------------------------------------------------
     def init_params(self, init):
         """Fresh weights `init()` computed straight into their shards: no device ever holds them all."""
+        if self.plan:  # shapes only: the state is placed by `create_state`
+            return jax.eval_shape(init)
         return jax.jit(init, out_shardings=self._shardings(jax.eval_shape(init)))()
 
     def place_params(self, host_params):
@@ -349,6 +397,10 @@ class FullySharded(Layout):
 
     def create_state(self, apply_fn, params, tx, seed):
         """The optimizer state made next to its (sharded) parameter, inside one compiled program."""
+        if self.plan:
+            state = self._abstract_state(apply_fn, params, tx, seed)
+            self._log_split(state)
+            return state
 
         def create(params):
             return TrainState.create(apply_fn=apply_fn, params=params, tx=tx, dropout_rng=jax.random.PRNGKey(seed))
@@ -366,13 +418,13 @@ class FullySharded(Layout):
     def _log_split(self, state):
         sharded = replicated = 0
         for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state)):
-            nbytes = leaf.size * leaf.dtype.itemsize
+            nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize
             if leaf_spec(leaf.shape, self.fsdp_size) == PartitionSpec():
                 replicated += nbytes
             else:
                 sharded += nbytes // self.fsdp_size
         logger.info("fsdp: parameters and optimizer state take %s per device split %d ways + %s whole on every device",
-                    _readable(sharded), self.fsdp_size, _readable(replicated))
+                    readable(sharded), self.fsdp_size, readable(replicated))
 
     def dropout_key_count(self):
         return 1
@@ -444,6 +496,9 @@ class FullySharded(Layout):
         return step_wrapper(name, lambda: self._in_flight.wrap(jax.jit(split_step)))
 
     # -- data -----------------------------------------------------------------------------------------
+    def _batch_shape(self, shape):
+        return (shape[0] * jax.process_count(),) + shape[1:]
+
     def place_batch(self, host_rows):
         """This process's rows of the global batch -> one global array split over all devices."""
 

@@ -12,7 +12,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers import AutoConfig, AutoTokenizer, FlaxPreTrainedModel
 from transformers.models.auto import modeling_flax_auto
 
-from utils import hub, weights
+from utils import hub, remat, weights
 from utils.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -320,11 +320,12 @@ def load_model(auto_class, model_args, config, dtype, seed, layout, new_head_if_
     are stored in `--param_dtype`, float32 master weights by default whatever the checkpoint holds
     (hub Flax weights are sometimes bf16). With `new_head_if_mismatched`, a pretrained head of
     other shapes than `config`'s (another number of labels) is replaced by a fresh one, with a
-    warning (`_drop_mismatched_head`).
+    warning (`_drop_mismatched_head`). Planning for a TPU (`layout.plan`), the parameters are shapes
+    from `config` alone: no weights are read or made.
     """
     param_dtype = jnp.dtype(model_args.param_dtype)
     kwargs = dict(seed=seed, dtype=dtype, trust_remote_code=model_args.trust_remote_code)
-    if model_args.model_name_or_path:
+    if model_args.model_name_or_path and not layout.plan:
         name = model_args.model_name_or_path
         # Read with the checkpoint's own config, whose shapes its weights have; then fitted to `config`'s.
         saved_config = _saved_config(model_args) if new_head_if_mismatched else config
@@ -338,16 +339,16 @@ def load_model(auto_class, model_args, config, dtype, seed, layout, new_head_if_
         params = _with_missing_initialised(model, params, name)
         return model, layout.place_params(cast_floats(params, param_dtype))
     model = _from_config(auto_class, config, kwargs)
-    if model._is_initialized:
+    if model._is_initialized and not layout.plan:
         return model, layout.place_params(cast_floats(model.params, param_dtype))
     return model, layout.init_params(lambda: cast_floats(model.init_weights(model.key, model.input_shape), param_dtype))
 
 
 def enable_gradient_checkpointing(model):
-    """--gradient_checkpointing: recompute each layer's activations in the backward pass. Only some
-    of transformers' Flax families implement it; the others are told apart up front."""
+    """--gradient_checkpointing: recompute each layer's activations in the backward pass. The
+    families transformers implements it for do it their way; the others (GPT-2, Llama, OPT, BART,
+    ...) get each layer of their stacks checkpointed by `utils.remat`."""
     if type(model).enable_gradient_checkpointing is FlaxPreTrainedModel.enable_gradient_checkpointing:
-        raise UsageError(f"--gradient_checkpointing is not implemented by transformers' Flax {model.config.model_type} "
-                         "model: drop it (--per_device_train_batch_size with --gradient_accumulation_steps, or "
-                         "--sharding fsdp, also save memory)")
-    model.enable_gradient_checkpointing()
+        remat.remat_layers(model)
+    else:
+        model.enable_gradient_checkpointing()

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from huggingface_hub import get_token
 
-from utils import compat, data, hub, devices
+from utils import compat, data, hub, devices, tpu_plan
 from utils.args import check_output_dir, check_phases
 from utils.checkpoint import checkpoint_steps, find_checkpoint_dir
 from utils.errors import UsageError
@@ -40,7 +40,9 @@ def check_before_work(training_args, data_args, files, allowed, model_args=None)
     out = training_args.output_dir
     check_output_dir(training_args, has_checkpoint=bool(checkpoint_steps(find_checkpoint_dir(out))))
     resume = find_checkpoint(training_args)
-    if training_args.do_train and resume is None:
+    if training_args.compile_only:
+        check_plan_dir(out)
+    elif training_args.do_train and resume is None:
         check_replaceable(out)  # a fresh training run first removes an earlier run's files
     if training_args.push_to_hub and not (training_args.hub_token or get_token()):
         raise UsageError("--push_to_hub needs --hub_token (a token with write access to the repository) "
@@ -71,12 +73,30 @@ def check_before_work(training_args, data_args, files, allowed, model_args=None)
     return Preflight(columns, resume)
 
 
+PLAN_FILES = ("all_results.json", "metrics.jsonl")  # all that --compile_only writes
+
+
+def check_plan_dir(output_dir):
+    """--compile_only writes its figures into an output dir that is empty or holds only an earlier
+    plan's files: an earlier run's results and checkpoints are never mixed with a plan's."""
+    others = sorted(set(os.listdir(output_dir)) - set(PLAN_FILES)) if os.path.isdir(output_dir) else []
+    if others:
+        raise UsageError(f"--compile_only writes {' and '.join(PLAN_FILES)} into --output_dir, but {output_dir} holds "
+                         f"other files ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): use an empty "
+                         "or new --output_dir")
+
+
 def needed_splits(training_args, splits=("train", "validation", "test")):
     return [split for split in splits if getattr(training_args, SPLIT_FLAGS[split][0])]
 
 
 def set_up(training_args):
-    """Multi-host start-up, version shims, compilation cache, logging; returns (logger, is_main_process)."""
+    """Multi-host start-up, version shims, compilation cache, logging; returns (logger, is_main_process).
+    With --compile_only, the TPU slice's compile-only devices first, and as many CPU devices."""
+    if training_args.compile_only:
+        if training_args.num_processes not in (None, 1):
+            raise UsageError("--compile_only plans one host's TPU slice: drop --num_processes")
+        tpu_plan.use_cpu_devices(len(tpu_plan.load(training_args.compile_only).devices))
     devices.initialize_processes(training_args.coordinator_address, training_args.num_processes,
                                   training_args.process_id)
     devices.check_tpu_backend()

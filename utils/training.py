@@ -7,14 +7,18 @@ training batches, decide when to log, evaluate and save, and write the results. 
 section of any `run_*_flax.py` shows the loop they serve.
 """
 
+import json
 import logging
+import os
 import time
 from functools import partial
 
 import jax
 
 from utils import devices
-from utils.logging import throughput_meter
+from utils.errors import Done, RunError
+from utils.layout import does_not_fit, readable
+from utils.logging import MetricsLogger, throughput_meter
 from utils.loop import TrainLoop, eval_batches, host_means
 from utils.optim import create_optimizer
 from utils.resume import resume_or_start, run_fingerprint
@@ -63,7 +67,8 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     learning-rate schedule. When training, the train step is compiled now, for batches like
     `train_data`'s (after `transform`): its device memory is known, and checked, before anything is
     written. `predict_fn(params, batch) -> [rows, ...]` (class ids, logits, tags) makes the eval
-    step return its per-row outputs beside the sums, in the same compiled step.
+    step return its per-row outputs beside the sums, in the same compiled step. With
+    `--compile_only`, the run ends here: `report_plan`.
     """
     state = layout.create_state(model.__call__, params, create_optimizer(training_args, plan.schedule),
                                 training_args.seed)
@@ -85,9 +90,36 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     if training_args.do_train:
         p_train_step = layout.compile_train_step(train_step, state,
                                                  train_data.example_batch(plan.batch_size, transform), accumulation)
+    if layout.plan:
+        report_plan(training_args, layout)
     p_eval_step = layout.compile_step("eval_step", eval_step)
     eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
     return state, Steps(p_train_step, p_eval_step, layout, eval_batch_size, predict_fn is not None)
+
+
+def report_plan(training_args, layout):
+    """--compile_only: the TPU plan of the train step against the slice's HBM, printed and written
+    (metrics.jsonl, all_results.json: the keys a training run records, plus the device's bytes and
+    whether it fits); then the run ends, with the levers as its error when it does not fit."""
+    plan, memory = layout.plan, layout.train_step_memory
+    fits = memory["total"] <= plan.device_bytes
+    figures = {f"train_step_device_bytes{'' if key == 'total' else '_' + key}": value for key, value in memory.items()}
+    figures["device_bytes"] = plan.device_bytes
+    out = training_args.output_dir
+    if jax.process_index() == 0:
+        metrics = MetricsLogger(out, tensorboard=False, progress=False)
+        metrics.log(0, figures, split="memory")
+        metrics.close()
+        with open(os.path.join(out, "all_results.json"), "w", encoding="utf-8") as f:
+            json.dump({"compile_only": plan.name, **figures, "fits": fits}, f, indent=2)
+    parts = ", ".join(f"{name} {readable(memory[name])}" for name in ("arguments", "outputs", "temporaries", "aliased"))
+    print(f"{plan.describe()}, --sharding {layout.name}: the train step needs {readable(memory['total'])} of "
+          f"{readable(plan.device_bytes)} per device ({parts}): {'fits' if fits else 'does not fit'}", flush=True)
+    if not fits:
+        raise RunError(does_not_fit(memory, plan.device_bytes, training_args.gradient_accumulation_steps, layout.name,
+                                    device=f"a TPU {plan.name} device",
+                                    checkpointing=training_args.gradient_checkpointing))
+    raise Done()
 
 
 class TrainingRun:

@@ -1,0 +1,150 @@
+"""`--compile_only TPU`: the TPU compiler's plan of the train step, on this CPU machine (`utils.tpu_plan`).
+
+The compiles need libtpu (requirements-test.txt); without it those tests skip, and the one-line
+error a user without it gets is tested on its own.
+"""
+
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+from script_runner import run_script
+from utils import tpu_plan
+from utils.errors import Done, RunError, UsageError
+from utils.layout import DataParallel, FullySharded, leaf_spec
+from utils.models import cast_floats
+from utils.steps import cross_entropy_sums, token_weighted_grads
+from utils.training import report_plan
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is "
+                                  "not installed: pip install -r requirements-tpu.txt")
+
+
+def test_a_missing_libtpu_is_one_line_saying_what_to_install(monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(tpu_plan.importlib.metadata, "version", not_installed)
+    with pytest.raises(UsageError, match=r"^--compile_only needs the TPU compiler, which is not installed: pip install "
+                                         r"-r requirements-tpu.txt \(or pip install 'libtpu==[^']+', the TPU compiler "
+                                         r"jax \S+ pins\)$"):
+        tpu_plan.check_libtpu()
+
+
+def test_a_libtpu_of_another_version_is_refused(monkeypatch):
+    monkeypatch.setattr(tpu_plan.importlib.metadata, "version", lambda name: "0.0.1")
+    pin = tpu_plan.pinned_libtpu()
+    assert pin and pin.startswith("libtpu==")  # what jax's own `tpu` extra asks for
+    with pytest.raises(UsageError, match=rf"libtpu 0.0.1 is installed but jax \S+ needs {pin.replace('.', '[.]')}"):
+        tpu_plan.check_libtpu()
+
+
+def test_an_unknown_slice_lists_the_known_ones():
+    with pytest.raises(UsageError, match=r"--compile_only 'v3-9' is not a TPU slice .*: use one of v2-8, v3-8, v4-8"):
+        tpu_plan.check_name("v3-9")
+
+
+# -- the plan itself (libtpu) ---------------------------------------------------------------------
+WIDTH, LAYERS, VOCAB, SEQUENCE = 256, 2, 1024, 64
+
+
+def _train_step_memory(layout):
+    """The compiled train step of a small GPT-2 (float32 AdamW, bf16 compute) under `layout`, planned."""
+    model = FlaxGPT2LMHeadModel(GPT2Config(n_layer=LAYERS, n_embd=WIDTH, n_head=4, vocab_size=VOCAB,
+                                           n_positions=SEQUENCE), dtype=jnp.bfloat16, _do_init=False)
+
+    def loss_fn(params, batch, rng):
+        logits = model(batch["input_ids"], params=params, dropout_rng=rng, train=True).logits
+        loss, tokens = cross_entropy_sums(logits, batch["input_ids"], jnp.ones(batch["input_ids"].shape))
+        return loss, {"loss": loss, "tokens": tokens}
+
+    def train_step(state, batch):
+        rng, state = state.next_dropout_rng()
+        grads, sums = token_weighted_grads(loss_fn, state.params, batch, rng, 1, layout)
+        return state.apply_gradients(grads=grads), sums
+
+    params = layout.init_params(lambda: cast_floats(model.init_weights(jax.random.PRNGKey(0), (1, 8)), jnp.float32))
+    state = layout.create_state(model.__call__, params, optax.adamw(1e-3), 0)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state))  # nothing allocated
+    assert layout.compile_train_step(train_step, state, {"input_ids": np.ones((8, SEQUENCE), np.int32)}, 1) is None
+    return layout.train_step_memory, params
+
+
+@pytest.fixture(scope="module")
+def v3():
+    return tpu_plan.load("v3-8")
+
+
+@pytest.fixture(scope="module")
+def fsdp_plan(v3):
+    """(layout, train step memory, parameter shapes) of the small GPT-2 under fsdp on a v3-8."""
+    layout = FullySharded(8, v3)
+    return (layout, *_train_step_memory(layout))
+
+
+@needs_libtpu
+def test_fsdp_splits_the_state_eight_ways_on_the_tpu_plan(v3, fsdp_plan):
+    dp, params = _train_step_memory(DataParallel(v3))
+    _, fsdp, _ = fsdp_plan
+    # The arguments are the state: float32 parameters and AdamW's two moments, 12 bytes a parameter,
+    # whole on every device under dp, and under fsdp the split leaves' 1/8 plus the small whole ones.
+    leaves = [math.prod(x.shape) for x in jax.tree_util.tree_leaves(params)]
+    split = [math.prod(x.shape) for x in jax.tree_util.tree_leaves(params) if leaf_spec(x.shape, 8) != ()]
+    whole_state, split_state = 12 * sum(leaves), 12 * (sum(leaves) - sum(split) + sum(split) / 8)
+    # Besides the state, the arguments hold the step counters, dropout keys and the batch, and the TPU
+    # pads each leaf to its (8, 128) tiles of float32: up to a 4 KiB tile a leaf (parameters and both
+    # moments) beyond the state itself (here 90 KiB under dp, 110 KiB under fsdp).
+    slack = 3 * len(leaves) * 4096
+    assert dp["arguments"] == pytest.approx(whole_state, abs=slack)
+    assert fsdp["arguments"] == pytest.approx(split_state, abs=slack)
+    # The whole step: fsdp needs well under half of dp (the CPU plan says 0.7 for this model).
+    assert fsdp["total"] / dp["total"] < 0.45, (fsdp, dp)
+
+
+@needs_libtpu
+def test_fits_or_not_against_the_slices_memory(v3, fsdp_plan, tmp_path, capsys):
+    layout, memory, _ = fsdp_plan
+    args = type("Args", (), {"output_dir": str(tmp_path), "gradient_accumulation_steps": 2,
+                             "gradient_checkpointing": False})()
+    layout.plan = v3._replace(device_bytes=memory["total"])  # just enough
+    with pytest.raises(Done):
+        report_plan(args, layout)
+    assert "fits" in capsys.readouterr().out
+    layout.plan = v3._replace(device_bytes=memory["total"] - 1)  # a byte short
+    with pytest.raises(RunError, match=r"^the train step needs [\d.]+ MiB per device but a TPU v3-8 device has [\d.]+ "
+                                       r"MiB: use a smaller --per_device_train_batch_size with more "
+                                       r"--gradient_accumulation_steps \(now 2\), --dtype bfloat16, or "
+                                       r"--gradient_checkpointing$"):
+        report_plan(args, layout)
+    results = json.load(open(tmp_path / "all_results.json"))
+    assert results["fits"] is False and results["device_bytes"] == memory["total"] - 1
+    assert results["train_step_device_bytes"] == memory["total"]
+
+
+@needs_libtpu
+def test_a_compile_only_run_reports_the_plan_and_trains_nothing(tmp_path):
+    out = tmp_path / "plan"
+    result = run_script("run_clm_flax.py", ["configs/clm_tiny.json", "--config_overrides",
+                                            "n_embd=32,n_layer=1,n_head=2,n_positions=128", "--output_dir", out,
+                                            "--compile_only", "v3-8", "--sharding", "fsdp", "--gradient_checkpointing",
+                                            "true", "--compilation_cache_dir", "none"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "TPU v3-8 (8 x TPU v3, 16 GiB HBM each), --sharding fsdp: the train step needs" in result.stdout
+    assert result.stdout.rstrip().endswith(": fits")
+    assert sorted(os.listdir(out)) == ["all_results.json", "metrics.jsonl"]  # no checkpoint, no model, no run args
+    results = json.load(open(out / "all_results.json"))
+    assert results["compile_only"] == "v3-8" and results["fits"] is True
+    assert results["device_bytes"] == 16 * 2**30
+    assert 0 < results["train_step_device_bytes"] < 2**30
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [row["split"] for row in rows] == ["memory"]  # not a single train step
+    assert rows[0]["train_step_device_bytes"] == results["train_step_device_bytes"]
