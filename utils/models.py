@@ -24,6 +24,7 @@ TASK_MODEL_TYPES = {
     "masked-lm": modeling_flax_auto.FLAX_MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     "sequence-classification": modeling_flax_auto.FLAX_MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
     "token-classification": modeling_flax_auto.FLAX_MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+    "question-answering": modeling_flax_auto.FLAX_MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
 }
 
 
