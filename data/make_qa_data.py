@@ -3,12 +3,12 @@
 Each context is a short story of facts about four to six people, in random order between filler
 sentences, so the tiny config's 64-token window needs two or three windows to cover it:
 
-    The market was busy that week . Amara Okafor moved to Lyon in 1998 . On Friday , Diego Rossi
-    bought a bicycle . ...
+    The market was busy that week . Amara moved to Lyon in 1998 . On Friday , Diego bought a
+    bicycle . ...
 
 Questions ask who / where / when / what about one fact; the other facts are distractors of the same
-shape ("Where did Amara Okafor move to?" while Diego Rossi moved elsewhere), so a model must match
-the person and the verb, not the sentence pattern. The v2.0 variant adds unanswerable questions:
+shape ("Where did Amara move to?" while Diego moved elsewhere), so a model must match the person
+and the verb, not the sentence pattern. The v2.0 variant adds unanswerable questions:
 about people who are not in the story, or about a fact the story does not give for someone who is.
 
 Writes next to this script, in `qa/`: `train.json.gz` / `validation.json` (SQuAD v1.1: every
@@ -30,11 +30,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a plain script from anywhere; the other generators are data.*
 
 from train_tokenizer import train_tokenizer  # noqa: E402
-from data.make_summarization_data import DAYS, FIRST_NAMES, LAST_NAMES, PLACES  # noqa: E402
+from data.make_summarization_data import DAYS, FIRST_NAMES, PLACES  # noqa: E402
 
 OBJECTS = ["bicycle", "piano", "red car", "small boat", "violin", "old clock", "camera", "painting", "tent",
            "telescope", "sofa", "guitar", "laptop", "kite", "wooden chair", "lamp"]
-JOBS = ["teacher", "engineer", "nurse", "baker", "farmer", "pilot", "doctor", "painter", "lawyer", "chef",
+JOBS = ["teacher", "builder", "nurse", "baker", "farmer", "pilot", "doctor", "painter", "lawyer", "chef",
         "plumber", "writer"]
 FILLERS = ["The market was busy that week .", "It rained for most of the spring .", "Nobody expected the news .",
            "The town council met twice that month .", "Prices rose again in the autumn .",
@@ -59,11 +59,10 @@ ABOUT_PERSON = {kind: [question for question, _ in questions if "{P}" in questio
 
 
 def person(rng, taken):
-    while True:
-        name = f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
-        if name not in taken:
-            taken.add(name)
-            return name
+    """A first name no one else in the story has (one token to match: a tiny model learns that in minutes)."""
+    name = rng.choice([name for name in FIRST_NAMES if name not in taken])
+    taken.add(name)
+    return name
 
 
 def story(rng):

@@ -326,3 +326,46 @@ def test_t5_span_corruption_on_two_processes_matches_one(t5_mlm):
     assert [row["tokens"] for row in evals[1]] == [row["tokens"] for row in evals[0]] == [40 * 8] * 2
     assert read_json(multi / "all_results.json")["train_samples"] == 320
     assert os.listdir(t5_mlm / "host1") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Question answering on 2 processes: every example answered once, from windows gathered in order
+# ---------------------------------------------------------------------------------------------
+QA = ["--model_type", "bert", "--tokenizer_name", "data/qa/tokenizer", "--config_overrides",
+      "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,max_position_embeddings=64,"
+      "hidden_dropout_prob=0,attention_probs_dropout_prob=0", "--train_file", "data/qa/train_v2.json.gz",
+      "--validation_file", "data/qa/validation_v2.json", "--version_2_with_negative", "--max_seq_length", "64",
+      "--doc_stride", "16", "--max_train_samples", "60", "--max_eval_samples", "23", "--do_train", "--do_eval",
+      "--max_steps", "10", "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
+      "--learning_rate", "3e-3", "--logging_steps", "1", "--eval_steps", "5", "--save_steps", "100",
+      "--compilation_cache_dir", "none"]
+
+
+@pytest.fixture(scope="module")
+def question_answering(tmp_path_factory):
+    """run_qa.py on 1 process x 8 devices and on 2 x 4, side by side: 10 steps, evaluated at 5 and 10
+    on 23 examples (their windows fill batches of 16 with padded rows to spare)."""
+    tmp = tmp_path_factory.mktemp("qa")
+    script, port = [sys.executable, os.path.join(ROOT, "run_qa.py"), *QA], free_port()
+    commands = [script + ["--output_dir", str(tmp / "single")]]
+    commands += [script + ["--output_dir", str(tmp / f"host{i}"), "--coordinator_address", f"127.0.0.1:{port}",
+                           "--num_processes", "2", "--process_id", str(i)] for i in range(2)]
+    logs = [tmp / "single.log", tmp / "process0.log", tmp / "process1.log"]
+    run_processes(commands, logs, [script_env()] + [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
+    return tmp
+
+
+@pytest.mark.slow
+def test_question_answering_on_two_processes_matches_one(question_answering):
+    """Each process feeds its rows; the windows' logits come back from both in order, so every
+    example is answered from all of its windows: the same answers and scores as one process."""
+    single, multi = question_answering / "single", question_answering / "host0"
+    assert [loss for _, loss in losses(multi)] == pytest.approx([loss for _, loss in losses(single)], rel=LOSS_RTOL)
+    evals = [read_metrics(out, "eval") for out in (single, multi)]
+    assert [row["step"] for row in evals[1]] == [row["step"] for row in evals[0]] == [5, 10]
+    # Loss: LOSS_RTOL; the scores count answers, which flip only at a near-tie LOSS_RTOL would not cover.
+    for key in ("loss", "exact", "f1", "HasAns_f1", "NoAns_exact"):
+        assert [row[key] for row in evals[1]] == pytest.approx([row[key] for row in evals[0]], rel=LOSS_RTOL), key
+    assert [row["total"] for row in evals[1]] == [23, 23]
+    assert (multi / "eval_predictions.json").read_text() == (single / "eval_predictions.json").read_text()
+    assert os.listdir(question_answering / "host1") == []

@@ -355,3 +355,35 @@ def test_an_answer_past_the_first_window_is_found():
                                  ends, offsets, windows["null_index"])
     assert answers == {rows[0]["id"]: "Graz"}
     assert qa.squad_v1(answers, {rows[0]["id"]: ["Graz"]}) == {"exact_match": 100.0, "f1": 100.0}
+
+
+def test_squad_documents_json_lines_and_csv_read_alike(tmp_path):
+    """The official nested layout, the classic scripts' {"data": [rows]}, JSON lines (here gzipped)
+    and csv (answers written as JSON, or as the Python literal `datasets` writes) give the same rows."""
+    import gzip
+    import json
+
+    import run_qa
+
+    answer = {"text": ["Lyon"], "answer_start": [13]}
+    row = {"id": "q1", "question": "  Where did Ann go?", "context": "Ann moved to Lyon .", "answers": answer}
+    official = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": row["context"], "qas": [
+        {"id": "q1", "question": row["question"], "answers": [{"text": "Lyon", "answer_start": 13}]}]}]}]}
+    (tmp_path / "official.json").write_text(json.dumps(official))
+    (tmp_path / "classic.json").write_text(json.dumps({"data": [row]}))
+    with gzip.open(tmp_path / "rows.jsonl.gz", "wt") as f:
+        f.write(json.dumps(row) + "\n")
+    (tmp_path / "json.csv").write_text('id,question,context,answers\nq1,"  Where did Ann go?",Ann moved to Lyon .,'
+                                       '"{""text"": [""Lyon""], ""answer_start"": [13]}"\n')
+    (tmp_path / "literal.csv").write_text("id,question,context,answers\nq1,  Where did Ann go?,Ann moved to Lyon .,"
+                                          "\"{'text': ['Lyon'], 'answer_start': [13]}\"\n")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    args = run_qa.DataTrainingArguments()
+    for name in ("official.json", "classic.json", "rows.jsonl.gz", "json.csv", "literal.csv"):
+        assert run_qa.is_squad_document(str(tmp_path / name)) == name.endswith(".json")
+        split = run_qa.load_qa_splits(args, {"train": str(tmp_path / name)}, str(tmp_path / "cache"))["train"]
+        read = run_qa.read_examples(split, "train", args, tokenizer, True)[0]
+        assert (read["id"], read["question"], read["context"], read["answer_texts"], read["answer_starts"]) == (
+            "q1", "Where did Ann go?", "Ann moved to Lyon .", ["Lyon"], [13]), name
