@@ -3,10 +3,10 @@ implementation written here from the official definitions; post-processing of wi
 answers; training labels of the windows of a real tokenizer.
 
 Negative controls (each was broken on purpose and seen failing):
-- end logits used for the start (`best_answers` fed end for start): `test_the_best_window_wins` and
-  `test_an_answer_past_the_first_window_is_found` (asymmetric start / end logits);
-- the offsets of the wrong window (offsets of window 0 used for every window):
-  `test_the_best_window_wins` (the windows' offsets differ);
+- end logits used for the start (`best_answers` fed end for start):
+  `test_spans_outside_the_context_reversed_or_too_long_are_rejected` (asymmetric start / end logits);
+- the offsets of the wrong window (an example's first window's offsets used for all of them):
+  `test_the_best_window_wins`, `test_an_answer_past_the_first_window_is_found`;
 - the CLS label for answerable questions (`answer_tokens` returning None):
   `test_windows_label_the_answer_or_cls`.
 """
