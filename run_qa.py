@@ -59,7 +59,8 @@ class DataTrainingArguments(BaseDataArguments):
     max_predict_samples: Optional[int] = field(
         default=None, metadata={"help": "Truncate the test set (examples: every window of each kept one)."})
     version_2_with_negative: bool = field(
-        default=False, metadata={"help": "SQuAD v2.0: some questions have no answer (scored with the v2.0 metric)."})
+        default=False, metadata={"help": "SQuAD v2.0: some questions have no answer (scored with the v2.0 metric). "
+                                         "SQuAD scores are percentages, 0-100, as in the classic scripts."})
     null_score_diff_threshold: float = field(
         default=0.0, metadata={"help": "With --version_2_with_negative: answer nothing when the null score beats the "
                                        "best span's by more than this."})
@@ -98,7 +99,8 @@ def read_squad_document(path):
         try:
             document = json.load(f)
         except json.JSONDecodeError as e:
-            raise UsageError(f"data file {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+            raise UsageError(f"data file {path} is not valid JSON: {e.msg} at line {e.lineno} column "
+                             f"{e.colno}") from None
     items = document.get("data")
     if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
         raise UsageError(f"data file {path}: its \"data\" must be a list of SQuAD articles or rows")
@@ -204,10 +206,10 @@ def check_windows(examples, split, seq_length, doc_stride, special_tokens):
     room = seq_length - lengths - special_tokens
     worst = int(np.argmin(room))
     if room[worst] <= doc_stride:
+        needed = lengths[worst] + special_tokens + doc_stride + 1
         raise UsageError(f"row {worst} of the {split} data: its question takes {lengths[worst]} tokens, leaving "
                          f"{room[worst]} of --max_seq_length {seq_length} for the context, not more than "
-                         f"--doc_stride {doc_stride}: raise --max_seq_length to {lengths[worst] + special_tokens + doc_stride + 1} "
-                         "or more, or lower --doc_stride")
+                         f"--doc_stride {doc_stride}: raise --max_seq_length to {needed} or more, or lower --doc_stride")
 
 
 def null_index(input_ids, attention_mask, cls_token_id):

@@ -665,7 +665,8 @@ def test_qa_v1_evaluation_needs_answers(fails, tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", [qa_row(0)])
     valid = write_jsonl(tmp_path / "valid.jsonl", [qa_row(0), qa_row(1, text=None)])
     fails(qa_scratch(train, "--do_eval", "--validation_file", valid),
-          r"row 1 of the validation data has no answer \(1 rows in all\): pass --version_2_with_negative", script=run_qa)
+          r"row 1 of the validation data has no answer \(1 rows in all\): pass --version_2_with_negative",
+          script=run_qa)
 
 
 def test_qa_needs_a_fast_tokenizer(fails, tmp_path):

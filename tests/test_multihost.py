@@ -351,7 +351,8 @@ def question_answering(tmp_path_factory):
     commands += [script + ["--output_dir", str(tmp / f"host{i}"), "--coordinator_address", f"127.0.0.1:{port}",
                            "--num_processes", "2", "--process_id", str(i)] for i in range(2)]
     logs = [tmp / "single.log", tmp / "process0.log", tmp / "process1.log"]
-    run_processes(commands, logs, [script_env()] + [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
+    four_devices = script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    run_processes(commands, logs, [script_env(), four_devices, four_devices])
     return tmp
 
 

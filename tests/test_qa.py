@@ -315,7 +315,8 @@ def test_windows_label_the_answer_or_cls():
     """Windows of 24 tokens sharing 8: every window whose context holds the whole answer labels its
     tokens, the others (and a question without answer) label the CLS token at 0."""
     rows = [squad_row("Where does Hannah Costa work?", "Graz"), squad_row("Who did Vera Varga meet?", "Marco Hughes"),
-            {"id": "none", "question": "What did Omar buy?", "context": STORY, "answers": {"text": [], "answer_start": []}}]
+            {"id": "none", "question": "What did Omar buy?", "context": STORY,
+             "answers": {"text": [], "answer_start": []}}]
     tokenizer, examples, windows = make_windows(rows, 24, 8)
     by_example = collections.defaultdict(list)
     for w in windows:
