@@ -62,10 +62,17 @@ SCRIPTS = {
         "--train_dir", "data/images/train", "--validation_dir", "data/images/validation", "--test_dir",
         "data/images/validation", "--max_train_samples", 160, "--max_eval_samples", 40, "--max_predict_samples", 21,
         "--do_predict"]),
+    "qa": ("run_qa.py", [
+        "--model_type", "bert", "--tokenizer_name", "data/qa/tokenizer", "--config_overrides",
+        "hidden_size=64,num_hidden_layers=1,num_attention_heads=2,intermediate_size=256,max_position_embeddings=64,"
+        "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+        "--train_file", "data/qa/train_v2.json.gz", "--validation_file", "data/qa/validation_v2.json",
+        "--test_file", "data/qa/test.jsonl", "--version_2_with_negative", "--max_seq_length", 64, "--doc_stride", 16,
+        "--max_train_samples", 60, "--max_eval_samples", 21, "--max_predict_samples", 13, "--do_predict"]),
 }
 # What each script predicts, one line per example: the same lines in every layout.
 PREDICTIONS = {"summarization": "generated_predictions.txt", "glue": "predict_results_cola.txt",
-               "ner": "predictions.txt", "image": "predict_results.txt"}
+               "ner": "predictions.txt", "image": "predict_results.txt", "qa": "predict_predictions.json"}
 
 
 def command(name, output_dir, *extra):

@@ -23,6 +23,7 @@ from transformers import PretrainedConfig
 import run_clm_flax as clm
 import run_flax_glue as glue
 import run_mlm_flax as mlm
+import run_qa
 import run_summarization_flax as summarization
 import run_t5_mlm_flax as t5_mlm
 from script_runner import ROOT, directory_state, run_script, script_env
@@ -87,7 +88,7 @@ def stop_at_model(monkeypatch, error):
     def load_model(*args, **kwargs):
         raise error
 
-    for script in (summarization, clm, mlm, t5_mlm, glue):
+    for script in (summarization, clm, mlm, t5_mlm, glue, run_qa):
         monkeypatch.setattr(script, "load_model", load_model)
 
 
@@ -700,3 +701,57 @@ def test_image_eval_only_needs_named_labels(image_fails, image_folders, tmp_path
               intermediate_size=32).save_pretrained(tmp_path / "vit")
     image_fails(["--model_name_or_path", tmp_path / "vit", "--validation_dir", image_folders["good"], "--do_eval"],
                 r"evaluation or prediction alone needs the label names")
+# run_qa.py
+# ---------------------------------------------------------------------------------------------
+QA_TOKENIZER = os.path.join(ROOT, "data", "qa", "tokenizer")
+QA_CONTEXT = "Ann Lopez moved to Lyon in 1998 . On Monday , Bob Smith bought a piano ."
+
+
+def qa_row(i, text="Lyon", start=19, question="Where did Ann Lopez move to?"):
+    return {"id": f"q{i}", "question": question, "context": QA_CONTEXT,
+            "answers": {"text": [text] if text else [], "answer_start": [start] if text else []}}
+
+
+def qa_scratch(train, *args):
+    return ["--model_type", "bert", "--config_overrides", TINY_BERT + ",max_position_embeddings=64",
+            "--tokenizer_name", QA_TOKENIZER, "--train_file", train, "--do_train", "--max_seq_length", 32,
+            "--doc_stride", 8, *args]
+
+
+@pytest.mark.parametrize("rows, args, pattern", [
+    ([qa_row(0), qa_row(1, start=400)], [],
+     r"row 1 of the train data: answer_start 400 is outside its context of 72 characters"),
+    ([qa_row(0), qa_row(1, text="Paris")], [],
+     r"row 1 of the train data: the answer 'Paris' is not at answer_start 19 of the context \(which reads 'Lyon ' "
+     r"there\): fix the offset or the text"),
+    ([qa_row(0)], ["--doc_stride", 32], r"--doc_stride 32 must be at least 0 and less than --max_seq_length 32"),
+    ([qa_row(0), qa_row(1, question="Where did Ann Lopez , who was born on a Monday in 1950 , move to in 1998 ?")],
+     [], r"row 1 of the train data: its question takes \d+ tokens, leaving \d+ of --max_seq_length 32 for the "
+         r"context, not more than --doc_stride 8: raise --max_seq_length to \d+ or more, or lower --doc_stride"),
+    ([qa_row(0)], ["--question_column_name", "query"], r"--question_column_name 'query' is not a column of the train "
+                                                        r"data; its columns: id, question, context, answers"),
+])
+def test_qa_bad_inputs(fails, tmp_path, rows, args, pattern):
+    fails(qa_scratch(write_jsonl(tmp_path / "train.jsonl", rows), *args), pattern, script=run_qa)
+
+
+def test_qa_v1_evaluation_needs_answers(fails, tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", [qa_row(0)])
+    valid = write_jsonl(tmp_path / "valid.jsonl", [qa_row(0), qa_row(1, text=None)])
+    fails(qa_scratch(train, "--do_eval", "--validation_file", valid),
+          r"row 1 of the validation data has no answer \(1 rows in all\): pass --version_2_with_negative",
+          script=run_qa)
+
+
+def test_qa_needs_a_fast_tokenizer(fails, tmp_path):
+    from transformers import AutoTokenizer, BertTokenizer
+
+    vocab = tmp_path / "vocab.txt"
+    fast = AutoTokenizer.from_pretrained(QA_TOKENIZER)
+    vocab.write_text("".join(token + "\n" for token, _ in sorted(fast.get_vocab().items(), key=lambda kv: kv[1])))
+    BertTokenizer(str(vocab)).save_pretrained(tmp_path / "slow")
+    train = write_jsonl(tmp_path / "train.jsonl", [qa_row(0)])
+    args = qa_scratch(train, "--use_fast_tokenizer", "false")
+    args[args.index(QA_TOKENIZER)] = str(tmp_path / "slow")
+    fails(args, r"BertTokenizer is not a fast tokenizer: question answering maps tokens back to the context by "
+                r"character offsets", script=run_qa)

@@ -12,6 +12,7 @@ import run_clm_flax
 import run_flax_glue
 import run_flax_ner
 import run_image_classification
+import run_qa
 import run_mlm_flax
 import run_summarization_flax
 import run_t5_mlm_flax
@@ -27,6 +28,7 @@ SCRIPTS = {
     "glue": (run_flax_glue, ("Data (glue)",)),
     "ner": (run_flax_ner, ("Data (ner)",)),
     "image": (run_image_classification, ("Data (image classification)",)),
+    "qa": (run_qa, ("Data (question answering)",)),
     "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm and t5 mlm)")),
     "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm and t5 mlm)")),
     "t5 mlm": (run_t5_mlm_flax, ("Data (t5 mlm only)", "Data (clm, mlm and t5 mlm)")),

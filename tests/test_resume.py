@@ -129,7 +129,13 @@ SCRIPTS["image"] = ("run_image_classification.py", [
     "--model_type", "vit", "--config_overrides", "image_size=16,patch_size=4,hidden_size=32,num_hidden_layers=1,"
     "num_attention_heads=2,intermediate_size=64,hidden_dropout_prob=0.1,attention_probs_dropout_prob=0.1",
     "--train_dir", "data/images/train", "--max_train_samples", 96])
-KILLED = ["summarization", "clm", "clm stream", "clm fsdp", "t5 mlm", "glue", "ner", "image"]
+# Question answering: 52 SQuAD examples cut into 99 windows of 64 tokens (6 steps per epoch).
+SCRIPTS["qa"] = ("run_qa.py", [
+    "--model_type", "bert", "--tokenizer_name", "data/qa/tokenizer",
+    "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,"
+    "max_position_embeddings=64", "--train_file", "data/qa/train.json.gz", "--max_seq_length", 64,
+    "--doc_stride", 16, "--max_train_samples", 52])
+KILLED = ["summarization", "clm", "clm stream", "clm fsdp", "t5 mlm", "glue", "ner", "image", "qa"]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ TASK_MODEL_TYPES = {
     "sequence-classification": modeling_flax_auto.FLAX_MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
     "token-classification": modeling_flax_auto.FLAX_MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
     "image-classification": modeling_flax_auto.FLAX_MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+    "question-answering": modeling_flax_auto.FLAX_MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
 }
 
 

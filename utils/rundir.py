@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 # Names (glob patterns) of everything a run writes into its output directory.
 RUN_OUTPUTS = (
     CHECKPOINT_SUBDIR, "run_args.json", "metrics.jsonl", "metrics.jsonl.tmp", "events.out.tfevents.*",
-    "*_results.json", "generated_predictions.txt", "predict_results*.txt", ".export-*",
+    "*_results.json", "*_predictions.json", "*_null_odds.json", "generated_predictions.txt", "predict_results*.txt",
+    ".export-*",
     # The Hugging Face export: model (one file, or shards with an index), tokenizer or image processor.
     "config.json", "generation_config.json", "flax_model.msgpack", "flax_model-*.msgpack",
     "flax_model.msgpack.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -162,6 +163,13 @@ class RunDirectory:
             with disk_full_is_fatal(self.output_dir), open(os.path.join(self.output_dir, name), "w",
                                                            encoding="utf-8") as f:
                 f.writelines((" ".join(line.split()) if collapse_whitespace else line) + "\n" for line in lines)
+
+    def write_json(self, name, value):
+        """`value` as indented JSON (prediction files)."""
+        if self.is_main:
+            with disk_full_is_fatal(self.output_dir), open(os.path.join(self.output_dir, name), "w",
+                                                           encoding="utf-8") as f:
+                json.dump(value, f, indent=2, ensure_ascii=False)
 
     def export(self, params, commit_message):
         """The Hugging Face export of `params` (host arrays; a full disk keeps the previous export),

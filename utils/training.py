@@ -207,6 +207,9 @@ class TrainingRun:
     def write_text(self, name, lines, collapse_whitespace=True):
         self.dir.write_text(name, lines, collapse_whitespace)
 
+    def write_json(self, name, value):
+        self.dir.write_json(name, value)
+
     def finish(self):
         """The last checkpoint complete, then all_results.json and the last push (`RunDirectory.finish`)."""
         if self.args.do_train:
