@@ -81,7 +81,7 @@ def show_answer(st, answer):
 
 def summarization_form(st, predictor):
     with st.form("request"):
-        text = st.text_area("Document", height=200, key="text")
+        text = st.text_area("Document", height=150, key="text")
         submitted = st.form_submit_button("Summarize")
     if submitted:
         return lambda: show_answer(st, predictor(text))
