@@ -49,7 +49,9 @@ TINY = {
         # 80 steps: enough for different documents to get different summaries.
         "--config_overrides", "d_model=64,d_ff=128,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=32,dropout_rate=0.0",
         "--max_predict_samples", "2", "--do_eval", "false", "--total_train_batch_size", "16", "--max_steps", "80",
-        "--warmup_steps", "10", "--learning_rate", "0.005"]),
+        "--warmup_steps", "10", "--learning_rate", "0.005",
+        # Summaries cut at 8 tokens: the page must generate with the saved generation settings, not defaults.
+        "--val_max_target_length", "8"]),
     "clm": ("run_clm_flax.py", "configs/clm_tiny.json", [
         "--config_overrides", "n_embd=32,n_layer=1,n_head=2,n_positions=64", "--block_size", "32",
         "--max_train_samples", "64", "--do_eval", "false", "--max_steps", "10", "--warmup_steps", "1"]),

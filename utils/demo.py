@@ -9,6 +9,7 @@ serving. A new task plugs in as one more class in `PREDICTORS` (and a form in `d
 
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 
 import jax
@@ -75,6 +76,13 @@ class Predictor:
         self.model = getattr(transformers, self.auto_class).from_pretrained(output_dir)
         self.params = self.model.params
         self.config = self.model.config
+        self._lock = threading.Lock()
+
+    def __call__(self, *args, **kwargs):
+        """`predict`, one request at a time: the page serves each browser session from its own
+        thread, and a fast tokenizer used by two threads at once fails ("Already borrowed")."""
+        with self._lock:
+            return self.predict(*args, **kwargs)
 
     def warm_up(self):
         """Run every compiled shape once."""
@@ -96,7 +104,7 @@ class Summarizer(Predictor):
         self.max_length = run_args["max_source_length"]
         self._generate = jax.jit(lambda params, ids, mask: predict.generate_ids(self.model, params, ids, mask))
 
-    def __call__(self, text):
+    def predict(self, text):
         require_text(text, "document")
         answer = Answer()
         length = len(self.tokenizer(self.prefix + text)["input_ids"])
@@ -132,7 +140,7 @@ class TextGenerator(Predictor):
             ids, attention_mask=mask, params=params, max_new_tokens=self.max_new_tokens, do_sample=sample,
             prng_key=key, pad_token_id=self.pad_id, eos_token_id=self.eos_id).sequences) for sample in (False, True)}
 
-    def __call__(self, prompt, max_new_tokens=32, sample=False, seed=0):
+    def predict(self, prompt, max_new_tokens=32, sample=False, seed=0):
         require_text(prompt, "prompt")
         if not 1 <= max_new_tokens <= self.max_new_tokens:
             raise BadInput(f"max new tokens must be between 1 and {self.max_new_tokens}, got {max_new_tokens}")
@@ -176,7 +184,7 @@ class SpanFiller(Predictor):
         self._generate = jax.jit(lambda params, ids, mask: self.model.generate(
             ids, attention_mask=mask, params=params, max_length=self.max_length, num_beams=1).sequences)
 
-    def __call__(self, text):
+    def predict(self, text):
         require_text(text, "text")
         sentinels = self.SENTINEL.findall(text)
         if not sentinels:
@@ -227,7 +235,7 @@ class MaskFiller(Predictor):
 
         self._top = jax.jit(top_tokens)
 
-    def __call__(self, text, top_k=5):
+    def predict(self, text, top_k=5):
         require_text(text, "text")
         mask_token = self.tokenizer.mask_token
         if mask_token not in text:
@@ -277,7 +285,7 @@ class TextClassifier(Predictor):
         self.is_regression = self.config.num_labels == 1
         self._logits = jax.jit(lambda params, inputs: self.model(**inputs, params=params).logits.astype(jnp.float32))
 
-    def __call__(self, text, second_text=None):
+    def predict(self, text, second_text=None):
         require_text(text, "text")
         if self.pair:
             require_text(second_text, "second text")
@@ -318,7 +326,7 @@ class EntityTagger(Predictor):
         self.max_length = run_args.get("max_seq_length") or min(512, self.tokenizer.model_max_length)
         self._logits = jax.jit(lambda params, inputs: self.model(**inputs, params=params).logits)
 
-    def __call__(self, text):
+    def predict(self, text):
         require_text(text, "sentence")
         words = self.WORD.findall(text)
         encoded = self.tokenizer(words, is_split_into_words=True, max_length=self.max_length, truncation=True,

@@ -9,6 +9,8 @@ def set_generation(model, **settings):
     generation_config.json, where the demo finds them."""
     for name, value in settings.items():
         setattr(model.generation_config, name, value)
+    # No longer the model config's defaults: loaded back, these settings are kept (see `generate_ids`).
+    model.generation_config._from_model_config = False
 
 
 def encode_sources(tokenizer, texts, prefix, max_length):
@@ -19,8 +21,12 @@ def encode_sources(tokenizer, texts, prefix, max_length):
 
 
 def generate_ids(model, params, input_ids, attention_mask):
-    """The generated token ids [rows, max_length] under the model's generation config (traceable)."""
-    return model.generate(input_ids, attention_mask=attention_mask, params=params).sequences
+    """The generated token ids [rows, max_length] under the model's generation config (traceable).
+
+    Passed explicitly: left to itself, `generate` replaces a generation config it loaded unchanged
+    (one marked as made from the model config) with the model config's defaults (max_length 20)."""
+    return model.generate(input_ids, attention_mask=attention_mask, params=params,
+                          generation_config=model.generation_config).sequences
 
 
 def decode_texts(tokenizer, ids):
