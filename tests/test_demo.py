@@ -47,7 +47,8 @@ needs_browser = pytest.mark.skipif(bool(MISSING), reason=f"the browser tests nee
 TINY = {
     "summarization": ("run_summarization_flax.py", "configs/summarization_tiny.json", [
         # 80 steps: enough for different documents to get different summaries.
-        "--config_overrides", "d_model=64,d_ff=128,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=32,dropout_rate=0.0",
+        "--config_overrides",
+        "d_model=64,d_ff=128,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=32,dropout_rate=0.0",
         "--max_predict_samples", "2", "--do_eval", "false", "--total_train_batch_size", "16", "--max_steps", "80",
         "--warmup_steps", "10", "--learning_rate", "0.005",
         # Summaries cut at 8 tokens: the page must generate with the saved generation settings, not defaults.

@@ -258,8 +258,8 @@ class MaskFiller(Predictor):
             self.params, padded, (np.arange(size) < len(ids)).astype(np.int32)[None]))
         filled = list(ids)
         for position in positions:
-            answer.details.append([(self.tokenizer.decode([token]), float(p))
-                                   for token, p in zip(token_ids[0, position, :top_k], probabilities[0, position, :top_k])])
+            top = zip(token_ids[0, position, :top_k], probabilities[0, position, :top_k])
+            answer.details.append([(self.tokenizer.decode([token]), float(p)) for token, p in top])
             filled[position] = int(token_ids[0, position, 0])
         answer.text = self.tokenizer.decode(filled, skip_special_tokens=True)
         return answer
