@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 from transformers import FlaxAutoModelForSeq2SeqLM
 
-from utils import data, devices
+from utils import data, devices, predict
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
@@ -110,9 +110,8 @@ def preprocess(dataset, tokenizer, config, data_args, text_column, summary_colum
     the family's convention)."""
 
     def tokenize(examples):
-        inputs = [data_args.source_prefix + text for text in examples[text_column]]
-        model_inputs = tokenizer(inputs, max_length=data_args.max_source_length, padding="max_length",
-                                 truncation=True, return_tensors="np")
+        model_inputs = predict.encode_sources(tokenizer, examples[text_column], data_args.source_prefix,
+                                              data_args.max_source_length)
         labels = tokenizer(text_target=examples[summary_column], max_length=max_target_length,
                            padding="max_length", truncation=True, return_tensors="np")
         model_inputs["labels"] = labels["input_ids"]
@@ -220,13 +219,12 @@ def main(argv=None):
                             label_smoothing if train else 0.0)
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data)
-    generate_kwargs = {"max_length": data_args.val_max_target_length,
-                       "num_beams": data_args.num_beams or model.config.num_beams}
+    # Saved with the model (generation_config.json): the demo generates as this predict path does.
+    predict.set_generation(model, max_length=data_args.val_max_target_length,
+                           num_beams=data_args.num_beams or model.config.num_beams)
 
     def generate_step(params, batch):
-        output = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], params=params,
-                                **generate_kwargs)
-        return output.sequences
+        return predict.generate_ids(model, params, batch["input_ids"], batch["attention_mask"])
 
     p_generate_step = layout.compile_step("generate_step", generate_step)
 
@@ -242,7 +240,7 @@ def main(argv=None):
         metrics = {**host_means(sums, keep_tokens=True), "samples": sizes[split]}
         if not data_args.predict_with_generate:
             return metrics, None
-        texts = tokenizer.batch_decode(predictions, skip_special_tokens=True)
+        texts = predict.decode_texts(tokenizer, predictions)
         references = tokenizer.batch_decode(arrays[split]["labels"], skip_special_tokens=True)
         metrics.update(rouge(texts, references))
         metrics["gen_len"] = float(np.mean([np.count_nonzero(ids != config.pad_token_id) for ids in predictions]))

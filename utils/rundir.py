@@ -14,13 +14,14 @@ import os
 import shutil
 import tempfile
 
-from utils import devices
+from utils import devices, model_card
 from utils.args import public_args, save_args
 from utils.checkpoint import CHECKPOINT_SUBDIR, disk_full_is_fatal
 from utils.errors import UsageError, at_exit
 from utils.hub import HubPusher
 from utils.logging import MetricsLogger
 from utils.perf import memory_report
+from utils.predict import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ RUN_OUTPUTS = (
     "config.json", "generation_config.json", "flax_model.msgpack", "flax_model-*.msgpack",
     "flax_model.msgpack.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "chat_template.*", "vocab.*", "merges.txt", "*.model", "*.spm", "preprocessor_config.json",
+    model_card.CARD,
 )
 
 
@@ -105,6 +107,7 @@ class RunDirectory:
                  train_step_memory=None):
         out = self.output_dir = training_args.output_dir
         self.model, self.tokenizer, self.is_main = model, tokenizer, is_main
+        self.public_args = public_args(*all_args)
         self.pusher = None
         if training_args.push_to_hub and is_main:  # first: a bad token or name leaves the output dir as it was
             repo_id = training_args.hub_model_id or os.path.basename(os.path.abspath(out))
@@ -124,7 +127,7 @@ class RunDirectory:
         if is_main:
             save_args(out, *all_args)
         self._metrics = MetricsLogger(out, is_main_process=is_main, total_steps=total_steps)
-        self._metrics.hparams(public_args(*all_args))
+        self._metrics.hparams(self.public_args)
         if training_args.do_train and resume is not None:
             self._metrics.rewind(resume.step)
         self._results = {}
@@ -162,7 +165,7 @@ class RunDirectory:
         if self.is_main:
             with disk_full_is_fatal(self.output_dir), open(os.path.join(self.output_dir, name), "w",
                                                            encoding="utf-8") as f:
-                f.writelines((" ".join(line.split()) if collapse_whitespace else line) + "\n" for line in lines)
+                f.writelines((one_line(line) if collapse_whitespace else line) + "\n" for line in lines)
 
     def write_json(self, name, value):
         """`value` as indented JSON (prediction files)."""
@@ -184,11 +187,15 @@ class RunDirectory:
             self._metrics.close()
 
     def finish(self):
-        """all_results.json, the last hub push (waited for), and the peak memory in the log."""
+        """all_results.json, the model card beside an export (`utils.model_card`), the last hub push
+        (waited for), and the peak memory in the log."""
         if self.is_main:
-            with disk_full_is_fatal(self.output_dir), open(os.path.join(self.output_dir, "all_results.json"), "w",
-                                                           encoding="utf-8") as f:
-                json.dump(self._results, f, indent=2)
+            with disk_full_is_fatal(self.output_dir):
+                with open(os.path.join(self.output_dir, "all_results.json"), "w", encoding="utf-8") as f:
+                    json.dump(self._results, f, indent=2)
+                if os.path.exists(os.path.join(self.output_dir, "config.json")):
+                    model_card.write_model_card(self.output_dir, type(self.model).__name__, self.public_args,
+                                                self._results, getattr(self.tokenizer, "mask_token", None))
         self.close()
         if self.pusher:
             self.pusher.push("end of training")

@@ -1,0 +1,40 @@
+"""What a script's predict path shares with the demo (`demo.py`): inputs encoded the way the model
+was trained, generation with the settings saved beside the model, outputs decoded into the lines the
+result files hold. One definition for both, so the page shows what the script writes."""
+
+
+def set_generation(model, **settings):
+    """Put the predict path's generation settings (`max_length`, `num_beams`, ...) into the model's
+    generation config: `generate` reads them from there, and the export saves them in
+    generation_config.json, where the demo finds them."""
+    for name, value in settings.items():
+        setattr(model.generation_config, name, value)
+    # No longer the model config's defaults: loaded back, these settings are kept (see `generate_ids`).
+    model.generation_config._from_model_config = False
+
+
+def encode_sources(tokenizer, texts, prefix, max_length):
+    """{"input_ids", "attention_mask"} of `prefix` + each text, truncated and padded to `max_length`
+    (one shape: one compiled program)."""
+    return tokenizer([prefix + text for text in texts], max_length=max_length, padding="max_length",
+                     truncation=True, return_tensors="np")
+
+
+def generate_ids(model, params, input_ids, attention_mask):
+    """The generated token ids [rows, max_length] under the model's generation config (traceable).
+
+    Passed explicitly: left to itself, `generate` replaces a generation config it loaded unchanged
+    (one marked as made from the model config) with the model config's defaults (max_length 20)."""
+    return model.generate(input_ids, attention_mask=attention_mask, params=params,
+                          generation_config=model.generation_config).sequences
+
+
+def decode_texts(tokenizer, ids):
+    """The text of each row of generated `ids`, special tokens dropped."""
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def one_line(text):
+    """`text` as one line of a result file: inner whitespace collapsed (a generated newline would
+    split a row in two)."""
+    return " ".join(text.split())
