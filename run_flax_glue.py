@@ -128,12 +128,6 @@ def label_list_of(dataset, label_column):
     return None if labels is None else [str(label) for label in labels]
 
 
-def saved_label_names(config):
-    """The label names of a pretrained config, by id; None when they are transformers' LABEL_<i> placeholders."""
-    names = [config.id2label[i] for i in range(config.num_labels)]
-    return None if names == [f"LABEL_{i}" for i in range(config.num_labels)] else names
-
-
 def choose_labels(task, raw, label_column, config, pretrained, label_source):
     """The label names, by id, or None for a regression.
 
@@ -149,7 +143,7 @@ def choose_labels(task, raw, label_column, config, pretrained, label_source):
         regression = names is None
     if regression:
         return None
-    saved = saved_label_names(config) if pretrained else None
+    saved = classification.saved_label_names(config) if pretrained else None
     if saved is None:
         if names is None:
             raise UsageError("prediction alone needs the label names: use a model fine-tuned by this script (its "

@@ -187,12 +187,6 @@ def take_subset(parts, max_samples, seed):
 # ----------------------------------------------------------------------------------------------
 # Labels, image size, normalisation
 # ----------------------------------------------------------------------------------------------
-def saved_label_names(config):
-    """The label names of a pretrained config, by id; None when they are transformers' LABEL_<i> placeholders."""
-    names = [config.id2label[i] for i in range(config.num_labels)]
-    return None if names == [f"LABEL_{i}" for i in range(config.num_labels)] else names
-
-
 def class_order(name):
     """Sort key of class names: integers by value (2 before 10), then the others as strings."""
     return (0, int(name), "") if name.lstrip("-").isdigit() else (1, 0, name)
@@ -202,7 +196,7 @@ def choose_labels(splits, config, pretrained, training):
     """The label names, by id. Training: the training classes, in the checkpoint's order when it names
     exactly those (its head keeps its meaning). Else the checkpoint's, which must name every class of
     the data."""
-    saved = saved_label_names(config) if pretrained else None
+    saved = classification.saved_label_names(config) if pretrained else None
     if training:
         classes = sorted(set(splits["train"][1]), key=class_order)
         if len(classes) < 2:

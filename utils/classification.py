@@ -125,6 +125,12 @@ def config_label_maps(labels):
     return {name: i for i, name in enumerate(names)}, dict(enumerate(names))
 
 
+def saved_label_names(config):
+    """The label names of a pretrained config, by id; None when they are transformers' LABEL_<i> placeholders."""
+    names = [config.id2label[i] for i in range(config.num_labels)]
+    return None if names == [f"LABEL_{i}" for i in range(config.num_labels)] else names
+
+
 # ---------------------------------------------------------------------------------------------
 # Sequence-classification metrics
 # ---------------------------------------------------------------------------------------------
