@@ -17,9 +17,10 @@ from script_runner import ROOT, read_json, read_metrics, run_script, script_env
 SCRIPT = "run_image_classification.py"
 VALIDATION = os.path.join(ROOT, "data", "images", "validation")
 EVAL_BATCH = 64  # per_device_eval_batch_size 8 x 8 devices: 360 images = 5 full batches + 40 (24 padded rows)
-# 6 epochs of 44 steps instead of the config's 40 of 22: far enough above chance, at an eighth of the time.
-SHORT = ["--num_train_epochs", 6, "--total_train_batch_size", 32, "--learning_rate", 3e-3, "--warmup_steps", 10,
-         "--min_crop_scale", 0.8, "--logging_steps", 22, "--eval_steps", 1000]
+# The config's first 10 epochs of its 40 (22 steps each): accuracy 0.51 on an AMD EPYC. A shorter run ends
+# near the plateau the loss leaves only after ~150 steps, where the CPU's float rounding decides the rest
+# (6 epochs at batch 32 gave 0.22 on the AMD machine, above 0.25 on the Intel one it was tuned on).
+SHORT = ["--num_train_epochs", 10, "--logging_steps", 22, "--eval_steps", 1000]
 
 
 # Runs a script as `python script args` does, then prints the top-level packages it had imported
@@ -72,8 +73,8 @@ def test_learns_far_above_chance(trained):
     out = trained[0]
     results = read_json(out / "all_results.json")
     assert results["eval_samples"] == 360 and results["train_samples"] == 1437
-    # Chance is 0.1 (sd 0.016 over 360 images): 0.25 is 9 sd above it; the full config reaches ~0.88.
-    assert results["eval_accuracy"] > 0.25
+    # Chance is 0.1 (sd 0.016 over 360 images): 0.3 is 12 sd above it; the full config reaches ~0.9.
+    assert results["eval_accuracy"] > 0.3
     assert results["eval_accuracy"] <= results["eval_top5_accuracy"] <= 1
     losses = [row["loss"] for row in read_metrics(out)]
     assert losses[-1] < 0.8 * losses[0]
