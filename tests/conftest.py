@@ -1,7 +1,9 @@
 """Test set-up: 8 virtual CPU devices, offline hubs, and the repo root importable."""
 
 import os
+import shutil
 import sys
+import tempfile
 
 # Must happen before jax is imported anywhere.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -10,6 +12,16 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One JAX compilation cache for the whole session, every script process and xdist worker included:
+# the tests' runs compile the same tiny steps again and again (each layout, resume, eval-only, ...).
+# JAX reads these when it is imported; a script's own --compilation_cache_dir (the tests pass "none")
+# then leaves them as they are. Entries are keyed by the program, so a hit is the program it replaces.
+_OWN_JAX_CACHE = "FLAXTUNE_TESTS_JAX_CACHE" not in os.environ  # only in the process that starts the workers
+if _OWN_JAX_CACHE:
+    os.environ["FLAXTUNE_TESTS_JAX_CACHE"] = tempfile.mkdtemp(prefix="flaxtune-tests-jax-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["FLAXTUNE_TESTS_JAX_CACHE"]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -17,6 +29,11 @@ if ROOT not in sys.path:
 
 
 import pytest  # noqa: E402  (after the environment set-up above)
+
+
+def pytest_unconfigure(config):
+    if _OWN_JAX_CACHE:  # after every worker has finished
+        shutil.rmtree(os.environ["FLAXTUNE_TESTS_JAX_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture
@@ -60,4 +77,9 @@ def layout_runs(tmp_path_factory):
     """Every script's tiny run in each layout, run when first asked for (tests/layout_runs.py)."""
     from layout_runs import LayoutRuns
 
-    return LayoutRuns(tmp_path_factory.mktemp("layouts"))
+    # Under xdist every worker has a temporary dir of its own below one they share: the runs go there,
+    # so each runs once per session whichever worker asks first.
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    return LayoutRuns(shared / "layouts")

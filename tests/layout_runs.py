@@ -1,7 +1,8 @@
 """Every training script on one tiny config, run in each layout the cross-layout tests compare:
 `dp` and `fsdp` on 1 process x 8 virtual devices (tests/test_fsdp.py), and `dp` on 2 processes x 4
 devices (tests/test_multihost.py). Each run starts when a test first asks for it, so `-k` runs only
-what it selects, and is shared by every test module of the session (the `layout_runs` fixture).
+what it selects, and is shared by every test module of the session (the `layout_runs` fixture),
+and by every xdist worker: the first to ask runs it while the others wait on its lock.
 
 Dropout is off: dp draws one dropout key per device, fsdp one for the global batch, so with dropout
 on the layouts would differ by design.
@@ -9,6 +10,8 @@ on the layouts would differ by design.
 
 import os
 import sys
+
+from filelock import FileLock
 
 from script_runner import ROOT, free_port, run_processes, script_env
 
@@ -88,21 +91,32 @@ class LayoutRuns(dict):
     def __init__(self, tmp):
         super().__init__()
         self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
 
     def __missing__(self, key):
         name, layout = key
         if layout == "2x4":
-            outs, port = (self.tmp / f"{name}_2x4_host0", self.tmp / f"{name}_2x4_host1"), free_port()
+            runs = {key: (self.tmp / f"{name}_2x4_host0", self.tmp / f"{name}_2x4_host1")}
+        else:
+            runs = {(name, sharding): self.tmp / f"{name}_{sharding}" for sharding in ("dp", "fsdp")}
+        done = self.tmp / f"{name}_{'2x4' if layout == '2x4' else 'dp_fsdp'}.done"
+        with FileLock(f"{done}.lock"):
+            if not done.exists():  # a failed run leaves no mark: it fails again in each test that asks for it
+                self._run(name, layout, runs)
+                done.touch()
+        self.update(runs)
+        return self[key]
+
+    @staticmethod
+    def _run(name, layout, runs):
+        if layout == "2x4":
+            (outs,), port = runs.values(), free_port()
             run_processes([[sys.executable, *command(name, str(out), "--coordinator_address", f"127.0.0.1:{port}",
                                                      "--num_processes", 2, "--process_id", i)]
                            for i, out in enumerate(outs)],
                           [out.parent / f"{out.name}.log" for out in outs],
                           [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
-            self[key] = outs
-            return outs
-        pair = {(name, sharding): self.tmp / f"{name}_{sharding}" for sharding in ("dp", "fsdp")}
+            return
         run_processes([[sys.executable, *command(name, str(out), "--sharding", sharding)]
-                       for (name, sharding), out in pair.items()],
-                      [out.parent / f"{out.name}.log" for out in pair.values()], [script_env()] * 2)
-        self.update(pair)  # only once both ran: a failed pair fails again in each test that asks for it
-        return self[key]
+                       for (name, sharding), out in runs.items()],
+                      [out.parent / f"{out.name}.log" for out in runs.values()], [script_env()] * 2)
