@@ -168,18 +168,24 @@ def test_summarization_page_shows_the_scripts_prediction(browser, servers, model
 
 
 def greedy_reference(output_dir, prompt, new_tokens):
-    """A plain greedy loop over the model's full forward pass (no cache, no padding, no `generate`)."""
+    """A plain greedy loop over the model's full forward pass (no cache, no `generate`). The ids are
+    right-padded to one length (one compiled forward): causal attention makes the logits at a
+    position independent of what follows it."""
+    import jax
     from transformers import AutoTokenizer, FlaxAutoModelForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
     model = FlaxAutoModelForCausalLM.from_pretrained(output_dir)
+    forward = jax.jit(lambda ids: model(ids, params=model.params).logits)
     ids = tokenizer(prompt)["input_ids"]
     prompt_length = len(ids)
+    padded = np.zeros((1, prompt_length + new_tokens), np.int32)
+    padded[0, :prompt_length] = ids
     for _ in range(new_tokens):
-        logits = np.asarray(model(np.array([ids]), params=model.params).logits)[0, -1]
-        token = int(logits.argmax())
+        token = int(np.asarray(forward(padded))[0, len(ids) - 1].argmax())
         if token == model.config.eos_token_id:
             break
+        padded[0, len(ids)] = token
         ids.append(token)
     return tokenizer.decode(ids, skip_special_tokens=True), len(ids) - prompt_length
 
