@@ -158,6 +158,46 @@ def token_classification_form(st, predictor):
         return show
 
 
+def highlighted(context, first, last):
+    """`context` as markdown with characters [first, last) (the answer) highlighted."""
+    return (escape_markdown(context[:first]) + f":orange-background[{escape_markdown(context[first:last])}]"
+            + escape_markdown(context[last:]))
+
+
+def question_answering_form(st, predictor):
+    with st.form("request"):
+        question = st.text_input("Question", key="text")
+        context = st.text_area("Context", height=150, key="context")
+        submitted = st.form_submit_button("Answer")
+    if submitted:
+        def show():
+            answer = predictor(question, context)
+            show_answer(st, answer)
+            with st.container(key="context_shown"):
+                if answer.text:  # the best span with text (utils.qa.best_answers)
+                    st.markdown(highlighted(context, *next(e["offsets"] for e in answer.details if e["text"])))
+                else:
+                    st.markdown("The model finds no answer to this question in the context.")
+            st.table({"answer": [escape_markdown(entry["text"]) or "(no answer)" for entry in answer.details],
+                      "probability": [f"{entry['probability']:.3f}" for entry in answer.details],
+                      "score": [f"{entry['score']:.3f}" for entry in answer.details]})
+        return show
+
+
+def image_classification_form(st, predictor):
+    with st.form("request"):
+        upload = st.file_uploader("Image", key="image")
+        submitted = st.form_submit_button("Classify")
+    if submitted:
+        def show():
+            answer = predictor(upload.getvalue() if upload is not None else b"")
+            st.image(upload.getvalue(), width=224)
+            show_answer(st, answer)
+            st.table({"label": [escape_markdown(label) for label, _ in answer.details],
+                      "probability": [f"{p:.3f}" for _, p in answer.details]})
+        return show
+
+
 # Task -> the form asking for its input (`utils.demo.PREDICTORS` has the same keys).
 FORMS = {
     "summarization": summarization_form,
@@ -166,6 +206,8 @@ FORMS = {
     "span-corruption": span_filling_form,
     "text-classification": text_classification_form,
     "token-classification": token_classification_form,
+    "question-answering": question_answering_form,
+    "image-classification": image_classification_form,
 }
 
 

@@ -234,21 +234,11 @@ def load_image_processor(model_args):
         return None  # a checkpoint without one: the default normalisation
 
 
-def processor_size(processor):
-    """The square side an image processor crops to, or None."""
-    for attribute in ("crop_size", "size"):
-        size = getattr(processor, attribute, None) or {}
-        side = size.get("height") or size.get("shortest_edge") if isinstance(size, dict) else None
-        if side:
-            return int(side)
-    return None
-
-
 def fit_image_size(data_args, config, processor, pretrained):
     """The side of the model's square inputs, written into a new model's config; a size the model
     cannot take (a patch grid that does not divide it, position embeddings for another) is a UsageError."""
     config_size = getattr(config, "image_size", None)
-    size = data_args.image_size or config_size or processor_size(processor) or DEFAULT_IMAGE_SIZE
+    size = data_args.image_size or config_size or images.processor_size(processor) or DEFAULT_IMAGE_SIZE
     if config_size is not None and size != config_size:
         if pretrained and config.model_type not in RESIZABLE_POSITIONS:
             raise UsageError(f"--image_size {size} differs from the {config_size} the pretrained "

@@ -212,15 +212,6 @@ def check_windows(examples, split, seq_length, doc_stride, special_tokens):
                          f"--doc_stride {doc_stride}: raise --max_seq_length to {needed} or more, or lower --doc_stride")
 
 
-def null_index(input_ids, attention_mask, cls_token_id):
-    """The token that stands for "no answer": the CLS token, else the first real token (a tokenizer without CLS)."""
-    if cls_token_id is not None:
-        hits = np.flatnonzero(np.asarray(input_ids) == cls_token_id)
-        if len(hits):
-            return int(hits[0])
-    return int(np.flatnonzero(np.asarray(attention_mask))[0])
-
-
 def answer_tokens(offsets, context_mask, start_char, end_char):
     """(first token, last token) of the span [start_char, end_char) inside a window, or None when
     the window's context does not hold all of it."""
@@ -237,31 +228,19 @@ def make_windows(examples, tokenizer, seq_length, doc_stride, data_args):
     and last tokens, or null_index where the window lacks the first answer or there is none);
     example_index; offsets (the [tokens, 2] character offsets into the context, qa.NO_CONTEXT
     elsewhere, flattened) and null_index."""
-    pad_on_right = tokenizer.padding_side == "right"
-    context_id = 1 if pad_on_right else 0
-
     def tokenize(batch, indices):
-        first, second = ((batch["question"], batch["context"]) if pad_on_right
-                         else (batch["context"], batch["question"]))
-        encoded = tokenizer(first, second, truncation="only_second" if pad_on_right else "only_first",
-                            max_length=seq_length, stride=doc_stride, return_overflowing_tokens=True,
-                            return_offsets_mapping=True, padding="max_length")
-        mapping = encoded.pop("overflow_to_sample_mapping")
+        encoded, windows = qa.cut_windows(tokenizer, batch["question"], batch["context"], seq_length, doc_stride)
         out = {"start_positions": [], "end_positions": [], "example_index": [], "offsets": [], "null_index": []}
-        for window, sample in enumerate(mapping):
-            context_mask = np.array([s == context_id for s in encoded.sequence_ids(window)])
-            offsets = np.array(encoded["offset_mapping"][window], np.int64)
-            offsets[~context_mask] = qa.NO_CONTEXT
-            null = null_index(encoded["input_ids"][window], encoded["attention_mask"][window], tokenizer.cls_token_id)
-            texts, starts = batch["answer_texts"][sample], batch["answer_starts"][sample]
-            span = answer_tokens(offsets, context_mask, starts[0], starts[0] + len(texts[0])) if texts else None
-            start, end = span or (null, null)
+        for window in windows:
+            texts, starts = batch["answer_texts"][window.pair], batch["answer_starts"][window.pair]
+            span = answer_tokens(window.offsets, window.context_mask, starts[0], starts[0] + len(texts[0])) \
+                if texts else None
+            start, end = span or (window.null, window.null)
             out["start_positions"].append(start)
             out["end_positions"].append(end)
-            out["example_index"].append(indices[sample])
-            out["offsets"].append(offsets.reshape(-1).tolist())  # flat: a fixed-length column
-            out["null_index"].append(null)
-        encoded.pop("offset_mapping")
+            out["example_index"].append(indices[window.pair])
+            out["offsets"].append(window.offsets.reshape(-1).tolist())  # flat: a fixed-length column
+            out["null_index"].append(window.null)
         return {**encoded, **out}
 
     return examples.map(tokenize, batched=True, with_indices=True, num_proc=data_args.preprocessing_num_workers,

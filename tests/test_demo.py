@@ -1,10 +1,13 @@
-"""demo.py in a real browser: Debian's chromium driven by Playwright, with the network closed.
+"""The demo (demo.py, utils/demo.py) against the training scripts' own predict paths.
 
-One short training run per task (summarization, causal LM, masked LM), one demo server for each;
-the page's answers are checked against the script's own predictions (generated_predictions.txt)
-and against plain computations of the model here (a greedy loop, a softmax). Screenshots go to
-$FLAXTUNE_TEST_ARTIFACTS (else the test's tmp dir). Without chromium, Streamlit or Playwright these
-tests skip, except in CI ($CI set), where they fail.
+The models are the scripts' tiny "dp" runs the cross-layout tests make anyway (the session's
+`layout_runs`): no training here. Every task's predictor is checked in this process against the
+script's prediction files (span filling, which writes none, against a plain greedy loop); the page
+is checked in a real browser, Debian's chromium driven by Playwright with the network closed, for
+summarization, causal LM and masked LM (and a bad input, and the request log), one demo server per
+model and one browser for them all. Screenshots go to $FLAXTUNE_TEST_ARTIFACTS (else the test's tmp
+dir). Without chromium, Streamlit or Playwright the browser tests skip, except in CI ($CI set),
+where they fail.
 """
 
 import json
@@ -19,7 +22,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from script_runner import ROOT, run_script, script_env
+from script_runner import ROOT, script_env
 
 CHROMIUM = "/usr/bin/chromium"
 # Flags for a closed network: no background fetches, updates or QUIC probes (without them the
@@ -44,25 +47,6 @@ if MISSING and os.environ.get("CI"):
     raise RuntimeError(f"CI must run the demo's browser tests, but these are missing: {', '.join(MISSING)}")
 needs_browser = pytest.mark.skipif(bool(MISSING), reason=f"the browser tests need {', '.join(MISSING)}")
 
-TINY = {
-    "summarization": ("run_summarization_flax.py", "configs/summarization_tiny.json", [
-        # 80 steps: enough for different documents to get different summaries.
-        "--config_overrides",
-        "d_model=64,d_ff=128,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=32,dropout_rate=0.0",
-        "--max_predict_samples", "2", "--do_eval", "false", "--total_train_batch_size", "16", "--max_steps", "80",
-        "--warmup_steps", "10", "--learning_rate", "0.005",
-        # Summaries cut at 8 tokens: the page must generate with the saved generation settings, not defaults.
-        "--val_max_target_length", "8"]),
-    "clm": ("run_clm_flax.py", "configs/clm_tiny.json", [
-        "--config_overrides", "n_embd=32,n_layer=1,n_head=2,n_positions=64", "--block_size", "32",
-        "--max_train_samples", "64", "--do_eval", "false", "--max_steps", "10", "--warmup_steps", "1"]),
-    "mlm": ("run_mlm_flax.py", "configs/mlm_tiny.json", [
-        "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,"
-        "max_position_embeddings=18", "--max_seq_length", "16",
-        "--max_train_samples", "64", "--do_eval", "false", "--max_steps", "10", "--warmup_steps", "1"]),
-}
-
-
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -83,22 +67,10 @@ def wait_healthy(server, port, deadline):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """models(task) -> the output dir of a short training run for `task`, trained when first asked
-    for (so -k runs only the selected ones)."""
-    tmp = tmp_path_factory.mktemp("demo_models")
-    dirs = {}
-
-    def trained(task):
-        if task not in dirs:
-            script, config, extra = TINY[task]
-            out = tmp / task
-            result = run_script(script, [config, "--output_dir", out, "--compilation_cache_dir", "none", *extra])
-            assert result.returncode == 0, result.stderr[-3000:]
-            dirs[task] = out
-        return dirs[task]
-
-    return trained
+def models(layout_runs):
+    """models(name) -> the output dir of the tiny "dp" run of `name` (tests/layout_runs.py), run
+    when first asked for and shared with the other modules that compare layouts."""
+    return lambda name: layout_runs[(name, "dp")]
 
 
 @pytest.fixture(scope="module")
@@ -186,27 +158,34 @@ def test_summarization_page_shows_the_scripts_prediction(browser, servers, model
     documents = [json.loads(line)["document"] for line in
                  open(os.path.join(ROOT, "data", "summarization", "test.jsonl"), encoding="utf-8")]
     predictions = (models("summarization") / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
-    assert len(set(predictions[:2])) == 2 and all(predictions[:2]), "the model must tell documents apart"
-    for document, prediction in list(zip(documents, predictions))[:2]:
+    # Two documents the model summarizes differently, so that the page cannot pass by chance.
+    second = next(i for i, prediction in enumerate(predictions) if prediction != predictions[0])
+    for i in (0, second):
         page = open_page(browser, servers("summarization"))
-        submit(page, document, "Summarize")
-        assert answer_of(page) == prediction
+        submit(page, documents[i], "Summarize")
+        assert answer_of(page) == predictions[i]
     page.screenshot(path=os.path.join(artifacts, "demo-summarization.png"), full_page=True)
 
 
 def greedy_reference(output_dir, prompt, new_tokens):
-    """A plain greedy loop over the model's full forward pass (no cache, no padding, no `generate`)."""
+    """A plain greedy loop over the model's full forward pass (no cache, no `generate`). The ids are
+    right-padded to one length (one compiled forward): causal attention makes the logits at a
+    position independent of what follows it."""
+    import jax
     from transformers import AutoTokenizer, FlaxAutoModelForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
     model = FlaxAutoModelForCausalLM.from_pretrained(output_dir)
+    forward = jax.jit(lambda ids: model(ids, params=model.params).logits)
     ids = tokenizer(prompt)["input_ids"]
     prompt_length = len(ids)
+    padded = np.zeros((1, prompt_length + new_tokens), np.int32)
+    padded[0, :prompt_length] = ids
     for _ in range(new_tokens):
-        logits = np.asarray(model(np.array([ids]), params=model.params).logits)[0, -1]
-        token = int(logits.argmax())
+        token = int(np.asarray(forward(padded))[0, len(ids) - 1].argmax())
         if token == model.config.eos_token_id:
             break
+        padded[0, len(ids)] = token
         ids.append(token)
     return tokenizer.decode(ids, skip_special_tokens=True), len(ids) - prompt_length
 
@@ -306,3 +285,177 @@ def test_buckets_cover_every_length_up_to_the_limit():
     assert buckets(96) == [16, 32, 64, 96] and buckets(16) == [16] and buckets(64, smallest=32) == [32, 64]
     sizes = buckets(100)
     assert all(bucket_for(n, sizes) >= n for n in range(1, 101))
+
+
+# ----------------------------------------------------------------------------------------------
+# Every task's predictor against its script's predict path (in this process, no browser)
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def predictors(models):
+    """predictors(name) -> (task, the warmed-up predictor of `name`'s run), loaded when first asked for."""
+    from utils.demo import load
+
+    loaded = {}
+
+    def predictor(name):
+        if name not in loaded:
+            loaded[name] = load(str(models(name)))
+        return loaded[name]
+
+    return predictor
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def t5_greedy_spans(output_dir, text, max_length):
+    """{sentinel number: span} from a plain greedy loop over the T5 model's full forward pass (no
+    cache, no `generate`), read as run_t5_mlm_flax.py's targets are made: each sentinel, then its
+    span. The decoder input is padded to `max_length` (one compiled forward): it is causal, so the
+    logits at a position do not depend on what follows it."""
+    import re
+
+    import jax
+    from transformers import AutoTokenizer, FlaxAutoModelForSeq2SeqLM
+
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    model = FlaxAutoModelForSeq2SeqLM.from_pretrained(output_dir)
+    forward = jax.jit(lambda ids, decoded: model(ids, decoder_input_ids=decoded, params=model.params).logits)
+    ids = np.array([tokenizer(text)["input_ids"]])
+    decoded = np.full((1, max_length), model.config.pad_token_id, np.int32)
+    decoded[0, 0] = model.config.decoder_start_token_id
+    for length in range(1, max_length):
+        decoded[0, length] = int(np.asarray(forward(ids, decoded))[0, length - 1].argmax())
+        if decoded[0, length] == tokenizer.eos_token_id:
+            break
+    target = tokenizer.decode(decoded[0, :length + 1], skip_special_tokens=False)
+    spans, number = {}, None
+    for piece in re.split(r"(<extra_id_\d+>)", target.replace(tokenizer.pad_token, "").replace(tokenizer.eos_token, "")):
+        if re.fullmatch(r"<extra_id_\d+>", piece):
+            number = int(piece[len("<extra_id_"):-1])
+            spans[number] = ""
+        elif number is not None:
+            spans[number] = piece.strip()
+    return spans
+
+
+@pytest.mark.slow
+def test_span_filler_fills_like_a_plain_greedy_loop(predictors, models):
+    task, predictor = predictors("t5 mlm")
+    assert task == "span-corruption"
+    lines = [line.split() for line in open(os.path.join(ROOT, "data", "lm", "validation.txt"), encoding="utf-8")
+             if len(line.split()) >= 6]
+    for words in lines[:2]:
+        text = " ".join(words[:2] + ["<extra_id_0>"] + words[3:5] + ["<extra_id_1>"] + words[6:])
+        expected = t5_greedy_spans(str(models("t5 mlm")), text, predictor.max_length)
+        answer = predictor(text)
+        assert answer.details == [(f"<extra_id_{n}>", expected.get(n, "")) for n in (0, 1)]
+
+
+@pytest.mark.slow
+def test_text_classifier_gives_the_scripts_predictions(predictors, models):
+    task, predictor = predictors("glue")
+    assert task == "text-classification" and not predictor.pair  # CoLA: one sentence
+    with open(os.path.join(ROOT, "data", "glue", "cola", "test.csv"), encoding="utf-8") as f:
+        sentences = [line.rstrip("\n") for line in f][1:]
+    lines = (models("glue") / "predict_results_cola.txt").read_text(encoding="utf-8").splitlines()[1:]
+    assert len(lines) == 21
+    for line in lines:
+        index, label = line.split("\t")
+        answer = predictor(sentences[int(index)])
+        assert answer.text == label
+        assert sorted(p for _, p in answer.details)[::-1] == [p for _, p in answer.details]
+        assert sum(p for _, p in answer.details) == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_entity_tagger_gives_the_scripts_predictions(predictors, models):
+    task, predictor = predictors("ner")
+    assert task == "token-classification"
+    sentences = [row["tokens"] for row in read_jsonl(os.path.join(ROOT, "data", "ner", "test.jsonl"))]
+    blocks = (models("ner") / "predictions.txt").read_text(encoding="utf-8").strip("\n").split("\n\n")
+    assert len(blocks) == 21
+    # The page splits typed text into words at punctuation: the sentences it splits as the data does.
+    split_alike = [(words, block) for words, block in zip(sentences, blocks)
+                   if predictor.WORD.findall(" ".join(words)) == words]
+    assert len(split_alike) >= 15
+    for words, block in split_alike:
+        tagged = [line.split(" ") for line in block.splitlines()]  # the words within --max_seq_length
+        answer = predictor(" ".join(words))
+        assert answer.text == " ".join(f"{word}/{tag}" for word, tag in tagged)
+        assert bool(answer.notes) == (len(tagged) < len(words))
+
+
+@pytest.mark.slow
+def test_question_answerer_gives_the_scripts_answers_and_nbest(predictors, models):
+    task, predictor = predictors("qa")
+    assert task == "question-answering"
+    answers = json.loads((models("qa") / "predict_predictions.json").read_text(encoding="utf-8"))
+    nbest = json.loads((models("qa") / "predict_nbest_predictions.json").read_text(encoding="utf-8"))
+    rows = read_jsonl(os.path.join(ROOT, "data", "qa", "test.jsonl"))[:len(answers)]
+    assert len(rows) == 13
+    for row in rows:
+        answer = predictor(row["question"], row["context"])
+        assert answer.text == answers[row["id"]]
+        expected = nbest[row["id"]]
+        assert [(e["text"], e["offsets"]) for e in answer.details] == [(e["text"], e["offsets"]) for e in expected]
+        for shown, written in zip(answer.details, expected):
+            assert shown["score"] == pytest.approx(written["score"], abs=1e-4)
+            assert shown["probability"] == pytest.approx(written["probability"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_question_answerer_refuses_what_it_cannot_read(predictors):
+    from utils.demo import BadInput
+
+    _, predictor = predictors("qa")
+    with pytest.raises(BadInput, match="the context is empty"):
+        predictor("Who?", "  ")
+    with pytest.raises(BadInput, match="ask a shorter question"):
+        predictor("who " * predictor.seq_length, "Anna lives in Oslo.")
+    long_context = "Anna lives in Oslo . " * 200
+    assert "windows" in " ".join(predictor("Where does Anna live?", long_context).notes)
+
+
+@pytest.mark.slow
+def test_image_classifier_gives_the_scripts_predictions_and_top_5(predictors, models):
+    from PIL import Image
+    from transformers import AutoImageProcessor, FlaxAutoModelForImageClassification
+
+    task, predictor = predictors("image")
+    assert task == "image-classification"
+    lines = (models("image") / "predict_results.txt").read_text(encoding="utf-8").splitlines()[1:]
+    assert len(lines) == 21
+    for line in lines:
+        name, label = line.split("\t")
+        with open(os.path.join(ROOT, "data", "images", "validation", name), "rb") as f:
+            answer = predictor(f.read())
+        assert answer.text == label
+    # The top 5 of the last image against transformers' own processing of it: the image processor
+    # the run saved, the model, a numpy softmax.
+    processor = AutoImageProcessor.from_pretrained(str(models("image")))
+    model = FlaxAutoModelForImageClassification.from_pretrained(str(models("image")))
+    pixels = processor(images=Image.open(os.path.join(ROOT, "data", "images", "validation", name)).convert("RGB"),
+                       return_tensors="np")["pixel_values"]
+    logits = np.asarray(model(pixels, params=model.params).logits, np.float64)[0]
+    probabilities = np.exp(logits - logits.max())
+    probabilities /= probabilities.sum()
+    top = np.argsort(-probabilities)[:5]
+    assert [label for label, _ in answer.details] == [model.config.id2label[int(i)] for i in top]
+    assert [p for _, p in answer.details] == pytest.approx(probabilities[top], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_image_classifier_says_a_file_is_not_an_image(predictors):
+    from utils.demo import BadInput
+
+    _, predictor = predictors("image")
+    with pytest.raises(BadInput, match="the file is not an image"):
+        predictor(b"name,label\nfox,1\n")
+    with pytest.raises(BadInput, match="no image"):
+        predictor(b"")
+    with open(os.path.join(ROOT, "data", "images", "validation", "0", sorted(os.listdir(
+            os.path.join(ROOT, "data", "images", "validation", "0")))[0]), "rb") as f:
+        assert len(predictor(f.read()).details) == 5  # and it keeps answering

@@ -288,3 +288,11 @@ def test_the_results_prose_is_results_configs_cpu_json():
             f"{untrained['configs/t5_mlm_tiny.json']['eval_accuracy']})") in readme
     assert (f"reaches perplexity {roformer['results']['eval_perplexity']} / accuracy "
             f"{roformer['results']['eval_accuracy']:.2f} in {roformer['seconds']} s") in readme
+
+
+def test_demo_latency_table_is_results_demo_cpu_json():
+    records = {row["output_dir"]: row for row in json_file("results_demo_cpu.json")["rows"]}
+    check_table(DOCS[1], "| model | model p50 / p95 (ms) |", records, [
+        lambda r: [r["model"]["p50_ms"], r["model"]["p95_ms"]], lambda r: [r["page"]["p50_ms"], r["page"]["p95_ms"]],
+        lambda r: [r["concurrent"]["requests_per_s"]],
+        lambda r: [r["concurrent"]["p50_ms"], r["concurrent"]["p95_ms"]], lambda r: [r["concurrent"]["errors"]]])

@@ -7,6 +7,7 @@ compiles. A bad request raises `BadInput` with the message the page shows; the p
 serving. A new task plugs in as one more class in `PREDICTORS` (and a form in `demo.py`).
 """
 
+import inspect
 import os
 import re
 import threading
@@ -15,9 +16,11 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
+from PIL import UnidentifiedImageError
 
-from utils import classification, compat, predict
+from utils import classification, compat, images, predict, qa
 from utils.errors import UsageError
+from utils.models import max_positions
 from utils.tasks import saved_task
 
 MODEL_FILES = ("flax_model.msgpack", "flax_model.msgpack.index.json")
@@ -72,7 +75,7 @@ class Predictor:
 
         compat.apply()  # before the first model is built, as the scripts do
         self.output_dir, self.run_args = output_dir, run_args
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(output_dir)
+        self.tokenizer = self.load_tokenizer()
         self.model = getattr(transformers, self.auto_class).from_pretrained(output_dir)
         self.params = self.model.params
         self.config = self.model.config
@@ -83,6 +86,11 @@ class Predictor:
         thread, and a fast tokenizer used by two threads at once fails ("Already borrowed")."""
         with self._lock:
             return self.predict(*args, **kwargs)
+
+    def load_tokenizer(self):
+        import transformers
+
+        return transformers.AutoTokenizer.from_pretrained(self.output_dir)
 
     def warm_up(self):
         """Run every compiled shape once."""
@@ -348,8 +356,113 @@ class EntityTagger(Predictor):
         self("warm up")
 
 
-# Task (utils.tasks) -> predictor. Question answering and image classification join as their
-# scripts land.
+class QuestionAnswerer(Predictor):
+    """run_qa.py's predict path for one question and its context: the same windows
+    (`utils.qa.cut_windows`) and post-processing (`utils.qa.best_answers`) with the run's n-best
+    size, answer length and SQuAD v2.0 settings. `details` is the n-best list (text, probability,
+    score, character offsets into the context); the answer is "" when the model says the context
+    does not answer the question (v2.0)."""
+
+    auto_class = "FlaxAutoModelForQuestionAnswering"
+    MAX_WINDOWS = 8  # windows read per request (a longer context is cut, and the page says so)
+
+    def __init__(self, output_dir, run_args):
+        super().__init__(output_dir, run_args)
+        # As run_qa.py sizes its windows: the argument, at most the tokenizer's and the model's length.
+        self.seq_length = min(run_args["max_seq_length"], self.tokenizer.model_max_length,
+                              max_positions(self.config) or run_args["max_seq_length"])
+        self.doc_stride = run_args["doc_stride"]
+        self.settings = dict(n_best_size=run_args["n_best_size"], max_answer_length=run_args["max_answer_length"],
+                             with_negative=run_args["version_2_with_negative"],
+                             null_score_diff_threshold=run_args["null_score_diff_threshold"])
+        self.window_buckets = buckets(self.MAX_WINDOWS, smallest=1)
+        accepted = inspect.signature(self.model.__call__).parameters
+        self.inputs = [name for name in ("input_ids", "attention_mask", "token_type_ids") if name in accepted]
+
+        def logits(params, inputs):
+            outputs = self.model(**inputs, params=params)
+            return jnp.stack([outputs.start_logits, outputs.end_logits], axis=-1).astype(jnp.float32)
+
+        self._logits = jax.jit(logits)
+
+    def predict(self, question, context):
+        require_text(question, "question")
+        require_text(context, "context")
+        question = question.lstrip()  # as run_qa.py reads its questions
+        question_tokens = len(self.tokenizer(question, add_special_tokens=False)["input_ids"])
+        room = self.seq_length - question_tokens - self.tokenizer.num_special_tokens_to_add(pair=True)
+        if room <= self.doc_stride:
+            raise BadInput(f"the question takes {question_tokens} tokens, leaving {max(room, 0)} of the model's "
+                           f"{self.seq_length} for the context: ask a shorter question")
+        answer = Answer()
+        encoded, windows = qa.cut_windows(self.tokenizer, [question], [context], self.seq_length, self.doc_stride)
+        if len(windows) > self.MAX_WINDOWS:
+            read = int(windows[self.MAX_WINDOWS - 1].offsets.max())
+            answer.notes.append(f"the context needs {len(windows)} windows of {self.seq_length} tokens; the model "
+                                f"reads the first {self.MAX_WINDOWS}, its first {read} characters")
+            windows = windows[:self.MAX_WINDOWS]
+        size = bucket_for(len(windows), self.window_buckets)
+        inputs = {}
+        for name in self.inputs:
+            rows = np.zeros((size, self.seq_length), np.int32)
+            rows[:len(windows)] = np.asarray(encoded[name][:len(windows)])
+            inputs[name] = rows
+        logits = np.asarray(self._logits(self.params, inputs))[:len(windows)]
+        answers, nbest, _ = qa.best_answers(
+            [("request", context)], [0] * len(windows), logits[..., 0], logits[..., 1],
+            np.stack([w.offsets for w in windows]), [w.null for w in windows], **self.settings)
+        answer.text, answer.details = answers["request"], nbest["request"]
+        return answer
+
+    def warm_up(self):
+        for size in self.window_buckets:
+            ids = np.zeros((size, self.seq_length), np.int32)
+            jax.block_until_ready(self._logits(self.params, {name: ids for name in self.inputs}))
+
+
+class ImageClassifier(Predictor):
+    """run_image_classification.py's model on one uploaded image, transformed as the script's
+    evaluation and prediction transform it (`utils.images.Transforms.eval` with the image
+    processor saved beside the model): the `TOP_LABELS` best labels with their probabilities."""
+
+    auto_class = "FlaxAutoModelForImageClassification"
+    TOP_LABELS = 5
+
+    def __init__(self, output_dir, run_args):
+        from transformers import AutoImageProcessor
+
+        super().__init__(output_dir, run_args)
+        processor = AutoImageProcessor.from_pretrained(output_dir)
+        # The size the run trained at, found as run_image_classification.py finds it.
+        size = run_args.get("image_size") or getattr(self.config, "image_size", None) or images.processor_size(
+            processor)
+        self.transforms = images.Transforms(size, images.Normalisation(processor))
+        top = min(self.TOP_LABELS, self.config.num_labels)
+        self._top = jax.jit(lambda params, pixels: jax.lax.top_k(jax.nn.softmax(
+            self.model(pixels, params=params, train=False)[0].astype(jnp.float32), axis=-1), top))
+
+    def load_tokenizer(self):
+        return None  # images need none: the transform is read from the saved image processor
+
+    def predict(self, image_bytes):
+        if not image_bytes:
+            raise BadInput("no image: upload a PNG, JPEG, GIF, BMP, WebP or TIFF file")
+        try:
+            pixels = self.transforms.eval(bytes(image_bytes))
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+            raise BadInput(f"the file is not an image that can be read ({type(e).__name__}): upload a PNG, JPEG, "
+                           "GIF, BMP, WebP or TIFF file") from e
+        probabilities, label_ids = (np.asarray(x)[0] for x in self._top(self.params, pixels[None]))
+        answer = Answer(details=[(self.config.id2label[int(i)], float(p)) for i, p in zip(label_ids, probabilities)])
+        answer.text = answer.details[0][0]
+        return answer
+
+    def warm_up(self):
+        side = self.transforms.size
+        jax.block_until_ready(self._top(self.params, np.zeros((1, 3, side, side), np.float32)))
+
+
+# Task (utils.tasks) -> predictor.
 PREDICTORS = {
     "summarization": Summarizer,
     "causal-lm": TextGenerator,
@@ -357,6 +470,8 @@ PREDICTORS = {
     "span-corruption": SpanFiller,
     "text-classification": TextClassifier,
     "token-classification": EntityTagger,
+    "question-answering": QuestionAnswerer,
+    "image-classification": ImageClassifier,
 }
 
 

@@ -272,6 +272,16 @@ class Transforms:
         return self.normalisation(self.eval_pixels(open_rgb(source)))
 
 
+def processor_size(processor):
+    """The square side an image processor crops to, or None (what a run trains on when nothing else sets it)."""
+    for attribute in ("crop_size", "size"):
+        size = getattr(processor, attribute, None) or {}
+        side = size.get("height") or size.get("shortest_edge") if isinstance(size, dict) else None
+        if side:
+            return int(side)
+    return None
+
+
 def eval_processor(size, mean, std):
     """An image processor (transformers' `BitImageProcessor`) that does exactly what the eval
     transform does (shorter side to `size`, bilinear; center `size` crop; x / 255; `mean`, `std`):

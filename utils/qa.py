@@ -1,6 +1,7 @@
-"""Extractive question answering: from start / end logits of context windows to answers, and the SQuAD scores.
+"""Extractive question answering: context windows, from their start / end logits to answers, and the SQuAD scores.
 
-A long context is cut into overlapping windows (features); `best_answers` gathers the best spans
+A long context is cut into overlapping windows (features, `cut_windows`: what run_qa.py trains and
+predicts on, and what the demo feeds the model); `best_answers` gathers the best spans
 of every window of an example and picks its answer, as the classic `utils_qa.py` of Hugging Face's
 examples does, without its failure modes (no index past the candidates, no "empty" placeholder
 text). The metrics are the official SQuAD v1.1 and v2.0 evaluation scripts' definitions, offline
@@ -10,10 +11,56 @@ and in their scale: percentages, 0 to 100.
 import collections
 import re
 import string
+from typing import NamedTuple
 
 import numpy as np
 
 NO_CONTEXT = -1  # the offsets of a token outside the context (question, special tokens, padding)
+
+
+# ----------------------------------------------------------------------------------------------
+# Windows
+# ----------------------------------------------------------------------------------------------
+class Window(NamedTuple):
+    """One window of a (question, context) pair: `pair` its index among the pairs, `context_mask`
+    [tokens] where the context's tokens are, `offsets` [tokens, 2] their character offsets into the
+    context (NO_CONTEXT elsewhere), `null` the token that stands for "no answer"."""
+    pair: int
+    context_mask: np.ndarray
+    offsets: np.ndarray
+    null: int
+
+
+def null_index(input_ids, attention_mask, cls_token_id):
+    """The token that stands for "no answer": the CLS token, else the first real token (a tokenizer without CLS)."""
+    if cls_token_id is not None:
+        hits = np.flatnonzero(np.asarray(input_ids) == cls_token_id)
+        if len(hits):
+            return int(hits[0])
+    return int(np.flatnonzero(np.asarray(attention_mask))[0])
+
+
+def cut_windows(tokenizer, questions, contexts, seq_length, doc_stride):
+    """(model inputs, windows) of (question, context) pairs: each window holds the whole question
+    and a part of the context, consecutive parts sharing `doc_stride` tokens, padded to
+    `seq_length`. The inputs are the tokenizer's columns (input_ids, attention_mask, ...: one row
+    per window), `windows` a `Window` per row. A fast tokenizer (offsets) is needed."""
+    pad_on_right = tokenizer.padding_side == "right"
+    first, second = (questions, contexts) if pad_on_right else (contexts, questions)
+    encoded = tokenizer(first, second, truncation="only_second" if pad_on_right else "only_first",
+                        max_length=seq_length, stride=doc_stride, return_overflowing_tokens=True,
+                        return_offsets_mapping=True, padding="max_length")
+    pairs = encoded.pop("overflow_to_sample_mapping")
+    offset_mapping = encoded.pop("offset_mapping")
+    context_id = 1 if pad_on_right else 0
+    windows = []
+    for row, pair in enumerate(pairs):
+        context_mask = np.array([s == context_id for s in encoded.sequence_ids(row)])
+        offsets = np.array(offset_mapping[row], np.int64)
+        offsets[~context_mask] = NO_CONTEXT
+        null = null_index(encoded["input_ids"][row], encoded["attention_mask"][row], tokenizer.cls_token_id)
+        windows.append(Window(pair, context_mask, offsets, null))
+    return encoded, windows
 
 
 # ----------------------------------------------------------------------------------------------
