@@ -23,8 +23,12 @@ master weights, bfloat16 compute, AdamW (T5 also with Adafactor), per-device bat
   setting asked for (target: fsdp + checkpointing >= 4B parameters for a decoder).
 - speed: tokens/s of the tiny clm config trained by the real script under each layout (CPU only).
 
-Each compile takes minutes on 2 CPU cores: run it under `nice`. Prints a line per compile and
-writes benchmarks/memory_{plan}.json after each (a stopped run keeps what it measured).
+Each compile takes minutes on 2 CPU cores (a whole 24-layer step on the TPU plan: over an hour on
+a busy machine): run it under `nice`. `--depths 4 8` makes each row from compiles at those depths
+(bytes are affine in the layer count for a fixed width: fixed + layers x per layer; a third depth
+checks the fit) instead of one compile at the row's own depth. Prints a line per compile and writes
+benchmarks/memory_{plan}.json after each (a stopped run keeps what it measured; `compiles` holds
+every compile with its time and the machine's load average).
 """
 
 import argparse
