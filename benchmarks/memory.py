@@ -174,9 +174,9 @@ def at_full_depth(family, shape, layout_name, remat, plan, optimizer, depths, co
         d3, b3 = rows[2]["shape"][0], rows[2]["bytes"]
         result["check"] = {"layers": d3, "compiled": b3, "fit": round(fixed + d3 * per_layer),
                            "residual": round(b3 - (fixed + d3 * per_layer))}
+    check = f"; residual at {d3} layers: {result['check']['residual'] / 2**20:.1f} MiB" if len(rows) > 2 else ""
     print(f"  -> {family} {'x'.join(map(str, shape))} {layout_name} remat {'on' if remat else 'off'}: "
-          f"{total / GIB:.2f} GiB per device ({result['from']}; {per_layer / 2**20:.1f} MiB per layer"
-          f"{'; residual at %d layers: %.1f MiB' % (d3, result['check']['residual'] / 2**20) if len(rows) > 2 else ''})",
+          f"{total / GIB:.2f} GiB per device ({result['from']}; {per_layer / 2**20:.1f} MiB per layer{check})",
           flush=True)
     return result
 
