@@ -217,6 +217,13 @@ def test_memory_tables_are_memory_tpu_json_and_memory_cpu_json():
             lambda m: [size_row(memory, m, "fsdp")["bytes"] / GIB],
             lambda m: [size_row(memory, m, "fsdp")["bytes"] / size_row(memory, m, "dp")["bytes"]]])
 
+    largest = json_file("memory_tpu.json")["largest"]["llama fsdp remat on adamw"]
+    fit, over = largest["largest"], next(row for row in largest["tried"] if not row["fits"])
+    assert (f"{' x '.join(map(str, fit['shape'][:2]))} (MLP {fit['shape'][2]}, 32000 tokens), "
+            f"{fit['parameters'] / 1e9:.2f}B parameters, {fit['bytes'] / GIB:.2f} GiB per core") in read("README.md")
+    assert f"{fit['check']['layers']} layers\ncame out {-fit['check']['residual'] / MIB:.0f} MiB below" in read("README.md")
+    assert f"{over['bytes'] / GIB:.2f} GiB by the same fit" in read("README.md")
+
     memory = json_file("memory_cpu.json")
 
     def rung(key):  # "24 x 1024: 0.35B (8.64 GiB)"
