@@ -23,8 +23,12 @@ master weights, bfloat16 compute, AdamW (T5 also with Adafactor), per-device bat
   setting asked for (target: fsdp + checkpointing >= 4B parameters for a decoder).
 - speed: tokens/s of the tiny clm config trained by the real script under each layout (CPU only).
 
-Each compile takes minutes on 2 CPU cores: run it under `nice`. Prints a line per compile and
-writes benchmarks/memory_{plan}.json after each (a stopped run keeps what it measured).
+Each compile takes minutes on 2 CPU cores (a whole 24-layer step on the TPU plan: over an hour on
+a busy machine): run it under `nice`. `--depths 4 8` makes each row from compiles at those depths
+(bytes are affine in the layer count for a fixed width: fixed + layers x per layer; a third depth
+checks the fit) instead of one compile at the row's own depth. Prints a line per compile and writes
+benchmarks/memory_{plan}.json after each (a stopped run keeps what it measured; `compiles` holds
+every compile with its time and the machine's load average).
 """
 
 import argparse
@@ -123,8 +127,12 @@ def train_step_memory(model, layout, optimizer="adamw"):
     return layout.train_step_memory
 
 
+def with_layers(shape, layers):
+    return (layers,) + tuple(shape[1:])
+
+
 def measure(family, shape, layout_name, remat, plan, optimizer="adamw"):
-    """One compile: a result row, printed."""
+    """One compile: a result row, printed (with the compile's time and the machine's load)."""
     model = build(family, shape)
     if remat:
         enable_gradient_checkpointing(model)
@@ -133,50 +141,88 @@ def measure(family, shape, layout_name, remat, plan, optimizer="adamw"):
     row = {"family": family, "shape": list(shape), "parameters": parameters(model), "layout": layout_name,
            "gradient_checkpointing": remat, "optimizer": optimizer, "bytes": memory["total"],
            "temporaries": memory["temporaries"], "arguments": memory["arguments"],
-           "fits": memory["total"] <= DEVICE_BYTES[0], "compile_seconds": round(time.time() - started, 1)}
+           "fits": memory["total"] <= DEVICE_BYTES[0], "compile_seconds": round(time.time() - started, 1),
+           "load_average": round(os.getloadavg()[0], 1)}
     print(f"{family:5} {'x'.join(map(str, shape)):14} {row['parameters'] / 1e9:6.2f}B {layout_name:4} "
           f"remat {'on ' if remat else 'off'} {optimizer:9}: {memory['total'] / GIB:7.2f} GiB per device "
           f"(temporaries {memory['temporaries'] / GIB:.2f}) {'fits' if row['fits'] else 'does not fit'} "
-          f"[{row['compile_seconds']:.0f} s]", flush=True)
+          f"[{row['compile_seconds']:.0f} s, load {row['load_average']}]", flush=True)
     return row
+
+
+def at_full_depth(family, shape, layout_name, remat, plan, optimizer, depths, compiles):
+    """The step's bytes at `shape`'s own depth: compiled there when `depths` is empty, else the
+    affine fit (bytes = fixed + layers x per layer, exact for a fixed width once the layers dominate:
+    every layer holds the same state and activations) through compiles at the first two `depths`,
+    checked against a compile at a third when given. `compiles` collects every compile's row."""
+    if not depths:
+        row = measure(family, shape, layout_name, remat, plan, optimizer)
+        compiles.append(row)
+        return {**row, "from": "compile"}
+    rows = [measure(family, with_layers(shape, d), layout_name, remat, plan, optimizer) for d in depths]
+    compiles.extend(rows)
+    (d1, b1), (d2, b2) = [(r["shape"][0], r["bytes"]) for r in rows[:2]]
+    per_layer = (b2 - b1) / (d2 - d1)
+    fixed = b1 - d1 * per_layer
+    total = round(fixed + shape[0] * per_layer)
+    result = {"family": family, "shape": list(shape), "parameters": parameters(build(family, shape)),
+              "layout": layout_name, "gradient_checkpointing": remat, "optimizer": optimizer, "bytes": total,
+              "fits": total <= DEVICE_BYTES[0], "from": f"fit of depths {d1}, {d2}",
+              "bytes_per_layer": round(per_layer), "bytes_fixed": round(fixed),
+              "compile_seconds": round(sum(r["compile_seconds"] for r in rows), 1)}
+    if len(rows) > 2:
+        d3, b3 = rows[2]["shape"][0], rows[2]["bytes"]
+        result["check"] = {"layers": d3, "compiled": b3, "fit": round(fixed + d3 * per_layer),
+                           "residual": round(b3 - (fixed + d3 * per_layer))}
+    check = f"; residual at {d3} layers: {result['check']['residual'] / 2**20:.1f} MiB" if len(rows) > 2 else ""
+    print(f"  -> {family} {'x'.join(map(str, shape))} {layout_name} remat {'on' if remat else 'off'}: "
+          f"{total / GIB:.2f} GiB per device ({result['from']}; {per_layer / 2**20:.1f} MiB per layer{check})",
+          flush=True)
+    return result
 
 
 DEVICE_BYTES = [16 * GIB]  # per device; the TPU plan takes the slice's own figure
 
 
 def sizes(plan, args, save):
-    rows = []
+    rows, compiles = [], []
     for name in args.models:
         family, shape = SIZES[name]
         for remat in args.remat:
             pair = {}
-            for layout_name in ("dp", "fsdp"):
-                pair[layout_name] = measure(family, shape, layout_name, remat, plan)
+            for layout_name in args.layouts:
+                pair[layout_name] = at_full_depth(family, shape, layout_name, remat, plan, "adamw", args.depths,
+                                                  compiles)
                 rows.append({"model": name, **pair[layout_name]})
                 save("sizes", rows)
-            ratio = pair["fsdp"]["bytes"] / pair["dp"]["bytes"]
-            print(f"{name}: fsdp/dp {ratio:.3f} (gradient checkpointing {'on' if remat else 'off'})", flush=True)
+                save("compiles", compiles)
+            if len(pair) == 2:
+                ratio = pair["fsdp"]["bytes"] / pair["dp"]["bytes"]
+                print(f"{name}: fsdp/dp {ratio:.3f} (gradient checkpointing {'on' if remat else 'off'})", flush=True)
     return rows
 
 
 def largest(plan, args, save):
-    """Bisect each ladder: the largest rung that fits, with as few compiles as the ladder allows."""
-    result = {}
+    """Bisect each ladder: the largest rung that fits, with as few rungs as the ladder allows (each
+    rung: a compile at its depth, or the fit through `--depths`)."""
+    result, compiles = {}, []
     for family in args.families:
         optimizers = ["adamw", "adafactor"] if family == "t5" else ["adamw"]
-        for optimizer in optimizers:
+        for optimizer in args.optimizers or optimizers:
             for layout_name in args.layouts:
                 for remat in args.remat:
                     key = f"{family} {layout_name} remat {'on' if remat else 'off'} {optimizer}"
                     ladder, low, high, tried = FAMILIES[family], -1, len(FAMILIES[family]), []
                     while high - low > 1:  # rungs <= low fit, rungs >= high do not
-                        middle = (low + high) // 2
-                        row = measure(family, ladder[middle], layout_name, remat, plan, optimizer)
+                        middle = args.start_rung if (args.start_rung is not None and not tried) else (low + high) // 2
+                        row = at_full_depth(family, ladder[middle], layout_name, remat, plan, optimizer, args.depths,
+                                            compiles)
                         tried.append(row)
                         low, high = (middle, high) if row["fits"] else (low, middle)
                         result[key] = {"largest": next((r for r in tried if r["shape"] == list(ladder[low])), None)
                                        if low >= 0 else None, "tried": tried}
                         save("largest", result)
+                        save("compiles", compiles)
     return result
 
 
@@ -206,6 +252,12 @@ def main():
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--layouts", nargs="+", default=["dp", "fsdp"], choices=["dp", "fsdp"])
     parser.add_argument("--remat", nargs="+", default=["off", "on"], choices=["off", "on"])
+    parser.add_argument("--optimizers", nargs="+", default=None, choices=["adamw", "adafactor"],
+                        help="largest: default AdamW, and Adafactor too for T5")
+    parser.add_argument("--depths", nargs="*", type=int, default=[],
+                        help="compile each row at these depths (layers; two, or three to check the fit) and fit "
+                             "bytes = fixed + layers x per layer to its own depth, instead of compiling it whole")
+    parser.add_argument("--start_rung", type=int, default=None, help="largest: the ladder's rung to try first")
     parser.add_argument("--out", default=None, help="default: benchmarks/memory_{plan}.json (merged into)")
     args = parser.parse_args()
     args.remat = [value == "on" for value in args.remat]
@@ -238,7 +290,7 @@ def main():
 
 
 def _same(a, b):
-    keys = ("model", "layout", "gradient_checkpointing", "optimizer")
+    keys = ("model", "family", "shape", "layout", "gradient_checkpointing", "optimizer")
     return all(a.get(k) == b.get(k) for k in keys)
 
 

@@ -2,6 +2,8 @@
 rule, one step definition giving the same numbers in both, checkpoints that move between them,
 and the train step's memory known (and checked) before it runs."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -397,3 +399,38 @@ def test_resized_keys_are_distinct_and_derived_from_the_saved_ones():
     assert eight.shape == (8, 2) and len({k.tobytes() for k in eight}) == 8
     np.testing.assert_array_equal(layouts.resized_keys(saved, 1), saved[:1])
     np.testing.assert_array_equal(layouts.resized_keys(saved[:1], 8), eight)  # deterministic
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fsdp_splits_each_layers_gradients_as_it_finishes_and_they_stay_exact(monkeypatch, checkpointing):
+    """`FullySharded.split_layer_gradients`: each numbered layer of a transformers model hands on its
+    parameters' gradients split over "fsdp" (one barrier per layer in the traced step), and the
+    gradients are those of the plain backward pass, with gradient checkpointing too."""
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+    from utils.models import enable_gradient_checkpointing
+
+    model = FlaxGPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=16))
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+
+    def loss_fn(params, batch, rng):
+        logits = model(batch["ids"], params=params, dropout_rng=rng, train=True).logits
+        loss, tokens = cross_entropy_sums(logits, batch["ids"], jnp.ones(batch["ids"].shape))
+        return loss, {"loss": loss, "tokens": tokens}
+
+    layout = FullySharded(8)
+    params, batch = layout.place_params(model.params), layout.place_batch(batches(1, rows=8, length=16)[0])
+
+    def grads_and_barriers():
+        def grads(params, batch):  # a new function each time: JAX caches traces by function
+            return token_weighted_grads(loss_fn, params, batch, jax.random.PRNGKey(0), 1, layout)[0]
+
+        return jax.jit(grads)(params, batch), str(jax.make_jaxpr(grads)(params, batch)).count("optimization_barrier")
+
+    split, split_barriers = grads_and_barriers()
+    monkeypatch.setattr(layout, "split_layer_gradients", lambda: contextlib.nullcontext())
+    plain, plain_barriers = grads_and_barriers()  # checkpointing has barriers of its own
+    assert split_barriers - plain_barriers == 2
+    for a, b in zip(jax.tree_util.tree_leaves(split), jax.tree_util.tree_leaves(plain)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)

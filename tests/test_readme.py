@@ -196,28 +196,50 @@ def test_benchmarks_speed_table_is_results_cpu_json():
         key_cells=2)
 
 
-def test_memory_tables_are_memory_cpu_json():
+def size_row(memory, model, layout):
+    """The row of `model` under `layout` (no gradient checkpointing) in a memory benchmark's JSON."""
+    return next(row for row in memory["sizes"]
+                if row["model"] == model and row["layout"] == layout and not row["gradient_checkpointing"])
+
+
+def test_memory_tables_are_memory_tpu_json_and_memory_cpu_json():
+    labels = {"GPT-2 medium (24 x 1024)": "GPT-2 medium", "T5-large (24 x 1024, d_ff 4096)": "T5-large",
+              "Llama-style 1.1B (22 x 2048)": "Llama-style 1.1B"}
+    for name, header in (("memory_tpu.json", "| model | parameters | `dp` on a v3-8 |"),
+                         ("memory_cpu.json", "| model | parameters | `dp` per device |")):
+        memory = json_file(name)
+        measured = {(row["model"], row["layout"]) for row in memory["sizes"] if not row["gradient_checkpointing"]}
+        # A model's row is in the table once both layouts are measured, and only then.
+        models = {label: m for label, m in labels.items() if {(m, "dp"), (m, "fsdp")} <= measured}
+        check_table("README.md", header, models, [
+            lambda m: [size_row(memory, m, "dp")["parameters"] / 1e6],
+            lambda m: [size_row(memory, m, "dp")["bytes"] / GIB],
+            lambda m: [size_row(memory, m, "fsdp")["bytes"] / GIB],
+            lambda m: [size_row(memory, m, "fsdp")["bytes"] / size_row(memory, m, "dp")["bytes"]]])
+
+    largest = json_file("memory_tpu.json")["largest"]["llama fsdp remat on adamw"]
+    fit, over = largest["largest"], next(row for row in largest["tried"] if not row["fits"])
+    assert (f"{' x '.join(map(str, fit['shape'][:2]))} (MLP {fit['shape'][2]}, 32000 tokens), "
+            f"{fit['parameters'] / 1e9:.2f}B parameters, {fit['bytes'] / GIB:.2f} GiB per core") in read("README.md")
+    assert f"{fit['check']['layers']} layers\ncame out {-fit['check']['residual'] / MIB:.0f} MiB below" in read("README.md")
+    assert f"{over['bytes'] / GIB:.2f} GiB by the same fit" in read("README.md")
+
     memory = json_file("memory_cpu.json")
-    sizes = {row["model"]: row for row in memory["sizes"]}
-    check_table("README.md", "| model | parameters |",
-                {"GPT-2 medium (24 x 1024)": sizes["GPT-2 medium"], "T5-large (24 x 1024, d_ff 4096)": sizes["T5-large"]},
-                [lambda r: [r["parameters"] / 1e6], lambda r: [r["dp_bytes"] / GIB], lambda r: [r["fsdp_bytes"] / GIB],
-                 lambda r: [r["fsdp_over_dp"]]])
 
-    def rung(fit):  # "24 x 1024: 0.35B (8.64 GiB)"
-        return [fit["layers"], fit["width"], fit["parameters"] / 1e9, fit["bytes"] / GIB]
+    def rung(key):  # "24 x 1024: 0.35B (8.64 GiB)"
+        fit = memory["largest"][f"{key} remat off adamw"]["largest"]
+        return [*fit["shape"], fit["parameters"] / 1e9, fit["bytes"] / GIB]
 
-    largest = memory["largest"]
-    families = {"GPT-2 (50257 vocabulary)": "GPT-2", "T5 (d_ff 4 x width)": "T5"}
-    check_table("README.md", "| family | `dp` | `fsdp` on 8 devices |",
-                {row: family for row, family in families.items()},
-                [lambda f: rung(largest[f + " dp"]), lambda f: rung(largest[f + " fsdp"])])
+    families = {"GPT-2 (50257 vocabulary)": "gpt2", "T5 (d_ff 4 x width)": "t5"}
+    check_table("README.md", "| family | `dp` | `fsdp` on 8 devices |", families,
+                [lambda f: rung(f + " dp"), lambda f: rung(f + " fsdp")])
     # The next rungs (columns 2 and 4) are printed by the benchmark, not kept in its JSON.
     for row in table(DOCS[1], "| family | `dp` fits |"):
         family = families[row[0]]
-        assert_shows(row[1], rung(largest[family + " dp"]), f"{DOCS[1]}, {row[0]}")
-        assert_shows(row[3], rung(largest[family + " fsdp"]), f"{DOCS[1]}, {row[0]}")
-    ratios = [largest[f + " fsdp"]["parameters"] / largest[f + " dp"]["parameters"] for f in ("GPT-2", "T5")]
+        assert_shows(row[1], rung(family + " dp"), f"{DOCS[1]}, {row[0]}")
+        assert_shows(row[3], rung(family + " fsdp"), f"{DOCS[1]}, {row[0]}")
+    ratios = [memory["largest"][f"{f} fsdp remat off adamw"]["largest"]["parameters"]
+              / memory["largest"][f"{f} dp remat off adamw"]["largest"]["parameters"] for f in ("gpt2", "t5")]
     assert f"about {ratios[0]:.1f}x (GPT-2) and {ratios[1]:.1f}x (T5)" in read("README.md")
     speed = f"{memory['speed']['fsdp']:,.0f} tokens/s under `fsdp` vs {memory['speed']['dp']:,.0f} under `dp`"
     assert speed in read("README.md")

@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from utils import tpu_plan
 from utils.errors import UsageError
+from utils.layers import each_layer
 from utils.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -319,6 +320,9 @@ class DataParallel(Layout):
     def keep_batch_split(self, rows):
         return contextlib.nullcontext()  # each device computes on its own rows already
 
+    def split_layer_gradients(self):
+        return contextlib.nullcontext()  # the state is whole: gradients are summed whole (`batch_sum`)
+
     def _jit_train_step(self, train_step, state):
         return jax.pmap(train_step, AXIS, donate_argnums=(0,), devices=self.plan and self.local_devices)
 
@@ -478,6 +482,30 @@ class FullySharded(Layout):
 
         with nn.intercept_methods(interceptor):
             yield
+
+    @contextlib.contextmanager
+    def split_layer_gradients(self):
+        """While a train step is differentiated, each layer of the model's stacks (`utils.layers`)
+        hands its parameters' gradients on already split over "fsdp", and the backward pass of the
+        layers below waits for that split. Left free, the TPU compiler sums every layer's gradients
+        whole in one combined all-reduce at the end of the backward pass: each device then holds the
+        whole bfloat16 gradients of all layers at once (benchmarks/README.md, the TPU plan)."""
+        with nn.intercept_methods(each_layer(self._with_split_gradients)):
+            yield
+
+    def _with_split_gradients(self, layer):
+        def forward(module, *arrays):
+            return nn.vjp(layer, module, *arrays)
+
+        def backward(vjp_fn, output_grads):
+            param_grads, *input_grads = vjp_fn(output_grads)
+            param_grads = jax.tree_util.tree_map(
+                lambda g: jax.lax.with_sharding_constraint(g, self.sharding_of(g.shape)), param_grads)
+            # The barrier makes the gradients flowing to the layers below depend on the split ones.
+            param_grads, input_grads = jax.lax.optimization_barrier((param_grads, input_grads))
+            return (param_grads, *input_grads)
+
+        return nn.custom_vjp(layer, forward, backward)
 
     @staticmethod
     def _callable(jitted, compiled):

@@ -56,7 +56,8 @@ def token_weighted_grads(loss_fn, params, batch, rng, accumulation_steps, layout
     # MultiSteps would also all-reduce gradients after every micro-batch instead of once, count
     # micro-batches in `state.step`, and average per-micro-batch means instead of weighting tokens.
     grad_fn = jax.grad(loss_fn, has_aux=True)
-    with layout.keep_batch_split(len(jax.tree_util.tree_leaves(batch)[0]) // accumulation_steps):
+    rows = len(jax.tree_util.tree_leaves(batch)[0]) // accumulation_steps
+    with layout.keep_batch_split(rows), layout.split_layer_gradients():
         grads, sums = _summed_grads(grad_fn, params, batch, rng, accumulation_steps, layout)
     sums, grads = layout.batch_sum((sums, grads))
     # In the gradient's own dtype: a float32 count would turn bf16 gradients (--param_dtype bfloat16)
