@@ -96,27 +96,20 @@ class LayoutRuns(dict):
     def __missing__(self, key):
         name, layout = key
         if layout == "2x4":
-            runs = {key: (self.tmp / f"{name}_2x4_host0", self.tmp / f"{name}_2x4_host1")}
+            outs, port = (self.tmp / f"{name}_2x4_host0", self.tmp / f"{name}_2x4_host1"), free_port()
+            runs, done = {key: outs}, self.tmp / f"{name}_2x4.done"
+            commands = [command(name, str(out), "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", 2,
+                                "--process_id", i) for i, out in enumerate(outs)]
+            env = script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
         else:
             runs = {(name, sharding): self.tmp / f"{name}_{sharding}" for sharding in ("dp", "fsdp")}
-        done = self.tmp / f"{name}_{'2x4' if layout == '2x4' else 'dp_fsdp'}.done"
+            outs, done = list(runs.values()), self.tmp / f"{name}_dp_fsdp.done"
+            commands = [command(name, str(out), "--sharding", sharding) for (_, sharding), out in runs.items()]
+            env = script_env()
         with FileLock(f"{done}.lock"):
             if not done.exists():  # a failed run leaves no mark: it fails again in each test that asks for it
-                self._run(name, layout, runs)
+                run_processes([[sys.executable, *argv] for argv in commands],
+                              [out.parent / f"{out.name}.log" for out in outs], [env] * len(commands))
                 done.touch()
         self.update(runs)
         return self[key]
-
-    @staticmethod
-    def _run(name, layout, runs):
-        if layout == "2x4":
-            (outs,), port = runs.values(), free_port()
-            run_processes([[sys.executable, *command(name, str(out), "--coordinator_address", f"127.0.0.1:{port}",
-                                                     "--num_processes", 2, "--process_id", i)]
-                           for i, out in enumerate(outs)],
-                          [out.parent / f"{out.name}.log" for out in outs],
-                          [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
-            return
-        run_processes([[sys.executable, *command(name, str(out), "--sharding", sharding)]
-                       for (name, sharding), out in runs.items()],
-                      [out.parent / f"{out.name}.log" for out in runs.values()], [script_env()] * 2)
