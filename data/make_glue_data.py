@@ -4,8 +4,9 @@ Each is small and learnable by a tiny encoder within minutes, with the column na
 counterpart:
 
 - `sst2` (`sentence`, `label` 0/1): true or false statements about the animals of the language
-  modelling corpus ("The cow lives in the barn." 1, "The cow eats honey." 0). An MLM trained on
-  `data/lm` already knows these facts, so fine-tuning it beats the same model from scratch.
+  modelling corpus ("The cow lives in the barn." 1, "The cow eats honey." 0): facts the corpus states
+  again and again. (The shipped `configs/mlm_tiny.json` export, and longer or RoFormer runs of it, did
+  not yet fine-tune better here than the same model from scratch: measured, not assumed.)
 - `cola` (`sentence`, `label` 0/1): subject-verb agreement, kept (1) or broken (0), sometimes with
   an attractor noun of the other number in between ("The dog near the cats sleep quietly." 0).
 - `mrpc` (`sentence1`, `sentence2`, `label` "equivalent" / "not_equivalent", strings as user data
