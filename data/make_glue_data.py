@@ -5,8 +5,8 @@ counterpart:
 
 - `sst2` (`sentence`, `label` 0/1): true or false statements about the animals of the language
   modelling corpus ("The cow lives in the barn." 1, "The cow eats honey." 0): facts the corpus states
-  again and again. (The shipped `configs/mlm_tiny.json` export, and longer or RoFormer runs of it, did
-  not yet fine-tune better here than the same model from scratch: measured, not assumed.)
+  again and again (whether an MLM trained on it fine-tunes better: benchmarks/README.md, "Transfer
+  from the MLM export").
 - `cola` (`sentence`, `label` 0/1): subject-verb agreement, kept (1) or broken (0), sometimes with
   an attractor noun of the other number in between ("The dog near the cats sleep quietly." 0).
 - `mrpc` (`sentence1`, `sentence2`, `label` "equivalent" / "not_equivalent", strings as user data
