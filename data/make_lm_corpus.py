@@ -6,12 +6,17 @@ agreement, counting and weekday sequences, small sums, and copying a detail stat
 line. An untrained model's perplexity is about the vocabulary size; a trained one gets far lower.
 Writes `lm/{train,validation}.txt` (one text per line), `lm/tokenizer/` (byte-level BPE, for GPT-2
 and RoBERTa) and `lm/t5_tokenizer/` (unigram with T5's 100 sentinels, for span corruption) next to
-this script.
+this script, and `lm/word_classes/{train,validation}.csv`: a sentence classification task
+(`sentence`, `label`) that only the corpus teaches, which kind of word (animal, colour, thing, name,
+number) a sentence's one corpus word is. Half of each kind's words are held out of its training
+split, and the sentences around them say nothing about the kind: a model fine-tuned from scratch can
+only guess the held-out words, one fine-tuned from an MLM that read the corpus knows them.
 
     python data/make_lm_corpus.py [--train_lines 6000] [--seed 42]
 """
 
 import argparse
+import csv
 import os
 import random
 import sys
@@ -106,9 +111,27 @@ def opposite(rng):
 
 GENERATORS = [fact, agreement, counting, weekdays, arithmetic, possession, opposite]
 
+# The kinds of word the corpus uses in kinds of places, and sentences that place any word alike.
+WORD_CLASSES = {"animal": sorted(ANIMALS), "colour": COLOURS, "thing": THINGS, "name": NAMES, "number": NUMBERS[1:]}
+NEUTRAL_SENTENCES = ["This is {}.", "We like {}.", "They talk about {}.", "It was {} again.", "Say {} twice."]
+
 
 def make_line(rng):
     return " ".join(rng.choice(GENERATORS)(rng) for _ in range(rng.randint(1, 3)))
+
+
+def word_class_splits(seed):
+    """{"train": rows, "validation": rows}: every word of a kind in every neutral sentence, half of each
+    kind's words (shuffled by `seed`) in each split."""
+    rng, splits = random.Random(seed), {"train": [], "validation": []}
+    for label, words in WORD_CLASSES.items():
+        words = rng.sample(words, len(words))
+        half = len(words) // 2
+        for split, held in (("train", words[:half]), ("validation", words[half:])):
+            splits[split] += [{"sentence": sentence.format(word), "label": label}
+                              for word in held for sentence in NEUTRAL_SENTENCES]
+    rng.shuffle(splits["train"])
+    return splits
 
 
 def write_lines(path, lines):
@@ -137,6 +160,13 @@ def main(argv=None):
             validation.append(line)
     write_lines(os.path.join(args.output_dir, "train.txt"), train)
     write_lines(os.path.join(args.output_dir, "validation.txt"), validation)
+    classes_dir = os.path.join(args.output_dir, "word_classes")
+    os.makedirs(classes_dir, exist_ok=True)
+    for split, rows in word_class_splits(args.seed).items():
+        with open(os.path.join(classes_dir, f"{split}.csv"), "w", encoding="utf-8", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["sentence", "label"], lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(rows)
 
     tokenizer = train_tokenizer("bpe", train, args.vocab_size, model_max_length=512)
     tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))

@@ -301,15 +301,19 @@ def test_the_range_a_working_install_gives_is_the_measured_one():
 def test_the_results_prose_is_results_configs_cpu_json():
     results = json_file("results_configs_cpu.json")
     untrained = results["untrained"]
-    (roformer,) = results["variants"]
+    (plateau,) = results["variants"]
     readme = " ".join(read("README.md").split())
     assert (f"`test_rougeL` < {untrained['configs/summarization_tiny.json']['test_rougeL_below']} (summarization) and "
             f"perplexity {untrained['configs/clm_tiny.json']['eval_perplexity']} (clm) / "
             f"{untrained['configs/mlm_tiny.json']['eval_perplexity']} (mlm) / "
             f"{untrained['configs/t5_mlm_tiny.json']['eval_perplexity']} (t5 mlm, accuracy "
             f"{untrained['configs/t5_mlm_tiny.json']['eval_accuracy']})") in readme
-    assert (f"reaches perplexity {roformer['results']['eval_perplexity']} / accuracy "
-            f"{roformer['results']['eval_accuracy']:.2f} in {roformer['seconds']} s") in readme
+    assert (f"reaches perplexity {plateau['results']['eval_perplexity']} / accuracy "
+            f"{plateau['results']['eval_accuracy']:.3f} in {plateau['seconds']} s") in readme
+    transfer = {run["from"]: run["results"]["eval_accuracy"] for run in results["transfer"]["runs"]}
+    assert (f"export classifies {transfer['outputs/mlm_tiny']} of the validation sentences, the same model from "
+            f"scratch {transfer['scratch']} (it can only guess at words it never saw; the most frequent kind is "
+            f"{results['transfer']['most_frequent_label_share']})") in readme
 
 
 def test_demo_latency_table_is_results_demo_cpu_json():

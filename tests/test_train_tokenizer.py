@@ -217,7 +217,8 @@ def _load_generator(name):
 @pytest.mark.parametrize(
     "generator, committed, files, tokenizers",
     [("make_summarization_data", SUMMARIZATION, ["train.jsonl", "validation.jsonl", "test.jsonl"], ["tokenizer"]),
-     ("make_lm_corpus", LM, ["train.txt", "validation.txt"], ["tokenizer", "t5_tokenizer"])],
+     ("make_lm_corpus", LM, ["train.txt", "validation.txt", "word_classes/train.csv", "word_classes/validation.csv"],
+      ["tokenizer", "t5_tokenizer"])],
 )
 def test_generators_reproduce_the_committed_files(tmp_path, generator, committed, files, tokenizers):
     _load_generator(generator).main(["--output_dir", str(tmp_path)])
