@@ -74,7 +74,7 @@ def multihost(tmp_path_factory):
     commands = [command({**CONFIG, "output_dir": outs[i], "coordinator_address": f"127.0.0.1:{port}",
                          "num_processes": 2, "process_id": i}) for i in range(2)]
     logs = [tmp / "process0.log", tmp / "process1.log"]
-    run_processes(commands, logs, [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
+    run_processes(commands, logs, [script_env(devices=4)] * 2)
     return outs, logs
 
 
@@ -87,7 +87,7 @@ def multihost_fsdp(tmp_path_factory):
     commands = [command({**CONFIG, "sharding": "fsdp", "output_dir": out, "coordinator_address": f"127.0.0.1:{port}",
                          "num_processes": 2, "process_id": i}) for i in range(2)]
     run_processes(commands, [tmp / "process0.log", tmp / "process1.log"],
-                  [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
+                  [script_env(devices=4)] * 2)
     return out
 
 
@@ -197,7 +197,7 @@ def test_fsdp_on_hosts_without_shared_storage_says_so(tmp_path):
                          "num_processes": 2, "process_id": i}) for i in range(2)]
     logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
     with pytest.raises(pytest.fail.Exception, match="exited with 1"):
-        run_processes(commands, logs, [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
+        run_processes(commands, logs, [script_env(devices=4)] * 2)
     last = logs[0].read_text().strip().splitlines()[-1]
     assert last.startswith(f"error: --output_dir {outs[0]} is not shared by all hosts (--sharding fsdp: every "
                            "process writes its shards of each checkpoint there): put it on storage every host mounts")
@@ -230,7 +230,7 @@ def streamed(tmp_path_factory):
     commands += [script + ["--output_dir", str(tmp / f"host{i}"), "--coordinator_address", f"127.0.0.1:{port}",
                            "--num_processes", "2", "--process_id", str(i)] for i in range(2)]
     logs = [tmp / "single.log", tmp / "process0.log", tmp / "process1.log"]
-    run_processes(commands, logs, [script_env()] + [script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")] * 2)
+    run_processes(commands, logs, [script_env()] + [script_env(devices=4)] * 2)
     return tmp
 
 
