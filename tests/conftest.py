@@ -5,8 +5,10 @@ import shutil
 import sys
 import tempfile
 
+from script_runner import xla_flags  # imports no jax
+
 # Must happen before jax is imported anywhere.
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"

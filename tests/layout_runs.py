@@ -100,7 +100,7 @@ class LayoutRuns(dict):
             runs, done = {key: outs}, self.tmp / f"{name}_2x4.done"
             commands = [command(name, str(out), "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", 2,
                                 "--process_id", i) for i, out in enumerate(outs)]
-            env = script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+            env = script_env(devices=4)
         else:
             runs = {(name, sharding): self.tmp / f"{name}_{sharding}" for sharding in ("dp", "fsdp")}
             outs, done = list(runs.values()), self.tmp / f"{name}_dp_fsdp.done"

@@ -1,7 +1,8 @@
 """The benchmark's own arithmetic, and one real (small) run of its documented command.
 
 Figures are only checked for sense here (positive, consistent); the targets are read off the
-benchmark's output, never asserted on timings.
+benchmark's output, never asserted on timings. The benchmarks run with XLA's optimized code, as the
+scripts do outside the tests (`script_runner.xla_flags`).
 """
 
 import importlib.util
@@ -63,7 +64,7 @@ def test_documented_command_on_one_small_row(tmp_path):
     result = subprocess.run(
         [sys.executable, "benchmarks/run.py", "--tasks", "clm", "--sizes", "tiny", "--steps", "6",
          "--logging_steps", "3", "--repeats", "2", "--output", str(output)],
-        cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=script_env(optimized_code=True), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     (record,) = json.loads(output.read_text())
     assert (record["task"], record["size"], record["device_kind"], record["device_count"]) == ("clm", "tiny", "cpu", 8)
@@ -86,7 +87,7 @@ def test_data_benchmark_on_small_sizes(tmp_path):
     result = subprocess.run(
         [sys.executable, "benchmarks/data.py", "--sizes", "3000", "5000", "--steps", "20", "--old_steps", "3",
          "--stream_megabytes", "1", "--resume_steps", "1", "3", "--workdir", str(tmp_path), "--output", str(output)],
-        cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=script_env(optimized_code=True), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(output.read_text())
     assert [row["blocks"] for row in record["memory"]] == [3000, 5000]

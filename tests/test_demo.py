@@ -83,7 +83,7 @@ def servers(models):
         if task not in started:
             port = free_port()
             server = subprocess.Popen([sys.executable, os.path.join(ROOT, "demo.py"), str(models(task)), "--port",
-                                       str(port)], cwd=ROOT, env=script_env(XLA_FLAGS=""),
+                                       str(port)], cwd=ROOT, env=script_env(devices=1),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             started[task] = (port, server)
             wait_healthy(server, port, time.time() + PAGE_TIMEOUT_MS / 1000)

@@ -53,7 +53,8 @@ def train_evaluate_predict(family, tmp):
     overrides, tokenizer, _ = FAMILIES[family]
     model = (["--config_name", tiny_encoder_decoder_config(tmp / "config")] if family == "encoder-decoder"
              else ["--model_type", family, "--config_overrides", overrides])
-    # 64 examples / (2 per device x 8 devices) = 4 steps per epoch, 2 epochs.
+    # 64 examples / (2 per device x 8 devices) = 4 steps per epoch, 2 epochs; label smoothing in every
+    # family's loss.
     return run_script("run_summarization_flax.py", model + [
         "--tokenizer_name", tokenizer, "--train_file", os.path.join(DATA, "train.jsonl"),
         "--validation_file", os.path.join(DATA, "validation.jsonl"), "--test_file", os.path.join(DATA, "test.jsonl"),
@@ -61,6 +62,7 @@ def train_evaluate_predict(family, tmp):
         "--max_source_length", 32, "--max_target_length", 8, "--do_train", "--do_eval", "--do_predict",
         "--predict_with_generate", "--num_beams", BEAMS.get(family, 1), "--per_device_train_batch_size", 2,
         "--per_device_eval_batch_size", 1, "--learning_rate", 1e-2, "--num_train_epochs", 2, "--logging_steps", 1,
+        "--label_smoothing_factor", 0.1,
         "--output_dir", tmp / "out", "--compilation_cache_dir", "none"])
 
 

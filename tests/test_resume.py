@@ -1,9 +1,11 @@
 """Never lose a run: kill a training run at any moment and the resumed run ends exactly as if nothing happened
 (end to end), and the fingerprint a resumed run must share with its checkpoint (utils/resume.py).
 
-Tiny models with dropout (so every device's dropout key matters), 8 virtual CPU devices, 12 steps of
-6 per epoch, a checkpoint every 4. Each scenario is compared with one uninterrupted run of the same
-command: the exported parameters byte for byte, and every logged loss and learning rate.
+Summarization and clm: tiny models with dropout (so every device's dropout key matters), 8 virtual CPU
+devices, 12 steps of 6 per epoch, a checkpoint every 4. The other scripts: their dp runs of
+tests/layout_runs.py (10 steps, a checkpoint every 5, dropout off), which the cross-layout tests make
+anyway. Each scenario is compared with one uninterrupted run of the same command: the exported
+parameters byte for byte, and every logged loss and learning rate.
 """
 
 import glob
@@ -15,12 +17,14 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import T5Config
 
 import script_launcher
+from layout_runs import command as layout_command
 from script_runner import ROOT, directory_state, read_metrics, script_env
 from utils.args import TrainingArguments
 from utils.checkpoint import checkpoint_steps
@@ -107,35 +111,10 @@ SCRIPTS["clm fsdp"] = (SCRIPTS["clm"][0], SCRIPTS["clm"][1] + ["--sharding", "fs
 # Streamed, split over the devices and accumulated at once (stopped by SIGTERM below).
 SCRIPTS["clm stream fsdp"] = (SCRIPTS["clm stream"][0], SCRIPTS["clm stream"][1] + [
     "--sharding", "fsdp", "--gradient_accumulation_steps", 2])
-# T5 span corruption: the resumed run corrupts its batches as the uninterrupted one (raw blocks of 17).
-SCRIPTS["t5 mlm"] = ("run_t5_mlm_flax.py", [
-    "--model_type", "t5", "--tokenizer_name", "data/lm/t5_tokenizer",
-    "--config_overrides", "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.1",
-    "--train_file", "data/lm/train.txt", "--max_seq_length", 16, "--max_train_samples", 96])
-# The classification scripts on tiny BERTs (dropouts 0.1 by default): one label per sentence, one per word.
-SCRIPTS["glue"] = ("run_flax_glue.py", [
-    "--model_type", "bert", "--tokenizer_name", "data/glue/tokenizer",
-    "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,"
-    "max_position_embeddings=16", "--task_name", "cola", "--train_file", "data/glue/cola/train.csv",
-    "--max_seq_length", 16, "--max_train_samples", 96])
-SCRIPTS["ner"] = ("run_flax_ner.py", [
-    "--model_type", "bert", "--tokenizer_name", "data/ner/tokenizer",
-    "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,"
-    "max_position_embeddings=32", "--train_file", "data/ner/train.jsonl", "--max_seq_length", 32,
-    "--max_train_samples", 96])
-# Images: the resumed run crops and flips every example as the uninterrupted one (6 steps per epoch,
-# so the resumed steps recrop the examples of epoch 2); dropout 0.1 on a tiny ViT.
-SCRIPTS["image"] = ("run_image_classification.py", [
-    "--model_type", "vit", "--config_overrides", "image_size=16,patch_size=4,hidden_size=32,num_hidden_layers=1,"
-    "num_attention_heads=2,intermediate_size=64,hidden_dropout_prob=0.1,attention_probs_dropout_prob=0.1",
-    "--train_dir", "data/images/train", "--max_train_samples", 96])
-# Question answering: 52 SQuAD examples cut into 99 windows of 64 tokens (6 steps per epoch).
-SCRIPTS["qa"] = ("run_qa.py", [
-    "--model_type", "bert", "--tokenizer_name", "data/qa/tokenizer",
-    "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,"
-    "max_position_embeddings=64", "--train_file", "data/qa/train.json.gz", "--max_seq_length", 64,
-    "--doc_stride", 16, "--max_train_samples", 52])
-KILLED = ["summarization", "clm", "clm stream", "clm fsdp", "t5 mlm", "glue", "ner", "image", "qa"]
+# The other scripts resume from their layout runs' checkpoints: span corruption corrupts, images crop and
+# flip, question answering windows its batches as the uninterrupted run did.
+LAYOUT_RUNS = ["t5 mlm", "glue", "ner", "image", "qa"]
+KILLED = ["summarization", "clm", "clm stream", "clm fsdp", *LAYOUT_RUNS]
 
 
 @pytest.fixture(scope="module")
@@ -193,13 +172,13 @@ def logged(output_dir):
     return [(row["step"], row["loss"], row["learning_rate"]) for row in read_metrics(output_dir)]
 
 
-def assert_same_run(output_dir, reference):
+def assert_same_run(output_dir, reference, steps=12):
     """Same final parameters (bytes), same loss and learning rate at every step, TensorBoard without repeats."""
     with open(os.path.join(output_dir, "flax_model.msgpack"), "rb") as a, \
             open(os.path.join(reference, "flax_model.msgpack"), "rb") as b:
         assert a.read() == b.read(), "final parameters differ from the uninterrupted run"
     assert logged(output_dir) == logged(reference)
-    assert [step for step, _, _ in logged(output_dir)] == list(range(1, 13))
+    assert [step for step, _, _ in logged(output_dir)] == list(range(1, steps + 1))
     events = EventAccumulator(output_dir)
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
@@ -208,22 +187,26 @@ def assert_same_run(output_dir, reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", KILLED)
-def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path, command, uninterrupted, name):
-    reference, out = uninterrupted(name), str(tmp_path / "run")
-    process = script_launcher.popen([sys.executable, *command(name, out)], ROOT, script_env(),
+def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path, command, uninterrupted, layout_runs, name):
+    out = str(tmp_path / "run")
+    if name in LAYOUT_RUNS:
+        reference, make, first_save, steps = layout_runs[(name, "dp")], partial(layout_command, name), 5, 10
+    else:
+        reference, make, first_save, steps = uninterrupted(name), partial(command, name), 4, 12
+    process = script_launcher.popen([sys.executable, *make(out)], ROOT, script_env(),
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not os.path.isdir(os.path.join(out, "checkpoints", "4")):
+    while not os.path.isdir(os.path.join(out, "checkpoints", str(first_save))):
         assert process.poll() is None, "the run ended before its first checkpoint"
         time.sleep(0.02)
     process.send_signal(signal.SIGKILL)
     assert process.wait() == -signal.SIGKILL
     assert not os.path.exists(os.path.join(out, "all_results.json"))  # killed before the end
 
-    resumed = run_ok(command(name, out, "--resume_from_checkpoint", "latest"))
+    resumed = run_ok(make(out, "--resume_from_checkpoint", "latest"))
     assert "resumed from the checkpoint of step" in resumed.stderr
     if name == "clm stream":  # resumed at step 4 (pass 1) or 8 (pass 2), on into pass 3
         assert "pass 3 of the training stream starts at step 11" in resumed.stderr
-    assert_same_run(out, reference)
+    assert_same_run(out, reference, steps)
 
 
 @pytest.mark.slow

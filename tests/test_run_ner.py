@@ -20,7 +20,8 @@ import pytest
 from transformers import AutoTokenizer, BertConfig, FlaxAutoModelForTokenClassification
 
 import run_flax_ner as ner
-from script_runner import ROOT, calls_of_steps_compiled_once, directory_state, read_json, read_metrics, run_script
+from script_runner import (ROOT, calls_of_steps_compiled_once, directory_state, read_json, read_metrics, run_script,
+                           script_env)
 from test_errors_cli import check_failure, run_in_process
 from test_weights import pytorch_state_dict, write_pytorch_safetensors
 from utils.classification import IGNORE_INDEX, entity_metrics
@@ -76,7 +77,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ner")
     config = tmp / "config.json"
     config.write_text(json.dumps({**CONFIG, "output_dir": str(tmp / "out")}))
-    run_ok([config], steps_report=tmp / "steps.json")
+    run_ok([config], steps_report=tmp / "steps.json", env=script_env(optimized_code=True))
     return tmp / "out"
 
 

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from script_runner import ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script
+from script_runner import ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script, script_env
 from test_qa import reference_v2
 
 SCRIPT = "run_qa.py"
@@ -76,7 +76,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qa")
     config = tmp / "config.json"
     config.write_text(json.dumps({**CONFIG, "output_dir": str(tmp / "out")}))
-    run_ok([config], steps_report=tmp / "steps.json")
+    run_ok([config], steps_report=tmp / "steps.json", env=script_env(optimized_code=True))
     return tmp / "out"
 
 

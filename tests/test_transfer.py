@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from script_runner import ROOT, read_json, read_metrics, run_script
+from script_runner import ROOT, read_json, read_metrics, run_script, script_env
 
 WORDS = os.path.join(ROOT, "data", "lm", "word_classes")
 MLM_CONFIG = read_json(os.path.join(ROOT, "configs", "mlm_tiny.json"))
@@ -34,7 +34,7 @@ def most_frequent_label_share(path):
 def mlm_export(tmp_path_factory):
     out = tmp_path_factory.mktemp("mlm_tiny")
     result = run_script("run_mlm_flax.py", ["configs/mlm_tiny.json", "--output_dir", out,
-                                            "--compilation_cache_dir", "none"])
+                                            "--compilation_cache_dir", "none"], env=script_env(optimized_code=True))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
