@@ -120,6 +120,9 @@ def main(argv=None):
         metrics, _ = steps.evaluate(params, eval_arrays, eval_size)
         return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": eval_size}
 
+    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    steps.report_plan(training_args, state, eval_step=(eval_arrays, eval_size))
+
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------

@@ -324,6 +324,13 @@ def main(argv=None):
         for split, prefix in needed["validation"]:
             run.report(prefix, evaluate(params, split))
 
+    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    evaluated = needed["validation"][0][0] if "validation" in needed else None
+    predicted = needed["test"][0] if "test" in needed else None
+    steps.report_plan(training_args, state, eval_step=(arrays.get(evaluated), sizes.get(evaluated)),
+                      predict_step=({k: arrays[predicted][k] for k in model_inputs}, sizes[predicted]) if predicted
+                      else None)
+
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------

@@ -308,6 +308,10 @@ def main(argv=None):
         scores = entity_metrics(true_tags[split], predicted, per_type=data_args.return_entity_level_metrics)
         return {**metrics, **scores, "samples": sizes[split]}, predicted
 
+    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    evaluated = "validation" if "validation" in arrays else "test"
+    steps.report_plan(training_args, state, eval_step=(arrays.get(evaluated), sizes.get(evaluated)))
+
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------

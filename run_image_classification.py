@@ -372,6 +372,11 @@ def main(argv=None):
             predicted.extend(layout.rows_to_host(p_predict_step(params, batch))[:valid])
         return [f"{shown}\t{names[class_id]}" for shown, class_id in zip(splits[split][2], predicted)]
 
+    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    validation, test = eval_arrays.get("validation"), eval_arrays.get("test")
+    steps.report_plan(training_args, state, eval_step=validation and (validation, len(splits["validation"][0])),
+                      predict_step=test and ({"pixel_values": test["pixel_values"]}, len(splits["test"][0])))
+
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------

@@ -142,6 +142,9 @@ def main(argv=None):
         metrics, _ = steps.evaluate(params, eval_arrays, eval_size, transform=eval_masking)
         return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": eval_size}
 
+    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    steps.report_plan(training_args, state, eval_step=(eval_arrays, eval_size, eval_masking))
+
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------

@@ -403,6 +403,10 @@ def main(argv=None):
         if data_args.version_2_with_negative:
             run.write_json(f"{prefix}_null_odds.json", null_odds)
 
+    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    evaluated = "validation" if "validation" in arrays else "test"
+    steps.report_plan(training_args, state, eval_step=(arrays.get(evaluated), sizes.get(evaluated)))
+
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------

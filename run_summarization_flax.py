@@ -246,6 +246,12 @@ def main(argv=None):
         metrics["gen_len"] = float(np.mean([np.count_nonzero(ids != config.pad_token_id) for ids in predictions]))
         return metrics, texts
 
+    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    evaluated = "validation" if "validation" in arrays else "test"
+    first = (arrays.get(evaluated), sizes.get(evaluated))
+    steps.report_plan(training_args, state, eval_step=first,
+                      generate_step=first if data_args.predict_with_generate else None)
+
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------

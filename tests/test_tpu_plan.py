@@ -1,4 +1,4 @@
-"""`--compile_only TPU`: the TPU compiler's plan of the train step, on this CPU machine (`utils.tpu_plan`).
+"""`--compile_only TPU`: the TPU compiler's plan of a run's steps, on this CPU machine (`utils.tpu_plan`).
 
 The compiles need libtpu (requirements-test.txt); without it those tests skip, and the one-line
 error a user without it gets is tested on its own.
@@ -58,12 +58,14 @@ WIDTH, LAYERS, VOCAB, SEQUENCE = 256, 2, 1024, 64
 
 
 def _train_step_memory(layout):
-    """The compiled train step of a small GPT-2 (float32 AdamW, bf16 compute) under `layout`, planned."""
+    """The compiled train step of a small GPT-2 (float32 AdamW, bf16 compute) under `layout`, planned;
+    (its memory, the parameter shapes, the state's placed shapes). The model's eval step is in
+    `layout.planned_steps`."""
     model = FlaxGPT2LMHeadModel(GPT2Config(n_layer=LAYERS, n_embd=WIDTH, n_head=4, vocab_size=VOCAB,
                                            n_positions=SEQUENCE), dtype=jnp.bfloat16, _do_init=False)
 
-    def loss_fn(params, batch, rng):
-        logits = model(batch["input_ids"], params=params, dropout_rng=rng, train=True).logits
+    def loss_fn(params, batch, rng, train=True):
+        logits = model(batch["input_ids"], params=params, dropout_rng=rng, train=train).logits
         loss, tokens = cross_entropy_sums(logits, batch["input_ids"], jnp.ones(batch["input_ids"].shape))
         return loss, {"loss": loss, "tokens": tokens}
 
@@ -76,7 +78,8 @@ def _train_step_memory(layout):
     state = layout.create_state(model.__call__, params, optax.adamw(1e-3), 0)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state))  # nothing allocated
     assert layout.compile_train_step(train_step, state, {"input_ids": np.ones((8, SEQUENCE), np.int32)}, 1) is None
-    return layout.train_step_memory, params
+    assert layout.compile_step("eval_step", lambda params, batch: loss_fn(params, batch, None, False)[1]) is None
+    return layout.train_step_memory, params, state
 
 
 @pytest.fixture(scope="module")
@@ -86,19 +89,19 @@ def v3():
 
 @pytest.fixture(scope="module")
 def fsdp_plan(v3):
-    """(layout, train step memory, parameter shapes) of the small GPT-2 under fsdp on a v3-8."""
+    """(layout, train step memory, parameter shapes, state shapes) of the small GPT-2 under fsdp on a v3-8."""
     layout = FullySharded(8, v3)
     return (layout, *_train_step_memory(layout))
 
 
 @needs_libtpu
 def test_fsdp_splits_the_state_eight_ways_on_the_tpu_plan(v3, fsdp_plan):
-    dp, params = _train_step_memory(DataParallel(v3))
-    _, fsdp, _ = fsdp_plan
+    dp, params, _ = _train_step_memory(DataParallel(v3))
+    _, fsdp, _, _ = fsdp_plan
     # The arguments are the state: float32 parameters and AdamW's two moments, 12 bytes a parameter,
     # whole on every device under dp, and under fsdp the split leaves' 1/8 plus the small whole ones.
     leaves = [math.prod(x.shape) for x in jax.tree_util.tree_leaves(params)]
-    split = [math.prod(x.shape) for x in jax.tree_util.tree_leaves(params) if leaf_spec(x.shape, 8) != ()]
+    split = [math.prod(x.shape) for x in jax.tree_util.tree_leaves(params) if any(leaf_spec(x.shape, 8))]
     whole_state, split_state = 12 * sum(leaves), 12 * (sum(leaves) - sum(split) + sum(split) / 8)
     # Besides the state, the arguments hold the step counters, dropout keys and the batch, and the TPU
     # pads each leaf to its (8, 128) tiles of float32: up to a 4 KiB tile a leaf (parameters and both
@@ -112,7 +115,7 @@ def test_fsdp_splits_the_state_eight_ways_on_the_tpu_plan(v3, fsdp_plan):
 
 @needs_libtpu
 def test_fits_or_not_against_the_slices_memory(v3, fsdp_plan, tmp_path, capsys):
-    layout, memory, _ = fsdp_plan
+    layout, memory, _, _ = fsdp_plan
     args = type("Args", (), {"output_dir": str(tmp_path), "gradient_accumulation_steps": 2,
                              "gradient_checkpointing": False})()
     layout.plan = v3._replace(device_bytes=memory["total"])  # just enough
@@ -131,20 +134,66 @@ def test_fits_or_not_against_the_slices_memory(v3, fsdp_plan, tmp_path, capsys):
 
 
 @needs_libtpu
-def test_a_compile_only_run_reports_the_plan_and_trains_nothing(tmp_path):
+def test_an_eval_step_counts_the_training_state_it_runs_beside(v3, fsdp_plan, tmp_path, capsys):
+    """The eval step's need is its own plan plus what stays on the device while it runs: AdamW's two
+    float32 moments of this device's share of the parameters (and a few counters)."""
+    layout, train, params, state = fsdp_plan
+    args = type("Args", (), {"output_dir": str(tmp_path), "gradient_accumulation_steps": 1,
+                             "gradient_checkpointing": False, "per_device_eval_batch_size": 16})()
+    # 128 rows of 64 tokens: float32 logits over 1024 tokens, 4 MiB a device, more than the train step's.
+    batches = {"eval_step": {"input_ids": np.ones((128, SEQUENCE), np.int32)}}
+    layout.plan = v3
+    with pytest.raises(Done):
+        report_plan(args, layout, state, batches)
+    results = json.load(open(tmp_path / "all_results.json"))
+    share = sum(4 * math.prod(x.shape) // (8 if any(leaf_spec(x.shape, 8)) else 1)
+                for x in jax.tree_util.tree_leaves(params))
+    assert results["training_state_kept_device_bytes"] == pytest.approx(2 * share, abs=64)
+    own = sum(results[f"eval_step_device_bytes_{part}"] for part in ("arguments", "outputs", "temporaries"))
+    assert results["eval_step_device_bytes"] == own - results["eval_step_device_bytes_aliased"] + \
+        results["training_state_kept_device_bytes"]
+    need = results["eval_step_device_bytes"]
+    assert need > train["total"] and results["fits"] is True
+    assert "--sharding fsdp: the eval step needs" in capsys.readouterr().out
+    layout.plan = v3._replace(device_bytes=need - 1)  # the train step fits, the eval step does not
+    with pytest.raises(RunError, match=r"^the eval step needs [\d.]+ MiB per device but a TPU v3-8 device has [\d.]+ "
+                                       r"MiB: use a smaller --per_device_eval_batch_size \(now 16\) or --dtype "
+                                       r"bfloat16$"):
+        report_plan(args, layout, state, batches)
+    assert json.load(open(tmp_path / "all_results.json"))["fits"] is False
+
+
+# script, its tiny config with a smaller model, the sharding, and the steps the config's run would call
+COMPILE_ONLY_RUNS = {
+    "clm fsdp": ("run_clm_flax.py", "configs/clm_tiny.json", "n_embd=32,n_layer=1,n_head=2,n_positions=128", "fsdp",
+                 ["train_step", "eval_step"]),
+    "summarization dp": ("run_summarization_flax.py", "configs/summarization_tiny.json",
+                         "d_model=32,d_ff=64,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16", "dp",
+                         ["train_step", "eval_step", "generate_step"]),
+}
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name", COMPILE_ONLY_RUNS)
+def test_a_compile_only_run_plans_each_step_it_would_call_and_trains_nothing(tmp_path, name):
+    script, config, overrides, sharding, steps = COMPILE_ONLY_RUNS[name]
     out = tmp_path / "plan"
-    result = run_script("run_clm_flax.py", ["configs/clm_tiny.json", "--config_overrides",
-                                            "n_embd=32,n_layer=1,n_head=2,n_positions=128", "--output_dir", out,
-                                            "--compile_only", "v3-8", "--sharding", "fsdp", "--gradient_checkpointing",
-                                            "true", "--compilation_cache_dir", "none"])
+    result = run_script(script, [config, "--config_overrides", overrides, "--output_dir", out, "--compile_only",
+                                 "v3-8", "--sharding", sharding, "--gradient_checkpointing", "true",
+                                 "--compilation_cache_dir", "none"])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "TPU v3-8 (8 x TPU v3, 16 GiB HBM each), --sharding fsdp: the train step needs" in result.stdout
-    assert result.stdout.rstrip().endswith(": fits")
+    lines = result.stdout.strip().splitlines()
+    prefix = f"TPU v3-8 (8 x TPU v3, 16 GiB HBM each), --sharding {sharding}: the "
+    assert [line[len(prefix):].split(" needs")[0] for line in lines] == [step.replace("_", " ") for step in steps]
+    assert all(line.startswith(prefix) and line.endswith(": fits") for line in lines), lines
     assert sorted(os.listdir(out)) == ["all_results.json", "metrics.jsonl"]  # no checkpoint, no model, no run args
     results = json.load(open(out / "all_results.json"))
     assert results["compile_only"] == "v3-8" and results["fits"] is True
     assert results["device_bytes"] == 16 * 2**30
-    assert 0 < results["train_step_device_bytes"] < 2**30
+    for step in steps:
+        assert 0 < results[f"{step}_device_bytes"] < 2**30, step
+    assert 0 < results["training_state_kept_device_bytes"] < results["train_step_device_bytes_arguments"]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [row["split"] for row in rows] == ["memory"]  # not a single train step
-    assert rows[0]["train_step_device_bytes"] == results["train_step_device_bytes"]
+    assert {key: rows[0][key] for key in results if key in rows[0]} == {
+        key: value for key, value in results.items() if key not in ("compile_only", "fits")}

@@ -130,7 +130,8 @@ class TrainingArguments:
         "With --sharding fsdp: devices each parameter is split over (default: all); the mesh is "
         "(devices / fsdp_size) x fsdp_size, data parallel across the groups.", default=None)
     compile_only: Optional[str] = _help(
-        f"Will it fit? Build the run as it would train, compile its train step for this TPU slice ("
+        f"Will it fit? Build the run as it would train, compile its train step (and its eval, predict or "
+        f"generate steps) for this TPU slice ("
         f"{', '.join(TOPOLOGIES)}) with the TPU compiler (libtpu, requirements-tpu.txt; no TPU needed, no weights "
         "read), report its memory per device against the slice's HBM in all_results.json and metrics.jsonl, "
         "and exit without training (status 1 when it does not fit).", default=None)

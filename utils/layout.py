@@ -111,6 +111,12 @@ def memory_stats(compiled):
     return stats
 
 
+def per_device_bytes(tree):
+    """Bytes of one device's share of the placed shapes `tree` (`jax.ShapeDtypeStruct`s with a sharding)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(tree))
+
+
 def device_memory_limit():
     """Bytes one device may allocate, where the backend says (TPU, GPU); None on CPUs."""
     try:
@@ -178,6 +184,7 @@ class Layout:
         # A `utils.tpu_plan.Topology`: the layout places shapes on its compile-only devices, and
         # compiles the train step without ever running it.
         self.plan = plan
+        self.planned_steps = {}  # name -> jitted step without state, planned by `utils.training.report_plan`
         self.local_devices = plan.devices if plan else jax.local_devices()
         on_cpu = self.local_devices[0].platform == "cpu"
         # One limit for all steps: XLA's queue of executions is per device, whichever program they run.
@@ -214,6 +221,15 @@ class Layout:
         logger.info("train step (%s): %s", self.name, _memory_line(self.train_step_memory))
         check_fits(self.train_step_memory, gradient_accumulation_steps, self.name)
         return step
+
+    def compile_step(self, name, step):
+        """A step without state: `step(params, batch)` (eval, predict, generate), compiled at its first
+        call. Planning for a TPU (`plan`), it is kept in `planned_steps` for `utils.training` to plan
+        with the batches the run would give it, and None is returned."""
+        if self.plan:
+            self.planned_steps[name] = self._jit_step(step)
+            return None
+        return step_wrapper(name, lambda: self._in_flight.wrap(self._jit_step(step)))
 
     def abstract_batch(self, host_rows):
         """The shapes `place_batch` would give `host_rows`, placed the same way, without a transfer."""
@@ -333,9 +349,8 @@ class DataParallel(Layout):
         # program in the compilation cache).
         return compiled if jax.process_count() == 1 else jitted
 
-    def compile_step(self, name, step):
-        """A step without state: `step(params, batch)` (eval, generate), compiled at its first call."""
-        return step_wrapper(name, lambda: self._in_flight.wrap(jax.pmap(step, AXIS)))
+    def _jit_step(self, step):
+        return jax.pmap(step, AXIS, devices=self.plan and self.local_devices)
 
     # -- data -----------------------------------------------------------------------------------------
     def _batch_shape(self, shape):
@@ -516,12 +531,12 @@ class FullySharded(Layout):
         return jax.jit(train_step, in_shardings=(shardings, self._rows), out_shardings=(shardings, self._whole),
                        donate_argnums=(0,))
 
-    def compile_step(self, name, step):
+    def _jit_step(self, step):
         def split_step(params, batch):
             with self.keep_batch_split(len(jax.tree_util.tree_leaves(batch)[0])):
                 return step(params, batch)
 
-        return step_wrapper(name, lambda: self._in_flight.wrap(jax.jit(split_step)))
+        return jax.jit(split_step)
 
     # -- data -----------------------------------------------------------------------------------------
     def _batch_shape(self, shape):

@@ -72,6 +72,12 @@ def eval_batches(arrays, num_examples, global_batch_size, layout, transform=None
 
     Each batch carries `example_weight` (1 for real rows, 0 for padding) for the loss.
     """
+    for batch, valid in host_eval_batches(arrays, num_examples, global_batch_size, transform):
+        yield layout.place_batch(batch), valid
+
+
+def host_eval_batches(arrays, num_examples, global_batch_size, transform=None):
+    """`eval_batches` on the host: this process's rows of each batch, and the valid rows."""
     rows = devices.process_slice(global_batch_size)
     for start, stop in data.eval_batch_ranges(num_examples, global_batch_size):
         batch = data.gather(arrays, np.arange(start, stop))
@@ -79,7 +85,7 @@ def eval_batches(arrays, num_examples, global_batch_size, layout, transform=None
             batch = transform(batch, 0, np.arange(start, stop))  # every evaluation alike: step 0, rows by example
         batch, valid = devices.pad_to(batch, global_batch_size)
         batch["example_weight"] = devices.example_mask(valid, global_batch_size)
-        yield layout.place_batch({k: v[rows] for k, v in batch.items()}), valid
+        yield {k: v[rows] for k, v in batch.items()}, valid
 
 
 class InMemoryData:

@@ -17,9 +17,9 @@ import jax
 
 from utils import devices
 from utils.errors import Done, RunError
-from utils.layout import does_not_fit, readable
+from utils.layout import does_not_fit, memory_stats, per_device_bytes, readable
 from utils.logging import MetricsLogger, throughput_meter
-from utils.loop import TrainLoop, eval_batches, host_means
+from utils.loop import TrainLoop, eval_batches, host_eval_batches, host_means
 from utils.optim import create_optimizer
 from utils.resume import resume_or_start, run_fingerprint
 from utils.rundir import RunDirectory
@@ -43,6 +43,16 @@ class Steps:
     def eval_batches(self, arrays, num_examples, transform=None):
         """(placed batch, valid rows) of every eval batch, the last one padded (`utils.loop.eval_batches`)."""
         return eval_batches(arrays, num_examples, self.eval_batch_size, self.layout, transform)
+
+    def report_plan(self, training_args, state, **step_data):
+        """--compile_only (nothing otherwise): the TPU plan of the train step and of each other step
+        the run would call, given as `name=(arrays, num_examples[, transform])` of the data its first
+        batch comes from, or None where this run does not call it; then the run ends (`report_plan`)."""
+        if not self.layout.plan:
+            return
+        batches = {name: next(host_eval_batches(data[0], data[1], self.eval_batch_size, *data[2:]))[0]
+                   for name, data in step_data.items() if data and data[0] is not None}
+        report_plan(training_args, self.layout, state, batches)
 
     def evaluate(self, params, arrays, num_examples, transform=None):
         """(token-weighted means of the eval sums over every example, "tokens" included; with a
@@ -68,7 +78,7 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     `train_data`'s (after `transform`): its device memory is known, and checked, before anything is
     written. `predict_fn(params, batch) -> [rows, ...]` (class ids, logits, tags) makes the eval
     step return its per-row outputs beside the sums, in the same compiled step. With
-    `--compile_only`, the run ends here: `report_plan`.
+    `--compile_only` the steps are planned, never run: `Steps.report_plan`.
     """
     state = layout.create_state(model.__call__, params, create_optimizer(training_args, plan.schedule),
                                 training_args.seed)
@@ -90,21 +100,34 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     if training_args.do_train:
         p_train_step = layout.compile_train_step(train_step, state,
                                                  train_data.example_batch(plan.batch_size, transform), accumulation)
-    if layout.plan:
-        report_plan(training_args, layout)
     p_eval_step = layout.compile_step("eval_step", eval_step)
     eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
     return state, Steps(p_train_step, p_eval_step, layout, eval_batch_size, predict_fn is not None)
 
 
-def report_plan(training_args, layout):
-    """--compile_only: the TPU plan of the train step against the slice's HBM, printed and written
-    (metrics.jsonl, all_results.json: the keys a training run records, plus the device's bytes and
-    whether it fits); then the run ends, with the levers as its error when it does not fit."""
-    plan, memory = layout.plan, layout.train_step_memory
-    fits = memory["total"] <= plan.device_bytes
-    figures = {f"train_step_device_bytes{'' if key == 'total' else '_' + key}": value for key, value in memory.items()}
+def report_plan(training_args, layout, state=None, batches=None):
+    """--compile_only: the TPU plan of the train step, and of each step named in `batches` (eval,
+    predict, generate: `layout.planned_steps`) on its first batch (host rows), against the slice's
+    HBM; printed and written (metrics.jsonl, all_results.json: the keys a training run records, plus
+    the device's bytes and whether every step fits); then the run ends, with the levers as its error
+    when one does not fit.
+
+    While another step runs, the training state beyond the parameters (optimizer moments, step
+    counter, dropout keys) stays on the device: its bytes count in that step's need.
+    """
+    plan, train = layout.plan, layout.train_step_memory
+    figures = {f"train_step_device_bytes{'' if key == 'total' else '_' + key}": value for key, value in train.items()}
+    needs = {"train_step": (train["total"], train)}
+    kept = per_device_bytes(state) - per_device_bytes(state.params) if batches else 0
+    for name, batch in (batches or {}).items():
+        memory = memory_stats(layout.planned_steps[name].lower(state.params, layout.abstract_batch(batch)).compile())
+        needs[name] = (memory["total"] + kept, memory)
+        figures[f"{name}_device_bytes"] = memory["total"] + kept
+        figures.update({f"{name}_device_bytes_{key}": value for key, value in memory.items() if key != "total"})
+    if batches:
+        figures["training_state_kept_device_bytes"] = kept
     figures["device_bytes"] = plan.device_bytes
+    fits = all(need <= plan.device_bytes for need, _ in needs.values())
     out = training_args.output_dir
     if jax.process_index() == 0:
         metrics = MetricsLogger(out, tensorboard=False, progress=False)
@@ -112,13 +135,24 @@ def report_plan(training_args, layout):
         metrics.close()
         with open(os.path.join(out, "all_results.json"), "w", encoding="utf-8") as f:
             json.dump({"compile_only": plan.name, **figures, "fits": fits}, f, indent=2)
-    parts = ", ".join(f"{name} {readable(memory[name])}" for name in ("arguments", "outputs", "temporaries", "aliased"))
-    print(f"{plan.describe()}, --sharding {layout.name}: the train step needs {readable(memory['total'])} of "
-          f"{readable(plan.device_bytes)} per device ({parts}): {'fits' if fits else 'does not fit'}", flush=True)
-    if not fits:
-        raise RunError(does_not_fit(memory, plan.device_bytes, training_args.gradient_accumulation_steps, layout.name,
-                                    device=f"a TPU {plan.name} device",
-                                    checkpointing=training_args.gradient_checkpointing))
+    for name, (need, memory) in needs.items():
+        parts = ", ".join(f"{part} {readable(memory[part])}" for part in ("arguments", "outputs", "temporaries",
+                                                                          "aliased"))
+        if name != "train_step":
+            parts += f", training state kept {readable(kept)}"
+        print(f"{plan.describe()}, --sharding {layout.name}: the {name.replace('_', ' ')} needs {readable(need)} of "
+              f"{readable(plan.device_bytes)} per device ({parts}): "
+              f"{'fits' if need <= plan.device_bytes else 'does not fit'}", flush=True)
+    device = f"a TPU {plan.name} device"
+    if train["total"] > plan.device_bytes:
+        raise RunError(does_not_fit(train, plan.device_bytes, training_args.gradient_accumulation_steps, layout.name,
+                                    device=device, checkpointing=training_args.gradient_checkpointing))
+    for name, (need, _) in needs.items():
+        if need > plan.device_bytes:
+            split = "--sharding fsdp, " if layout.name == "dp" else ""
+            raise RunError(f"the {name.replace('_', ' ')} needs {readable(need)} per device but {device} has "
+                           f"{readable(plan.device_bytes)}: use {split}a smaller --per_device_eval_batch_size (now "
+                           f"{training_args.per_device_eval_batch_size}) or --dtype bfloat16")
     raise Done()
 
 
