@@ -170,6 +170,15 @@ def at_full_depth(family, shape, layout_name, remat, plan, optimizer, depths, co
               "fits": total <= DEVICE_BYTES[0], "from": f"fit of depths {d1}, {d2}",
               "bytes_per_layer": round(per_layer), "bytes_fixed": round(fixed),
               "compile_seconds": round(sum(r["compile_seconds"] for r in rows), 1)}
+    # A layer's float32 parameters and AdamW moments alone, on one device: a fit whose layers cost
+    # less did not see the layers dominate yet (too shallow depths: GPT-2 36 x 1280 under dp through
+    # 2 and 4 layers gave 127 MiB a layer, below its 236 MiB of state).
+    layer_parameters = (rows[1]["parameters"] - rows[0]["parameters"]) / (d2 - d1)
+    state_per_layer = 12 * layer_parameters / (1 if layout_name == "dp" else jax.device_count())
+    if optimizer == "adamw" and per_layer < state_per_layer:
+        result["below_state"] = True
+        print(f"  !! {per_layer / 2**20:.1f} MiB per layer is below the layer's own state "
+              f"({state_per_layer / 2**20:.1f} MiB): compile deeper (--depths)", flush=True)
     if len(rows) > 2:
         d3, b3 = rows[2]["shape"][0], rows[2]["bytes"]
         result["check"] = {"layers": d3, "compiled": b3, "fit": round(fixed + d3 * per_layer),

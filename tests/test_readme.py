@@ -196,33 +196,51 @@ def test_benchmarks_speed_table_is_results_cpu_json():
         key_cells=2)
 
 
-def size_row(memory, model, layout):
-    """The row of `model` under `layout` (no gradient checkpointing) in a memory benchmark's JSON."""
-    return next(row for row in memory["sizes"]
-                if row["model"] == model and row["layout"] == layout and not row["gradient_checkpointing"])
+def size_row(memory, model, layout, checkpointing=False):
+    """The row of `model` under `layout` (with or without gradient checkpointing) in a memory benchmark's JSON."""
+    return next(row for row in memory["sizes"] if row["model"] == model and row["layout"] == layout
+                and row["gradient_checkpointing"] == checkpointing)
 
 
 def test_memory_tables_are_memory_tpu_json_and_memory_cpu_json():
     labels = {"GPT-2 medium (24 x 1024)": "GPT-2 medium", "T5-large (24 x 1024, d_ff 4096)": "T5-large",
               "Llama-style 1.1B (22 x 2048)": "Llama-style 1.1B"}
-    for name, header in (("memory_tpu.json", "| model | parameters | `dp` on a v3-8 |"),
-                         ("memory_cpu.json", "| model | parameters | `dp` per device |")):
+    ratio = lambda memory, m, checkpointing: (size_row(memory, m, "fsdp", checkpointing)["bytes"]  # noqa: E731
+                                             / size_row(memory, m, "dp")["bytes"])
+    for name, header, with_checkpointing in (("memory_tpu.json", "| model | parameters | `dp` | `fsdp` |", True),
+                                             ("memory_cpu.json", "| model | parameters | `dp` per device |", False)):
         memory = json_file(name)
-        measured = {(row["model"], row["layout"]) for row in memory["sizes"] if not row["gradient_checkpointing"]}
-        # A model's row is in the table once both layouts are measured, and only then.
-        models = {label: m for label, m in labels.items() if {(m, "dp"), (m, "fsdp")} <= measured}
-        check_table("README.md", header, models, [
-            lambda m: [size_row(memory, m, "dp")["parameters"] / 1e6],
-            lambda m: [size_row(memory, m, "dp")["bytes"] / GIB],
-            lambda m: [size_row(memory, m, "fsdp")["bytes"] / GIB],
-            lambda m: [size_row(memory, m, "fsdp")["bytes"] / size_row(memory, m, "dp")["bytes"]]])
+        measured = {(row["model"], row["layout"], row["gradient_checkpointing"]) for row in memory["sizes"]}
+        needed = [("dp", False), ("fsdp", False)] + [("fsdp", True)] * with_checkpointing
+        # A model's row is in the table once each of its columns is measured, and only then.
+        models = {label: m for label, m in labels.items() if all((m, *key) in measured for key in needed)}
+        columns = [lambda m: [size_row(memory, m, "dp")["parameters"] / 1e6],
+                   lambda m: [size_row(memory, m, "dp")["bytes"] / GIB],
+                   lambda m: [size_row(memory, m, "fsdp")["bytes"] / GIB],
+                   lambda m: [ratio(memory, m, False)]]
+        if with_checkpointing:
+            columns += [lambda m: [size_row(memory, m, "fsdp", True)["bytes"] / GIB],
+                        lambda m: [ratio(memory, m, True)]]
+        check_table("README.md", header, models, columns)
 
-    largest = json_file("memory_tpu.json")["largest"]["llama fsdp remat on adamw"]
-    fit, over = largest["largest"], next(row for row in largest["tried"] if not row["fits"])
-    assert (f"{' x '.join(map(str, fit['shape'][:2]))} (MLP {fit['shape'][2]}, 32000 tokens), "
-            f"{fit['parameters'] / 1e9:.2f}B parameters, {fit['bytes'] / GIB:.2f} GiB per core") in read("README.md")
-    assert f"{fit['check']['layers']} layers\ncame out {-fit['check']['residual'] / MIB:.0f} MiB below" in read("README.md")
-    assert f"{over['bytes'] / GIB:.2f} GiB by the same fit" in read("README.md")
+    largest = json_file("memory_tpu.json")["largest"]
+
+    def ladder(key):  # "40 x 4096, 8.27B, 15.68 GiB (48 x 5120, 15.4B: 30.32)"; "not measured"
+        if key not in largest:
+            return []
+        fit = largest[key]["largest"]
+        over = min((row for row in largest[key]["tried"] if not row["fits"]), key=lambda row: row["parameters"],
+                   default=None)
+        return [value for row in (fit, over) if row for value in
+                (*row["shape"][:2], row["parameters"] / 1e9, row["bytes"] / GIB)]
+
+    families = {"GPT-2-style (50257 tokens)": "gpt2", "Llama-style (MLP 2.7 x, 32000 tokens)": "llama",
+                "T5-style (d_ff 4 x width, 32128 tokens)": "t5"}
+    check_table("README.md", "| family | `dp`, no checkpointing |", families,
+                [lambda f: ladder(f"{f} dp remat off adamw"), lambda f: ladder(f"{f} fsdp remat on adamw")])
+    check = largest["llama fsdp remat on adamw"]["largest"]["check"]
+    assert (f"compiled at {check['layers']} layers came out {-check['residual'] / MIB:.0f} MiB below its fit"
+            in " ".join(read("README.md").split()))
 
     memory = json_file("memory_cpu.json")
 
