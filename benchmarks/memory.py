@@ -99,7 +99,8 @@ def make_layout(name, plan):
 
 
 def train_step_memory(model, layout, optimizer="adamw"):
-    """Per-device bytes of the compiled train step of `model` under `layout` (nothing allocated)."""
+    """(per-device bytes of the compiled train step of `model` under `layout`, None) (nothing
+    allocated), or (None, why the TPU compiler refused to compile it: it does not fit)."""
     seq2seq = isinstance(model, FlaxT5ForConditionalGeneration)
 
     def loss_fn(params, batch, rng):
@@ -124,7 +125,7 @@ def train_step_memory(model, layout, optimizer="adamw"):
     batch = {"input_ids": np.ones((rows, SEQUENCE), np.int32),
              "labels": np.ones((rows, TARGET if seq2seq else SEQUENCE), np.int32)}
     layout.compile_train_step(train_step, layout.abstract_state(shapes), batch, 1)
-    return layout.train_step_memory
+    return layout.train_step_memory, layout.train_step_refused
 
 
 def with_layers(shape, layers):
@@ -137,7 +138,15 @@ def measure(family, shape, layout_name, remat, plan, optimizer="adamw"):
     if remat:
         enable_gradient_checkpointing(model)
     started = time.time()
-    memory = train_step_memory(model, make_layout(layout_name, plan), optimizer)
+    memory, refused = train_step_memory(model, make_layout(layout_name, plan), optimizer)
+    if refused:
+        row = {"family": family, "shape": list(shape), "parameters": parameters(model), "layout": layout_name,
+               "gradient_checkpointing": remat, "optimizer": optimizer, "bytes": None, "refused": refused,
+               "fits": False, "compile_seconds": round(time.time() - started, 1),
+               "load_average": round(os.getloadavg()[0], 1)}
+        print(f"{family:5} {'x'.join(map(str, shape)):14} {row['parameters'] / 1e9:6.2f}B {layout_name:4} "
+              f"remat {'on ' if remat else 'off'} {optimizer:9}: refused by the TPU compiler ({refused})", flush=True)
+        return row
     row = {"family": family, "shape": list(shape), "parameters": parameters(model), "layout": layout_name,
            "gradient_checkpointing": remat, "optimizer": optimizer, "bytes": memory["total"],
            "temporaries": memory["temporaries"], "arguments": memory["arguments"],
@@ -159,7 +168,15 @@ def at_full_depth(family, shape, layout_name, remat, plan, optimizer, depths, co
         row = measure(family, shape, layout_name, remat, plan, optimizer)
         compiles.append(row)
         return {**row, "from": "compile"}
-    rows = [measure(family, with_layers(shape, d), layout_name, remat, plan, optimizer) for d in depths]
+    rows = []
+    for depth in depths:
+        rows.append(measure(family, with_layers(shape, depth), layout_name, remat, plan, optimizer))
+        if rows[-1]["bytes"] is None:  # refused at this depth: deeper, the step only grows
+            compiles.extend(rows)
+            return {"family": family, "shape": list(shape), "parameters": parameters(build(family, shape)),
+                    "layout": layout_name, "gradient_checkpointing": remat, "optimizer": optimizer, "bytes": None,
+                    "fits": False, "from": f"refused by the TPU compiler at {depth} layers: {rows[-1]['refused']}",
+                    "compile_seconds": round(sum(r["compile_seconds"] for r in rows), 1)}
     compiles.extend(rows)
     (d1, b1), (d2, b2) = [(r["shape"][0], r["bytes"]) for r in rows[:2]]
     per_layer = (b2 - b1) / (d2 - d1)

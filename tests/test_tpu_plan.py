@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,7 @@ def test_an_unknown_slice_lists_the_known_ones():
 WIDTH, LAYERS, VOCAB, SEQUENCE = 256, 2, 1024, 64
 
 
-def _train_step_memory(layout):
+def _train_step_memory(layout, rows=8):
     """The compiled train step of a small GPT-2 (float32 AdamW, bf16 compute) under `layout`, planned;
     (its memory, the parameter shapes, the state's placed shapes). The model's eval step is in
     `layout.planned_steps`."""
@@ -77,7 +78,8 @@ def _train_step_memory(layout):
     params = layout.init_params(lambda: cast_floats(model.init_weights(jax.random.PRNGKey(0), (1, 8)), jnp.float32))
     state = layout.create_state(model.__call__, params, optax.adamw(1e-3), 0)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state))  # nothing allocated
-    assert layout.compile_train_step(train_step, state, {"input_ids": np.ones((8, SEQUENCE), np.int32)}, 1) is None
+    batch = {"input_ids": np.broadcast_to(np.int32(1), (rows, SEQUENCE))}  # shapes only: no rows allocated
+    assert layout.compile_train_step(train_step, state, batch, 1) is None
     assert layout.compile_step("eval_step", lambda params, batch: loss_fn(params, batch, None, False)[1]) is None
     return layout.train_step_memory, params, state
 
@@ -161,6 +163,47 @@ def test_an_eval_step_counts_the_training_state_it_runs_beside(v3, fsdp_plan, tm
                                        r"bfloat16$"):
         report_plan(args, layout, state, batches)
     assert json.load(open(tmp_path / "all_results.json"))["fits"] is False
+
+
+# The TPU compiler does not compile a step whose temporaries alone exceed the HBM ("Ran out of memory
+# on HBM, the total memory required for HLO temporaries (52.14G) exceeds available HBM (15.48G)"):
+# 2^20 rows of 64 tokens make the small GPT-2's eval step need 52 GiB a v3 core, 2^18 rows its train
+# step 33 GiB (refused in seconds; 2^17 rows compile, 14.2 GiB).
+HUGE_BATCH = {"input_ids": np.broadcast_to(np.int32(1), (2**20, SEQUENCE))}
+REFUSED = r"Ran out of memory on HBM, the total memory required for HLO temporaries \([\d.]+G\) exceeds available HBM"
+
+
+@needs_libtpu
+def test_a_train_step_the_tpu_compiler_refuses_does_not_fit(v3, tmp_path, capsys):
+    layout = FullySharded(8, v3)
+    memory, _, state = _train_step_memory(layout, rows=2**18)
+    assert memory is None and re.fullmatch(REFUSED + r" \([\d.]+G\)", layout.train_step_refused)
+    args = type("Args", (), {"output_dir": str(tmp_path), "gradient_accumulation_steps": 1,
+                             "gradient_checkpointing": True, "per_device_eval_batch_size": 8})()
+    with pytest.raises(RunError, match=r"^the train step does not fit a TPU v3-8 device \(the TPU compiler: "
+                                       + REFUSED + r".*\): use a smaller --per_device_train_batch_size with more "
+                                       r"--gradient_accumulation_steps \(now 1\), --dtype bfloat16 "
+                                       r"\(--gradient_checkpointing is on\)$"):
+        report_plan(args, layout, state, {"eval_step": {"input_ids": np.ones((8, SEQUENCE), np.int32)}})
+    assert "--sharding fsdp: the train step does not fit: the TPU compiler refuses it (" in capsys.readouterr().out
+    results = json.load(open(tmp_path / "all_results.json"))
+    assert results["fits"] is False and re.match(REFUSED, results["train_step_refused"])
+    assert "train_step_device_bytes" not in results and "eval_step_device_bytes" not in results
+
+
+@needs_libtpu
+def test_an_eval_step_the_tpu_compiler_refuses_does_not_fit(v3, fsdp_plan, tmp_path):
+    layout, _, _, state = fsdp_plan
+    layout.plan = v3
+    args = type("Args", (), {"output_dir": str(tmp_path), "gradient_accumulation_steps": 1,
+                             "gradient_checkpointing": False, "per_device_eval_batch_size": 2**17})()
+    with pytest.raises(RunError, match=r"^the eval step does not fit a TPU v3-8 device \(the TPU compiler: "
+                                       + REFUSED + r".*\): use a smaller --per_device_eval_batch_size "
+                                       r"\(now 131072\) or --dtype bfloat16$"):
+        report_plan(args, layout, state, {"eval_step": HUGE_BATCH})
+    results = json.load(open(tmp_path / "all_results.json"))
+    assert results["fits"] is False and results["train_step_device_bytes"] > 0
+    assert re.match(REFUSED, results["eval_step_refused"]) and "eval_step_device_bytes" not in results
 
 
 # script, its tiny config with a smaller model, the sharding, and the steps the config's run would call

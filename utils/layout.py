@@ -129,11 +129,27 @@ def device_memory_limit():
 def does_not_fit(stats, limit, gradient_accumulation_steps, layout_name, device="a device", checkpointing=False):
     """What to say when a train step of `stats` cannot fit `limit` bytes per device: the need, and
     the levers that lower it (those not pulled yet)."""
+    return (f"the train step needs {readable(stats['total'])} per device but {device} has {readable(limit)}: "
+            f"{train_levers(gradient_accumulation_steps, layout_name, checkpointing)}")
+
+
+def train_levers(gradient_accumulation_steps, layout_name, checkpointing):
+    """"use ...": what lowers a train step's memory, of the levers not pulled yet."""
     split = "--sharding fsdp, " if layout_name == "dp" else ""
     last = ", or --gradient_checkpointing" if not checkpointing else " (--gradient_checkpointing is on)"
-    return (f"the train step needs {readable(stats['total'])} per device but {device} has {readable(limit)}: use "
-            f"{split}a smaller --per_device_train_batch_size with more --gradient_accumulation_steps (now "
+    return (f"use {split}a smaller --per_device_train_batch_size with more --gradient_accumulation_steps (now "
             f"{gradient_accumulation_steps}), --dtype bfloat16{last}")
+
+
+def plan_memory(lowered):
+    """(`memory_stats`, None) of a step lowered for a TPU plan, or (None, the TPU compiler's reason)
+    when it refuses: it does not compile a step whose temporaries alone exceed the device's HBM."""
+    try:
+        return memory_stats(lowered.compile()), None
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        return None, str(error).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0].rstrip(".")
 
 
 def check_fits(stats, gradient_accumulation_steps, layout_name):
@@ -179,6 +195,7 @@ class Layout:
 
     name = None
     train_step_memory = None  # per-device bytes of the compiled train step (`memory_stats`), once compiled
+    train_step_refused = None  # planning for a TPU: why its compiler would not compile the train step
 
     def __init__(self, plan=None):
         # A `utils.tpu_plan.Topology`: the layout places shapes on its compile-only devices, and
@@ -205,9 +222,10 @@ class Layout:
         for a TPU (`plan`), nothing is checked and nothing can run: None is returned."""
         if self.plan:
             batch = self.abstract_batch(example_batch)
-            self.train_step_memory = memory_stats(self._jit_train_step(train_step, state).lower(state, batch).compile())
+            self.train_step_memory, self.train_step_refused = plan_memory(
+                self._jit_train_step(train_step, state).lower(state, batch))
             logger.info("train step (%s) on %s: %s", self.name, self.plan.describe(),
-                        _memory_line(self.train_step_memory))
+                        self.train_step_refused or _memory_line(self.train_step_memory))
             return None
 
         def build():

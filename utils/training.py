@@ -17,7 +17,7 @@ import jax
 
 from utils import devices
 from utils.errors import Done, RunError
-from utils.layout import does_not_fit, memory_stats, per_device_bytes, readable
+from utils.layout import does_not_fit, per_device_bytes, plan_memory, readable, train_levers
 from utils.logging import MetricsLogger, throughput_meter
 from utils.loop import TrainLoop, eval_batches, host_eval_batches, host_means
 from utils.optim import create_optimizer
@@ -110,49 +110,65 @@ def report_plan(training_args, layout, state=None, batches=None):
     predict, generate: `layout.planned_steps`) on its first batch (host rows), against the slice's
     HBM; printed and written (metrics.jsonl, all_results.json: the keys a training run records, plus
     the device's bytes and whether every step fits); then the run ends, with the levers as its error
-    when one does not fit.
+    when one does not fit. A step the TPU compiler refuses to compile (its temporaries alone exceed
+    the HBM) does not fit: its reason is written instead of its bytes.
 
     While another step runs, the training state beyond the parameters (optimizer moments, step
     counter, dropout keys) stays on the device: its bytes count in that step's need.
     """
-    plan, train = layout.plan, layout.train_step_memory
-    figures = {f"train_step_device_bytes{'' if key == 'total' else '_' + key}": value for key, value in train.items()}
-    needs = {"train_step": (train["total"], train)}
-    kept = per_device_bytes(state) - per_device_bytes(state.params) if batches else 0
-    for name, batch in (batches or {}).items():
-        memory = memory_stats(layout.planned_steps[name].lower(state.params, layout.abstract_batch(batch)).compile())
-        needs[name] = (memory["total"] + kept, memory)
-        figures[f"{name}_device_bytes"] = memory["total"] + kept
+    plan = layout.plan
+    plans = {"train_step": (layout.train_step_memory, layout.train_step_refused)}
+    if layout.train_step_memory and batches:  # a refused train step decides it: the others are moot
+        for name, batch in batches.items():
+            plans[name] = plan_memory(layout.planned_steps[name].lower(state.params, layout.abstract_batch(batch)))
+    kept = per_device_bytes(state) - per_device_bytes(state.params) if len(plans) > 1 else 0
+    figures, needs = {}, {}
+    for name, (memory, refused) in plans.items():
+        if refused:
+            figures[f"{name}_refused"] = refused
+            continue
+        needs[name] = memory["total"] + (kept if name != "train_step" else 0)
+        figures[f"{name}_device_bytes"] = needs[name]
         figures.update({f"{name}_device_bytes_{key}": value for key, value in memory.items() if key != "total"})
-    if batches:
+    if len(plans) > 1:
         figures["training_state_kept_device_bytes"] = kept
     figures["device_bytes"] = plan.device_bytes
-    fits = all(need <= plan.device_bytes for need, _ in needs.values())
+    fits = len(needs) == len(plans) and all(need <= plan.device_bytes for need in needs.values())
     out = training_args.output_dir
     if jax.process_index() == 0:
         metrics = MetricsLogger(out, tensorboard=False, progress=False)
-        metrics.log(0, figures, split="memory")
+        metrics.log(0, {k: v for k, v in figures.items() if not k.endswith("_refused")}, split="memory")
         metrics.close()
         with open(os.path.join(out, "all_results.json"), "w", encoding="utf-8") as f:
             json.dump({"compile_only": plan.name, **figures, "fits": fits}, f, indent=2)
-    for name, (need, memory) in needs.items():
+    where = f"{plan.describe()}, --sharding {layout.name}: the"
+    for name, (memory, refused) in plans.items():
+        step = name.replace("_", " ")
+        if refused:
+            print(f"{where} {step} does not fit: the TPU compiler refuses it ({refused})", flush=True)
+            continue
         parts = ", ".join(f"{part} {readable(memory[part])}" for part in ("arguments", "outputs", "temporaries",
                                                                           "aliased"))
         if name != "train_step":
             parts += f", training state kept {readable(kept)}"
-        print(f"{plan.describe()}, --sharding {layout.name}: the {name.replace('_', ' ')} needs {readable(need)} of "
-              f"{readable(plan.device_bytes)} per device ({parts}): "
-              f"{'fits' if need <= plan.device_bytes else 'does not fit'}", flush=True)
+        print(f"{where} {step} needs {readable(needs[name])} of {readable(plan.device_bytes)} per device ({parts}): "
+              f"{'fits' if needs[name] <= plan.device_bytes else 'does not fit'}", flush=True)
     device = f"a TPU {plan.name} device"
-    if train["total"] > plan.device_bytes:
-        raise RunError(does_not_fit(train, plan.device_bytes, training_args.gradient_accumulation_steps, layout.name,
-                                    device=device, checkpointing=training_args.gradient_checkpointing))
-    for name, (need, _) in needs.items():
-        if need > plan.device_bytes:
-            split = "--sharding fsdp, " if layout.name == "dp" else ""
-            raise RunError(f"the {name.replace('_', ' ')} needs {readable(need)} per device but {device} has "
-                           f"{readable(plan.device_bytes)}: use {split}a smaller --per_device_eval_batch_size (now "
-                           f"{training_args.per_device_eval_batch_size}) or --dtype bfloat16")
+    accumulation, checkpointing = training_args.gradient_accumulation_steps, training_args.gradient_checkpointing
+    if layout.train_step_refused:
+        raise RunError(f"the train step does not fit {device} (the TPU compiler: {layout.train_step_refused}): "
+                       f"{train_levers(accumulation, layout.name, checkpointing)}")
+    if needs["train_step"] > plan.device_bytes:
+        raise RunError(does_not_fit(layout.train_step_memory, plan.device_bytes, accumulation, layout.name,
+                                    device=device, checkpointing=checkpointing))
+    for name, (memory, refused) in plans.items():
+        if refused or needs[name] > plan.device_bytes:
+            step, split = name.replace("_", " "), "--sharding fsdp, " if layout.name == "dp" else ""
+            levers = (f"use {split}a smaller --per_device_eval_batch_size (now "
+                      f"{training_args.per_device_eval_batch_size}) or --dtype bfloat16")
+            need = (f"does not fit {device} (the TPU compiler: {refused})" if refused else
+                    f"needs {readable(needs[name])} per device but {device} has {readable(plan.device_bytes)}")
+            raise RunError(f"the {step} {need}: {levers}")
     raise Done()
 
 
