@@ -126,3 +126,25 @@ def test_a_step_too_big_for_the_device_stops_before_anything_is_written(tmp_path
                         r"fsdp, a smaller --per_device_train_batch_size with more --gradient_accumulation_steps "
                         r"\(now 1\), --dtype bfloat16, or --gradient_checkpointing", last), last
     assert directory_state(out) == before
+
+
+def test_a_step_the_compiler_refuses_stops_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """A TPU's compiler does not compile a step whose temporaries alone exceed the device's memory
+    (RESOURCE_EXHAUSTED, its message below): the same levers, in one line. Faked here on the CPU."""
+    def refuse(lowered):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
+                                         "for HLO temporaries (22.04G) exceeds available HBM (15.48G).")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", refuse)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    before = directory_state(out)
+    argv = [str(a) for a in command("clm", str(out), "--overwrite_output_dir", "--gradient_checkpointing")[1:]]
+    assert run_main(lambda: clm.main(argv), argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == ("error: the train step does not fit a device (the compiler: Ran out of memory on HBM, the total "
+                    "memory required for HLO temporaries (22.04G) exceeds available HBM (15.48G)): use --sharding "
+                    "fsdp, a smaller --per_device_train_batch_size with more --gradient_accumulation_steps (now 1), "
+                    "--dtype bfloat16 (--gradient_checkpointing is on)"), last
+    assert directory_state(out) == before

@@ -141,22 +141,29 @@ def train_levers(gradient_accumulation_steps, layout_name, checkpointing):
             f"{gradient_accumulation_steps}), --dtype bfloat16{last}")
 
 
-def plan_memory(lowered):
-    """(`memory_stats`, None) of a step lowered for a TPU plan, or (None, the TPU compiler's reason)
-    when it refuses: it does not compile a step whose temporaries alone exceed the device's HBM."""
+def compile_or_refuse(lowered):
+    """(compiled step, None), or (None, the compiler's reason) when it refuses: the TPU compiler does
+    not compile a step whose temporaries alone exceed the device's HBM (RESOURCE_EXHAUSTED)."""
     try:
-        return memory_stats(lowered.compile()), None
+        return lowered.compile(), None
     except jax.errors.JaxRuntimeError as error:
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
         return None, str(error).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0].rstrip(".")
 
 
-def check_fits(stats, gradient_accumulation_steps, layout_name):
+def plan_memory(lowered):
+    """(`memory_stats`, None) of a step lowered for a TPU plan, or (None, why the compiler refused it)."""
+    compiled, refused = compile_or_refuse(lowered)
+    return (memory_stats(compiled) if compiled else None), refused
+
+
+def check_fits(stats, gradient_accumulation_steps, layout_name, checkpointing=False):
     """Stop before training when the train step cannot fit the device (where its limit is known)."""
     limit = device_memory_limit()
     if limit is not None and stats["total"] > limit:
-        raise UsageError(does_not_fit(stats, limit, gradient_accumulation_steps, layout_name))
+        raise UsageError(does_not_fit(stats, limit, gradient_accumulation_steps, layout_name,
+                                      checkpointing=checkpointing))
 
 
 def step_wrapper(name, build, donated=()):
@@ -215,7 +222,7 @@ class Layout:
             yield queue.popleft()
             queue.extend(self.place_batch(batch) for batch in itertools.islice(batches, 1))
 
-    def compile_train_step(self, train_step, state, example_batch, gradient_accumulation_steps):
+    def compile_train_step(self, train_step, state, example_batch, gradient_accumulation_steps, checkpointing=False):
         """`train_step(state, batch) -> (state, sums)` compiled ahead of time for `state` and batches
         like `example_batch` (host rows of this process); its per-device memory is logged, kept in
         `train_step_memory`, and checked against the device's limit before any step runs. Planning
@@ -230,14 +237,17 @@ class Layout:
 
         def build():
             jitted = self._jit_train_step(train_step, state)
-            compiled = jitted.lower(state, self.place_batch(example_batch)).compile()
+            compiled, refused = compile_or_refuse(jitted.lower(state, self.place_batch(example_batch)))
+            if refused:
+                raise UsageError(f"the train step does not fit a device (the compiler: {refused}): "
+                                 f"{train_levers(gradient_accumulation_steps, self.name, checkpointing)}")
             self.train_step_memory = memory_stats(compiled)
             # Wait on the sums: the state goes into the next step, which deletes it.
             return self._in_flight.wrap(self._callable(jitted, compiled), done=lambda outputs: outputs[1])
 
         step = step_wrapper("train_step", build, donated=(0,))
         logger.info("train step (%s): %s", self.name, _memory_line(self.train_step_memory))
-        check_fits(self.train_step_memory, gradient_accumulation_steps, self.name)
+        check_fits(self.train_step_memory, gradient_accumulation_steps, self.name, checkpointing)
         return step
 
     def compile_step(self, name, step):

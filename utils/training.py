@@ -99,7 +99,8 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     p_train_step = None
     if training_args.do_train:
         p_train_step = layout.compile_train_step(train_step, state,
-                                                 train_data.example_batch(plan.batch_size, transform), accumulation)
+                                                 train_data.example_batch(plan.batch_size, transform), accumulation,
+                                                 training_args.gradient_checkpointing)
     p_eval_step = layout.compile_step("eval_step", eval_step)
     eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
     return state, Steps(p_train_step, p_eval_step, layout, eval_batch_size, predict_fn is not None)
