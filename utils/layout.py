@@ -152,6 +152,12 @@ def compile_or_refuse(lowered):
         return None, str(error).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0].rstrip(".")
 
 
+def eval_levers(per_device_eval_batch_size, layout_name):
+    """"use ...": what lowers an eval, predict or generate step's memory."""
+    split = "--sharding fsdp, " if layout_name == "dp" else ""
+    return f"use {split}a smaller --per_device_eval_batch_size (now {per_device_eval_batch_size}) or --dtype bfloat16"
+
+
 def plan_memory(lowered):
     """(`memory_stats`, None) of a step lowered for a TPU plan, or (None, why the compiler refused it)."""
     compiled, refused = compile_or_refuse(lowered)

@@ -17,7 +17,7 @@ import jax
 
 from utils import devices
 from utils.errors import Done, RunError
-from utils.layout import does_not_fit, per_device_bytes, plan_memory, readable, train_levers
+from utils.layout import does_not_fit, eval_levers, per_device_bytes, plan_memory, readable, train_levers
 from utils.logging import MetricsLogger, throughput_meter
 from utils.loop import TrainLoop, eval_batches, host_eval_batches, host_means
 from utils.optim import create_optimizer
@@ -164,12 +164,10 @@ def report_plan(training_args, layout, state=None, batches=None):
                                     device=device, checkpointing=checkpointing))
     for name, (memory, refused) in plans.items():
         if refused or needs[name] > plan.device_bytes:
-            step, split = name.replace("_", " "), "--sharding fsdp, " if layout.name == "dp" else ""
-            levers = (f"use {split}a smaller --per_device_eval_batch_size (now "
-                      f"{training_args.per_device_eval_batch_size}) or --dtype bfloat16")
             need = (f"does not fit {device} (the TPU compiler: {refused})" if refused else
                     f"needs {readable(needs[name])} per device but {device} has {readable(plan.device_bytes)}")
-            raise RunError(f"the {step} {need}: {levers}")
+            raise RunError(f"the {name.replace('_', ' ')} {need}: "
+                           f"{eval_levers(training_args.per_device_eval_batch_size, layout.name)}")
     raise Done()
 
 
