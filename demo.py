@@ -4,8 +4,8 @@
     python demo.py outputs/summarization_tiny                  # http://127.0.0.1:8501
     python demo.py OUTPUT_DIR --host 0.0.0.0 --port 8080       # reachable from other machines
 
-The task comes from the saved model (`utils.tasks`); the answers are the training script's own
-predict path (`utils.demo`). A Streamlit app (`pip install -r requirements-demo.txt`) that needs no
+The task comes from the saved model (`tasks`); the answers are the training script's own
+predict path (`tasks.demo`). A Streamlit app (`pip install -r requirements-demo.txt`) that needs no
 network: usage statistics off, nothing fetched from outside, 127.0.0.1 unless told otherwise.
 Run as `python demo.py`, it checks the output dir and starts Streamlit on this same file, which
 then draws the page.
@@ -45,7 +45,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from utils.demo import check_output_dir
+    from tasks.demo import check_output_dir
 
     check_output_dir(args.output_dir)  # a wrong directory fails here, before a server starts
     try:
@@ -101,7 +101,7 @@ def text_generation_form(st, predictor):
 
 
 def fill_mask_form(st, predictor):
-    from utils.demo import TOP_K
+    from tasks.demo import TOP_K
 
     mask = predictor.tokenizer.mask_token
     with st.form("request"):
@@ -174,7 +174,7 @@ def question_answering_form(st, predictor):
             answer = predictor(question, context)
             show_answer(st, answer)
             with st.container(key="context_shown"):
-                if answer.text:  # the best span with text (utils.qa.best_answers)
+                if answer.text:  # the best span with text (tasks.question_answering.best_answers)
                     st.markdown(highlighted(context, *next(e["offsets"] for e in answer.details if e["text"])))
                 else:
                     st.markdown("The model finds no answer to this question in the context.")
@@ -198,7 +198,7 @@ def image_classification_form(st, predictor):
         return show
 
 
-# Task -> the form asking for its input (`utils.demo.PREDICTORS` has the same keys).
+# Task -> the form asking for its input (`tasks.demo.PREDICTORS` has the same keys).
 FORMS = {
     "summarization": summarization_form,
     "causal-lm": text_generation_form,
@@ -214,7 +214,7 @@ FORMS = {
 def page(output_dir):
     import streamlit as st
 
-    from utils.demo import BadInput, load
+    from tasks.demo import BadInput, load
 
     st.set_page_config(page_title=f"flaxtune: {os.path.basename(output_dir)}")
 

@@ -19,17 +19,18 @@ from typing import Optional
 import jax.numpy as jnp
 from transformers import FlaxAutoModelForCausalLM
 
-from utils import devices, lm, stream
+from tasks import lm
+from tasks.causal_lm import TASK
+from utils import stream
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.metrics import perplexity
-from utils.models import (enable_gradient_checkpointing, fit_config_to_tokenizer, load_config, load_model,
+from utils.models import (fit_config_to_tokenizer, load_config, load_model,
                           load_tokenizer)
 from utils.run import set_up, training_plan
 from utils.steps import cross_entropy_sums
 from utils.training import TrainingRun, make_steps
-
 
 @dataclass
 class DataTrainingArguments(lm.LMDataArguments):
@@ -42,7 +43,6 @@ class DataTrainingArguments(lm.LMDataArguments):
         super().__post_init__()
         if self.block_size is not None and self.block_size <= 1:
             raise UsageError(f"--block_size must be at least 2 (a token and its successor), got {self.block_size}")
-
 
 # ----------------------------------------------------------------------------------------------
 # Loss
@@ -61,7 +61,6 @@ def next_token_loss(logits, input_ids, example_weight=None, label_smoothing=0.0)
     loss, tokens = cross_entropy_sums(logits[:, :-1], labels, weights, label_smoothing)
     return loss, {"loss": loss, "tokens": tokens}
 
-
 # ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
@@ -69,7 +68,7 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    preflight = lm.check_before_work(training_args, data_args, model_args)
+    preflight = lm.check_before_work(training_args, data_args, TASK, model_args)
     logger, is_main = set_up(training_args)
     layout = make_layout(training_args)
 
@@ -98,20 +97,16 @@ def main(argv=None):
     eval_size = len(eval_arrays["input_ids"]) if eval_arrays is not None else 0
     plan = training_plan(training_args, train_data and train_data.size)
 
-    model, params = load_model(FlaxAutoModelForCausalLM, model_args, config, devices.to_dtype(model_args.dtype),
-                               training_args.seed, layout)
-    if training_args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+    model, params = load_model(FlaxAutoModelForCausalLM, model_args, config, training_args.seed, layout)
 
     # ------------------------------------------------------------------------------------------
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
-    label_smoothing = training_args.label_smoothing_factor
 
-    def loss_fn(params, batch, dropout_rng, train):
+    def loss_fn(params, batch, dropout_rng, train, label_smoothing):
         logits = model(batch["input_ids"], params=params, dropout_rng=dropout_rng, train=train)[0]
         return next_token_loss(logits, batch["input_ids"], batch.get("example_weight"),
-                               label_smoothing if train else 0.0)
+                               label_smoothing)
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data)
 
@@ -126,7 +121,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    run = TrainingRun(training_args, (model_args, data_args, training_args), plan, layout, train_data, is_main)
+    run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
     state = run.start(state, preflight.resume, config, model, tokenizer)
 
     # ------------------------------------------------------------------------------------------
@@ -147,7 +142,6 @@ def main(argv=None):
     if run.final_eval_due():
         run.report("eval", evaluate(state.params))
     run.finish()
-
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

@@ -24,7 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from transformers import FlaxAutoModelForSequenceClassification
 
-from utils import classification, data, devices
+from tasks import classification
+from tasks.text_classification import TASK
+from utils import data
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
@@ -36,7 +38,6 @@ from utils.training import TrainingRun, make_steps
 
 GLUE_DATASET = "nyu-mll/glue"
 
-
 @dataclass
 class GlueModelArguments(ModelArguments):
     use_slow_tokenizer: bool = field(
@@ -46,7 +47,6 @@ class GlueModelArguments(ModelArguments):
         super().__post_init__()
         if self.use_slow_tokenizer:
             self.use_fast_tokenizer = False
-
 
 @dataclass
 class DataTrainingArguments(BaseDataArguments):
@@ -75,7 +75,6 @@ class DataTrainingArguments(BaseDataArguments):
         if self.max_seq_length is not None and self.max_seq_length <= 0:
             raise UsageError(f"--max_seq_length must be positive, got {self.max_seq_length}")
 
-
 # ----------------------------------------------------------------------------------------------
 # Data: splits, columns, labels
 # ----------------------------------------------------------------------------------------------
@@ -85,7 +84,6 @@ def phase_splits(task, local):
     if task is None or local:
         return {"train": ["train"], "validation": [("validation", "eval")], "test": ["test"]}
     return {"train": ["train"], "validation": list(task.eval_splits), "test": list(task.test_splits)}
-
 
 def resolve_columns(data_args, task, columns):
     """(first text column, second text column or None, label column), checked against `columns`
@@ -110,13 +108,11 @@ def resolve_columns(data_args, task, columns):
                          [("label_column_name", label)])
     return texts[0], (texts[1] if len(texts) > 1 else None), label
 
-
 def split_label_names(dataset, label_column):
     """A split's labels as names: hub ClassLabel ids become their names, other labels their str()."""
     feature = dataset.features[label_column]
     values = list(dataset[label_column])
     return [feature.int2str(v) for v in values] if hasattr(feature, "int2str") else [str(v) for v in values]
-
 
 def label_list_of(dataset, label_column):
     """A split's label names by id, or None when its labels are floats (a regression): a hub
@@ -126,7 +122,6 @@ def label_list_of(dataset, label_column):
         return list(feature.names)
     labels = classification.label_list(dataset[label_column])
     return None if labels is None else [str(label) for label in labels]
-
 
 def choose_labels(task, raw, label_column, config, pretrained, label_source):
     """The label names, by id, or None for a regression.
@@ -157,7 +152,6 @@ def choose_labels(task, raw, label_column, config, pretrained, label_source):
                          "(its base model), or relabel the data")
     return saved
 
-
 def label_ids(split, label_values, names):
     """Label ids of a split's label names; a label the list lacks is a UsageError."""
     index = {name.lower(): i for i, name in enumerate(names)}
@@ -166,7 +160,6 @@ def label_ids(split, label_values, names):
         raise UsageError(f"the {split} data has labels the model does not know: {', '.join(map(repr, unknown[:5]))} "
                          f"(its labels: {', '.join(map(repr, names))})")
     return np.array([index[value.lower()] for value in label_values], np.int32)
-
 
 def tokenize(dataset, tokenizer, data_args, text_columns, seq_length, input_names):
     """Every example (or pair) tokenized to exactly `seq_length` tokens."""
@@ -183,7 +176,6 @@ def tokenize(dataset, tokenizer, data_args, text_columns, seq_length, input_name
                        remove_columns=dataset.column_names, load_from_cache_file=not data_args.overwrite_cache,
                        desc="tokenizing")
 
-
 # ----------------------------------------------------------------------------------------------
 # Loss
 # ----------------------------------------------------------------------------------------------
@@ -194,7 +186,6 @@ def classification_loss(logits, labels, example_weight=None, label_smoothing=0.0
     loss, examples = cross_entropy_sums(logits, labels, weights, label_smoothing)
     return loss, {"loss": loss, "tokens": examples}
 
-
 def regression_loss(logits, labels, example_weight=None):
     """(loss sum, {"loss", "tokens"}): squared error of the one output, summed over the examples (the
     mean is the MSE)."""
@@ -202,7 +193,6 @@ def regression_loss(logits, labels, example_weight=None):
     errors = (logits[:, 0].astype(jnp.float32) - labels.astype(jnp.float32)) ** 2
     loss = (errors * weights).sum()
     return loss, {"loss": loss, "tokens": weights.sum()}
-
 
 # ----------------------------------------------------------------------------------------------
 # Main
@@ -216,7 +206,7 @@ def main(argv=None):
     local = any(files.values())
     if task is not None and not local and not data_args.dataset_name:
         data_args.dataset_name, data_args.dataset_config_name = GLUE_DATASET, data_args.task_name
-    preflight = check_before_work(training_args, data_args, files, allowed=("json", "csv"), model_args=model_args)
+    preflight = check_before_work(training_args, data_args, TASK, files, allowed=("json", "csv"), model_args=model_args)
     phases = phase_splits(task, local)
     needed = {phase: phases[phase] for phase in ("train", "validation", "test")
               if getattr(training_args, SPLIT_FLAGS[phase][0])}
@@ -264,7 +254,7 @@ def main(argv=None):
     # Model, preprocessing
     # ------------------------------------------------------------------------------------------
     model, params = load_model(FlaxAutoModelForSequenceClassification, model_args, config,
-                               devices.to_dtype(model_args.dtype), training_args.seed, layout,
+                               training_args.seed, layout,
                                new_head_if_mismatched=True)
     # What the tokenizer gives and the family takes (DistilBERT has no token types, a BERT tokenizer makes them).
     model_inputs = [name for name in ("input_ids", "attention_mask", "token_type_ids")
@@ -285,17 +275,16 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
-    label_smoothing = training_args.label_smoothing_factor
 
     def logits_of(params, batch, dropout_rng=None, train=False):
         return model(**{k: batch[k] for k in model_inputs}, params=params, dropout_rng=dropout_rng, train=train)[0]
 
-    def loss_fn(params, batch, dropout_rng, train):
+    def loss_fn(params, batch, dropout_rng, train, label_smoothing):
         logits = logits_of(params, batch, dropout_rng, train)
         if is_regression:
             return regression_loss(logits, batch["labels"], batch.get("example_weight"))
         return classification_loss(logits, batch["labels"], batch.get("example_weight"),
-                                   label_smoothing if train else 0.0)
+                                   label_smoothing)
 
     def predict_fn(params, batch):
         """Each row's prediction: its score (regression) or its class id."""
@@ -334,7 +323,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    run = TrainingRun(training_args, (model_args, data_args, training_args), plan, layout, train_data, is_main)
+    run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
     state = run.start(state, preflight.resume, config, model, tokenizer)
 
     # ------------------------------------------------------------------------------------------
@@ -361,7 +350,6 @@ def main(argv=None):
             run.write_text(name, ["index\tprediction", *predict(state.params, split)], collapse_whitespace=False)
         run.dir.add_results(predict_samples=sum(sizes[split] for split in needed["test"]))
     run.finish()
-
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

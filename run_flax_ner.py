@@ -23,21 +23,21 @@ import jax.numpy as jnp
 import numpy as np
 from transformers import FlaxAutoModelForTokenClassification, PretrainedConfig
 
-from utils import data, devices
-from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
-from utils.classification import (IGNORE_INDEX, align_word_labels, config_label_maps, entity_metrics,
+from tasks.classification import (IGNORE_INDEX, align_word_labels, config_label_maps, entity_metrics,
                                   first_token_positions, inside_label_ids)
+from tasks.token_classification import TASK
+from utils import data
+from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.loop import InMemoryData
-from utils.models import (enable_gradient_checkpointing, fit_config_to_tokenizer, fit_length, load_config,
+from utils.models import (fit_config_to_tokenizer, fit_length, load_config,
                           load_model, load_tokenizer, max_positions)
 from utils.run import SPLIT_FLAGS, check_before_work, needed_splits, set_up, training_plan
 from utils.steps import cross_entropy_sums
 from utils.training import TrainingRun, make_steps
 
 TASKS = ("ner", "pos", "chunk")
-
 
 @dataclass
 class DataTrainingArguments(BaseDataArguments):
@@ -70,7 +70,6 @@ class DataTrainingArguments(BaseDataArguments):
             raise UsageError(f"--max_seq_length must be at least 2 (special tokens and a word), got "
                              f"{self.max_seq_length}")
 
-
 # ----------------------------------------------------------------------------------------------
 # Data: columns, tags, tokenizing and aligning
 # ----------------------------------------------------------------------------------------------
@@ -89,7 +88,6 @@ def resolve_columns(data_args, columns):
     data.require_columns(columns, (("text_column_name", text), ("label_column_name", label)))
     return text, label
 
-
 def as_sequence(value, what, split, row):
     """A row's words or tags as a list; a string is whitespace-separated (csv files hold them so)."""
     if isinstance(value, str):
@@ -98,7 +96,6 @@ def as_sequence(value, what, split, row):
         raise UsageError(f"row {row} of the {split} data: the {what} are a {type(value).__name__}, not a list (or a "
                          "space-separated string)")
     return list(value)
-
 
 def read_sentences(dataset, text_column, label_column, split, tokenizer, data_args):
     """The rows as `words`, `tags` (names: ClassLabel ids named, other tags as strings) and `length`
@@ -127,11 +124,9 @@ def read_sentences(dataset, text_column, label_column, split, tokenizer, data_ar
                        remove_columns=dataset.column_names, load_from_cache_file=not data_args.overwrite_cache,
                        desc=f"reading the {split} sentences")
 
-
 def has_label_map(config):
     """Whether `config` names its labels (a fine-tuned tagger), not transformers' LABEL_i defaults."""
     return config.label2id != PretrainedConfig(num_labels=config.num_labels).label2id
-
 
 def choose_labels(config, data_tags, training, model_name, logger):
     """(label list, whether a pretrained head may be replaced): the checkpoint's own labels when it
@@ -155,7 +150,6 @@ def choose_labels(config, data_tags, training, model_name, logger):
                          "unnamed labels: fine-tune it on the data (--do_train)")
     return labels, True
 
-
 def tokenize_and_align(sentences, tokenizer, seq_length, label_ids, inside_ids, data_args):
     """Fixed-length rows: input_ids, attention_mask (token_type_ids where the tokenizer makes them),
     labels (a word's tag on its first sub-token, IGNORE_INDEX on the others, or their I- tag with
@@ -178,7 +172,6 @@ def tokenize_and_align(sentences, tokenizer, seq_length, label_ids, inside_ids, 
     return sentences.map(tokenize, batched=True, num_proc=data_args.preprocessing_num_workers,
                          load_from_cache_file=not data_args.overwrite_cache, desc="tokenizing")
 
-
 def load_tagging_tokenizer(model_args):
     """A fast tokenizer (word ids need one); byte-level BPE ones (RoBERTa, GPT-2 style) get
     add_prefix_space, so that each pre-split word is tokenized as the word it is inside a sentence."""
@@ -192,7 +185,6 @@ def load_tagging_tokenizer(model_args):
     if state.get("type") == "ByteLevel" and not state.get("add_prefix_space"):
         tokenizer = load_tokenizer(model_args, add_prefix_space=True)
     return tokenizer
-
 
 # ----------------------------------------------------------------------------------------------
 # Loss
@@ -208,11 +200,9 @@ def tagging_loss(logits, labels, example_weight=None, label_smoothing=0.0):
                                       label_smoothing)
     return loss, {"loss": loss, "tokens": tokens}
 
-
 def word_tags(predicted_ids, word_starts, label_list):
     """The tag predicted for each word of one example within --max_seq_length: its first sub-token's."""
     return [label_list[i] for i in predicted_ids[np.flatnonzero(word_starts)]]
-
 
 # ----------------------------------------------------------------------------------------------
 # Main
@@ -222,7 +212,7 @@ def main(argv=None):
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-    preflight = check_before_work(training_args, data_args, files, allowed=("json", "csv"), model_args=model_args)
+    preflight = check_before_work(training_args, data_args, TASK, files, allowed=("json", "csv"), model_args=model_args)
     splits = needed_splits(training_args)
     if not data_args.dataset_name and all(split in preflight.columns for split in splits):
         resolve_columns(data_args, {split: preflight.columns[split] for split in splits})  # a wrong column fails now
@@ -278,22 +268,19 @@ def main(argv=None):
     # Model
     # ------------------------------------------------------------------------------------------
     model, params = load_model(FlaxAutoModelForTokenClassification, model_args, config,
-                               devices.to_dtype(model_args.dtype), training_args.seed, layout,
+                               training_args.seed, layout,
                                new_head_if_mismatched=new_head and training_args.do_train)
-    if training_args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
 
     # ------------------------------------------------------------------------------------------
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
-    label_smoothing = training_args.label_smoothing_factor
 
     def logits_of(params, batch, dropout_rng=None, train=False):
         return model(**{k: batch[k] for k in model_inputs}, params=params, dropout_rng=dropout_rng, train=train)[0]
 
-    def loss_fn(params, batch, dropout_rng, train):
+    def loss_fn(params, batch, dropout_rng, train, label_smoothing):
         return tagging_loss(logits_of(params, batch, dropout_rng, train), batch["labels"], batch.get("example_weight"),
-                            label_smoothing if train else 0.0)
+                            label_smoothing)
 
     def predict_fn(params, batch):
         return jnp.argmax(logits_of(params, batch), axis=-1).astype(jnp.int32)
@@ -315,7 +302,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    run = TrainingRun(training_args, (model_args, data_args, training_args), plan, layout, train_data, is_main)
+    run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
     state = run.start(state, preflight.resume, config, model, tokenizer)
 
     # ------------------------------------------------------------------------------------------
@@ -344,7 +331,6 @@ def main(argv=None):
             lines.extend(f"{word} {tag}" for word, tag in zip(words, tags))
         run.write_text("predictions.txt", lines)
     run.finish()
-
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

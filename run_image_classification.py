@@ -30,11 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from transformers import FlaxAutoModelForImageClassification
 
-from utils import classification, data, devices, images
+from tasks import classification, image_classification as images
+from tasks.image_classification import TASK
+from utils import data
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
-from utils.models import enable_gradient_checkpointing, load_config, load_model
+from utils.models import load_config, load_model
 from utils.run import SPLIT_FLAGS, check_before_work, set_up, training_plan
 from utils.steps import cross_entropy_sums
 from utils.training import TrainingRun, make_steps
@@ -46,13 +48,11 @@ DEFAULT_IMAGE_SIZE = 224
 RESIZABLE_POSITIONS = ("dinov2",)
 TOP_K = 5
 
-
 @dataclass
 class ImageModelArguments(ModelArguments):
     image_processor_name: Optional[str] = field(
         default=None, metadata={"help": "Image processor (name or path) whose normalisation the images get "
                                         "(default: the model's; from scratch: mean 0.5, std 0.5)."})
-
 
 @dataclass
 class ImageDataArguments(BaseDataArguments):
@@ -88,9 +88,7 @@ class ImageDataArguments(BaseDataArguments):
         if not 0 < self.min_crop_scale <= 1:
             raise UsageError(f"--min_crop_scale must be in (0, 1], got {self.min_crop_scale}")
 
-
 SPLIT_DIRS = {"train": "train_dir", "validation": "validation_dir", "test": "test_dir"}
-
 
 # ----------------------------------------------------------------------------------------------
 # Data: image sources and their labels, per split
@@ -105,7 +103,6 @@ def check_data_given(training_args, data_args):
             raise UsageError(f"--{phase} needs {split} images: pass --{SPLIT_DIRS[split]} (root/<class>/<image>), "
                              f"{file_flag} or --dataset_name")
 
-
 def folder_split(data_args, split):
     """(image paths, class name of each or None, display names) of a split's folder."""
     root = getattr(data_args, SPLIT_DIRS[split])
@@ -115,7 +112,6 @@ def folder_split(data_args, split):
     else:
         paths, names, _ = images.scan_folder(root, SPLIT_DIRS[split])
     return paths, names, [os.path.relpath(path, root) for path in paths]
-
 
 def dataset_columns(data_args, columns, split):
     """(image column, label column or None) of a dataset split's `columns`."""
@@ -133,7 +129,6 @@ def dataset_columns(data_args, columns, split):
     data.require_columns({split: columns}, [("label_column_name", label)])
     return image, label
 
-
 def dataset_split(data_args, dataset, split, file):
     """(image sources, label name of each or None, display names) of a `datasets` split."""
     image_column, label_column = dataset_columns(data_args, dataset.column_names, split)
@@ -149,7 +144,6 @@ def dataset_split(data_args, dataset, split, file):
             classification.label_list(values)  # missing or mixed labels fail here
             names = [str(v) for v in values]
     return sources, names, [sources.name(i) for i in range(len(sources))]
-
 
 def load_image_splits(data_args, training_args, cache_dir):
     """{split: (sources, label names or None, display names)} of the phases asked for."""
@@ -172,7 +166,6 @@ def load_image_splits(data_args, training_args, cache_dir):
               "test": data_args.max_predict_samples}
     return {split: take_subset(parts, limits[split], training_args.seed) for split, parts in loaded.items()}
 
-
 def take_subset(parts, max_samples, seed):
     """(sources, label names, display names) of `max_samples` images drawn at random (seeded), in
     their order: a folder's first images would all be of its first class."""
@@ -183,14 +176,12 @@ def take_subset(parts, max_samples, seed):
     pick = (lambda values: None if values is None else [values[i] for i in keep])
     return (sources.select(keep) if hasattr(sources, "select") else pick(sources)), pick(label_names), pick(shown)
 
-
 # ----------------------------------------------------------------------------------------------
 # Labels, image size, normalisation
 # ----------------------------------------------------------------------------------------------
 def class_order(name):
     """Sort key of class names: integers by value (2 before 10), then the others as strings."""
     return (0, int(name), "") if name.lstrip("-").isdigit() else (1, 0, name)
-
 
 def choose_labels(splits, config, pretrained, training):
     """The label names, by id. Training: the training classes, in the checkpoint's order when it names
@@ -208,7 +199,6 @@ def choose_labels(splits, config, pretrained, training):
                          "script (its config names them), or train it here (--do_train)")
     return saved
 
-
 def label_ids(split, label_names, names):
     index = {name: i for i, name in enumerate(names)}
     unknown = sorted(set(label_names) - set(index))
@@ -216,7 +206,6 @@ def label_ids(split, label_names, names):
         raise UsageError(f"the {split} images have classes the model does not know: "
                          f"{', '.join(map(repr, unknown[:5]))} (its classes: {', '.join(map(repr, names[:20]))})")
     return np.array([index[name] for name in label_names], np.int32)
-
 
 def load_image_processor(model_args):
     """The image processor of --image_processor_name or the pretrained model, or None (from scratch)."""
@@ -232,7 +221,6 @@ def load_image_processor(model_args):
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UsageError(f"could not load image processor {name!r}: {first}") from e
         return None  # a checkpoint without one: the default normalisation
-
 
 def fit_image_size(data_args, config, processor, pretrained):
     """The side of the model's square inputs, written into a new model's config; a size the model
@@ -253,12 +241,10 @@ def fit_image_size(data_args, config, processor, pretrained):
                          "num_channels=3")
     return size
 
-
 def patch_tokens(config, size):
     """Positions a transformer attends over (patches + [CLS]); 1 for a convolutional network."""
     patch = getattr(config, "patch_size", None)
     return (size // patch) ** 2 + 1 if isinstance(patch, int) else 1
-
 
 # ----------------------------------------------------------------------------------------------
 # Loss
@@ -277,7 +263,6 @@ def classification_sums(logits, labels, example_weight=None, label_smoothing=0.0
         sums[f"top{top_k}_accuracy"] = (in_top * weights).sum()
     return loss, sums
 
-
 # ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
@@ -289,7 +274,7 @@ def main(argv=None):
     # Folders are checked below; `check_before_work` checks the data files (and the rest).
     files = {split: getattr(data_args, flag[2:]) for split, (_, flag) in SPLIT_FLAGS.items()
              if not getattr(data_args, SPLIT_DIRS[split])}
-    preflight = check_before_work(training_args, data_args, files, allowed=("json", "csv"), model_args=model_args)
+    preflight = check_before_work(training_args, data_args, TASK, files, allowed=("json", "csv"), model_args=model_args)
     for split, (phase, _) in SPLIT_FLAGS.items():
         folder = getattr(data_args, SPLIT_DIRS[split])
         if folder and getattr(training_args, phase):
@@ -330,15 +315,12 @@ def main(argv=None):
     # Model
     # ------------------------------------------------------------------------------------------
     model, params = load_model(FlaxAutoModelForImageClassification, model_args, config,
-                               devices.to_dtype(model_args.dtype), training_args.seed, layout,
+                               training_args.seed, layout,
                                new_head_if_mismatched=True)
-    if training_args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
 
     # ------------------------------------------------------------------------------------------
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
-    label_smoothing = training_args.label_smoothing_factor
     top_k = TOP_K if len(names) > TOP_K else None
     # ResNet / RegNet take no dropout key; their batch norm always runs on its saved statistics
     # (train=False), which training leaves as they are (no gradient: the statistics are used, hence
@@ -351,9 +333,9 @@ def main(argv=None):
         frozen = {**params, "batch_stats": jax.lax.stop_gradient(params["batch_stats"])}
         return model(batch["pixel_values"], params=frozen, train=False)[0]
 
-    def loss_fn(params, batch, dropout_rng, train):
+    def loss_fn(params, batch, dropout_rng, train, label_smoothing):
         return classification_sums(logits_of(params, batch, dropout_rng, train), batch["labels"],
-                                   batch.get("example_weight"), label_smoothing if train else 0.0, top_k)
+                                   batch.get("example_weight"), label_smoothing, top_k)
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data)
     p_predict_step = layout.compile_step("predict_step", lambda params, batch: logits_of(params, batch).argmax(-1))
@@ -380,7 +362,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    run = TrainingRun(training_args, (model_args, data_args, training_args), plan, layout, train_data, is_main)
+    run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
     state = run.start(state, preflight.resume, config, model, processor)  # the processor is saved with the model
 
     # ------------------------------------------------------------------------------------------
@@ -405,7 +387,6 @@ def main(argv=None):
                        collapse_whitespace=False)
         run.dir.add_results(predict_samples=len(splits["test"][0]))
     run.finish()
-
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

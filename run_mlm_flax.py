@@ -20,17 +20,18 @@ from typing import Optional
 
 from transformers import FlaxAutoModelForMaskedLM
 
-from utils import devices, lm, stream
+from tasks import lm
+from tasks.masked_lm import TASK
+from utils import stream
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.metrics import perplexity
-from utils.models import (enable_gradient_checkpointing, fit_config_to_tokenizer, load_config, load_model,
+from utils.models import (fit_config_to_tokenizer, load_config, load_model,
                           load_tokenizer)
 from utils.run import set_up, training_plan
 from utils.steps import cross_entropy_sums
 from utils.training import TrainingRun, make_steps
-
 
 @dataclass
 class DataTrainingArguments(lm.LMDataArguments):
@@ -57,7 +58,6 @@ class DataTrainingArguments(lm.LMDataArguments):
         if not 0 < self.mlm_probability < 1:
             raise UsageError(f"--mlm_probability must be between 0 and 1, got {self.mlm_probability}")
 
-
 # ----------------------------------------------------------------------------------------------
 # Loss
 # ----------------------------------------------------------------------------------------------
@@ -75,7 +75,6 @@ def masked_token_loss(logits, labels, label_weights, example_weight=None, label_
     correct = ((logits.argmax(-1) == labels) * weights).sum()
     return loss, {"loss": loss, "accuracy": correct, "tokens": tokens}
 
-
 # ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
@@ -83,7 +82,7 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    preflight = lm.check_before_work(training_args, data_args, model_args)
+    preflight = lm.check_before_work(training_args, data_args, TASK, model_args)
     logger, is_main = set_up(training_args)
     layout = make_layout(training_args)
 
@@ -118,21 +117,17 @@ def main(argv=None):
     eval_size = len(eval_arrays["input_ids"]) if eval_arrays is not None else 0
     plan = training_plan(training_args, train_data and train_data.size)
 
-    model, params = load_model(FlaxAutoModelForMaskedLM, model_args, config, devices.to_dtype(model_args.dtype),
-                               training_args.seed, layout)
-    if training_args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+    model, params = load_model(FlaxAutoModelForMaskedLM, model_args, config, training_args.seed, layout)
 
     # ------------------------------------------------------------------------------------------
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
-    label_smoothing = training_args.label_smoothing_factor
 
-    def loss_fn(params, batch, dropout_rng, train):
+    def loss_fn(params, batch, dropout_rng, train, label_smoothing):
         logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"), params=params,
                        dropout_rng=dropout_rng, train=train)[0]
         return masked_token_loss(logits, batch["labels"], batch["label_weights"], batch.get("example_weight"),
-                                 label_smoothing if train else 0.0)
+                                 label_smoothing)
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data, train_masking)
 
@@ -148,7 +143,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    run = TrainingRun(training_args, (model_args, data_args, training_args), plan, layout, train_data, is_main)
+    run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
     state = run.start(state, preflight.resume, config, model, tokenizer)
 
     # ------------------------------------------------------------------------------------------
@@ -169,7 +164,6 @@ def main(argv=None):
     if run.final_eval_due():
         run.report("eval", evaluate(state.params))
     run.finish()
-
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

@@ -27,12 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from transformers import FlaxAutoModelForQuestionAnswering
 
-from utils import data, devices, qa
+from tasks import question_answering as qa
+from tasks.question_answering import TASK
+from utils import data
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.loop import InMemoryData
-from utils.models import enable_gradient_checkpointing, fit_config_to_tokenizer, fit_length, load_config, load_model, \
+from utils.models import fit_config_to_tokenizer, fit_length, load_config, load_model, \
     load_tokenizer, max_positions
 from utils.run import SPLIT_FLAGS, check_before_work, needed_splits, set_up, training_plan
 from utils.steps import cross_entropy_sums
@@ -40,7 +42,6 @@ from utils.training import TrainingRun, make_steps
 
 FILE_FORMATS = ("json", "csv")
 PREFIXES = {"validation": "eval", "test": "predict"}
-
 
 @dataclass
 class DataTrainingArguments(BaseDataArguments):
@@ -78,7 +79,6 @@ class DataTrainingArguments(BaseDataArguments):
             raise UsageError(f"--doc_stride {self.doc_stride} must be at least 0 and less than --max_seq_length "
                              f"{self.max_seq_length}: it is the overlap of two windows (e.g. 128 of 384)")
 
-
 # ----------------------------------------------------------------------------------------------
 # Data: SQuAD files, answers, windows
 # ----------------------------------------------------------------------------------------------
@@ -90,7 +90,6 @@ def is_squad_document(path):
     with data.open_content(path) as f:
         head = f.read(4096).decode("utf-8", errors="ignore").lstrip("\ufeff")
     return re.match(r'\s*\{\s*"(version|data)"\s*:', head) is not None
-
 
 def read_squad_document(path):
     """The rows of a SQuAD document: the official layout's articles / paragraphs / qas flattened
@@ -120,7 +119,6 @@ def read_squad_document(path):
         raise UsageError(f"data file {path} holds no questions")
     return rows
 
-
 def load_qa_splits(data_args, files, cache_dir):
     """{split: Dataset}: a hub dataset, or local files (SQuAD documents read here, the rest by `datasets`)."""
     import datasets
@@ -133,7 +131,6 @@ def load_qa_splits(data_args, files, cache_dir):
     for split, path in documents.items():
         loaded[split] = datasets.Dataset.from_list(read_squad_document(path))
     return loaded
-
 
 def parse_answers(value, split, row):
     """(texts, starts) of a row's answers: {text: [...], answer_start: [...]}, a list of {text,
@@ -161,7 +158,6 @@ def parse_answers(value, split, row):
         raise UsageError(f"row {row} of the {split} data has {len(texts)} answer texts but {len(starts)} "
                          "answer_start values: give each answer its start")
     return texts, starts
-
 
 def read_examples(dataset, split, data_args, tokenizer, has_answers):
     """The rows as id, question (left-stripped: some SQuAD questions start with spaces the window
@@ -199,7 +195,6 @@ def read_examples(dataset, split, data_args, tokenizer, has_answers):
                        remove_columns=dataset.column_names, load_from_cache_file=not data_args.overwrite_cache,
                        desc=f"reading the {split} questions")
 
-
 def check_windows(examples, split, seq_length, doc_stride, special_tokens):
     """Each window must hold the whole question and more context than the windows share."""
     lengths = np.asarray(examples["question_tokens"])
@@ -211,7 +206,6 @@ def check_windows(examples, split, seq_length, doc_stride, special_tokens):
                          f"{room[worst]} of --max_seq_length {seq_length} for the context, not more than "
                          f"--doc_stride {doc_stride}: raise --max_seq_length to {needed} or more, or lower --doc_stride")
 
-
 def answer_tokens(offsets, context_mask, start_char, end_char):
     """(first token, last token) of the span [start_char, end_char) inside a window, or None when
     the window's context does not hold all of it."""
@@ -221,7 +215,6 @@ def answer_tokens(offsets, context_mask, start_char, end_char):
     first = context[np.flatnonzero(offsets[context, 0] <= start_char)[-1]]
     last = context[np.flatnonzero(offsets[context, 1] >= end_char)[0]]
     return int(first), int(last)
-
 
 def make_windows(examples, tokenizer, seq_length, doc_stride, data_args):
     """Fixed-length windows: the model inputs; start_positions / end_positions (the answer's first
@@ -247,7 +240,6 @@ def make_windows(examples, tokenizer, seq_length, doc_stride, data_args):
                         remove_columns=examples.column_names, load_from_cache_file=not data_args.overwrite_cache,
                         desc="cutting windows")
 
-
 def load_qa_tokenizer(model_args):
     tokenizer = load_tokenizer(model_args)
     if not tokenizer.is_fast:
@@ -255,7 +247,6 @@ def load_qa_tokenizer(model_args):
                          "to the context by character offsets, which only fast tokenizers give; use a tokenizer "
                          "with a tokenizer.json (and drop --use_fast_tokenizer false)")
     return tokenizer
-
 
 # ----------------------------------------------------------------------------------------------
 # Loss
@@ -269,7 +260,6 @@ def span_loss(start_logits, end_logits, start_positions, end_positions, example_
     loss = (start + end) / 2
     return loss, {"loss": loss, "tokens": windows}
 
-
 # ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
@@ -278,7 +268,7 @@ def main(argv=None):
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-    preflight = check_before_work(training_args, data_args, files, allowed=FILE_FORMATS, model_args=model_args)
+    preflight = check_before_work(training_args, data_args, TASK, files, allowed=FILE_FORMATS, model_args=model_args)
     splits = needed_splits(training_args)
     logger, is_main = set_up(training_args)
     layout = make_layout(training_args)
@@ -348,25 +338,22 @@ def main(argv=None):
     # Model
     # ------------------------------------------------------------------------------------------
     model, params = load_model(FlaxAutoModelForQuestionAnswering, model_args, config,
-                               devices.to_dtype(model_args.dtype), training_args.seed, layout)
-    if training_args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+                               training_args.seed, layout)
     # DistilBERT and others take no token_type_ids, which BERT-style tokenizers make.
     accepted = [name for name in model_inputs if name in inspect.signature(model.__call__).parameters]
 
     # ------------------------------------------------------------------------------------------
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
-    label_smoothing = training_args.label_smoothing_factor
 
     def logits_of(params, batch, dropout_rng=None, train=False):
         outputs = model(**{k: batch[k] for k in accepted}, params=params, dropout_rng=dropout_rng, train=train)
         return outputs.start_logits, outputs.end_logits
 
-    def loss_fn(params, batch, dropout_rng, train):
+    def loss_fn(params, batch, dropout_rng, train, label_smoothing):
         start_logits, end_logits = logits_of(params, batch, dropout_rng, train)
         return span_loss(start_logits, end_logits, batch["start_positions"], batch["end_positions"],
-                         batch.get("example_weight"), label_smoothing if train else 0.0)
+                         batch.get("example_weight"), label_smoothing)
 
     def predict_fn(params, batch):
         return jnp.stack(logits_of(params, batch), axis=-1).astype(jnp.float32)  # [rows, tokens, start / end]
@@ -410,7 +397,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    run = TrainingRun(training_args, (model_args, data_args, training_args), plan, layout, train_data, is_main)
+    run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
     state = run.start(state, preflight.resume, config, model, tokenizer)
 
     # ------------------------------------------------------------------------------------------
@@ -433,7 +420,6 @@ def main(argv=None):
     if training_args.do_predict:
         report("test")
     run.finish()
-
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

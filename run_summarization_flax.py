@@ -19,13 +19,15 @@ from typing import Optional
 import numpy as np
 from transformers import FlaxAutoModelForSeq2SeqLM
 
-from utils import data, devices, predict
+from tasks import summarization as generation
+from tasks.summarization import TASK
+from utils import data
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.loop import InMemoryData, host_means
 from utils.metrics import rouge
-from utils.models import (decoder_input_ids, enable_gradient_checkpointing, fit_config_to_tokenizer, fit_length,
+from utils.models import (decoder_input_ids, fit_config_to_tokenizer, fit_length,
                           load_config, load_model, load_tokenizer, max_positions)
 from utils.run import SPLIT_FLAGS, check_before_work, needed_splits, set_up, training_plan
 from utils.steps import cross_entropy_sums
@@ -46,7 +48,6 @@ SUMMARIZATION_COLUMNS = {
     "wiki_summary": ("article", "highlights"),
     "multi_news": ("document", "summary"),
 }
-
 
 @dataclass
 class DataTrainingArguments(BaseDataArguments):
@@ -73,7 +74,6 @@ class DataTrainingArguments(BaseDataArguments):
             if value is not None and value <= 0:
                 raise UsageError(f"--{name} must be positive, got {value}")
 
-
 # ----------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------
@@ -93,7 +93,6 @@ def resolve_columns(data_args, columns):
     data.require_columns(columns, (("text_column", text), ("summary_column", summary)))
     return text, summary
 
-
 def drop_empty(dataset, text_column, summary_column, data_args):
     """(dataset, number dropped): empty documents or summaries teach nothing and break ROUGE."""
 
@@ -104,13 +103,12 @@ def drop_empty(dataset, text_column, summary_column, data_args):
                           load_from_cache_file=not data_args.overwrite_cache, desc="dropping empty examples")
     return kept, len(dataset) - len(kept)
 
-
 def preprocess(dataset, tokenizer, config, data_args, text_column, summary_column, max_target_length):
     """Tokenize to fixed lengths; labels are the summary, decoder inputs the labels shifted right (by
     the family's convention)."""
 
     def tokenize(examples):
-        model_inputs = predict.encode_sources(tokenizer, examples[text_column], data_args.source_prefix,
+        model_inputs = generation.encode_sources(tokenizer, examples[text_column], data_args.source_prefix,
                                               data_args.max_source_length)
         labels = tokenizer(text_target=examples[summary_column], max_length=max_target_length,
                            padding="max_length", truncation=True, return_tensors="np")
@@ -123,10 +121,8 @@ def preprocess(dataset, tokenizer, config, data_args, text_column, summary_colum
                        remove_columns=dataset.column_names, load_from_cache_file=not data_args.overwrite_cache,
                        desc="tokenizing")
 
-
 MODEL_INPUTS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
 INPUT_COLUMNS = MODEL_INPUTS + ("labels",)
-
 
 # ----------------------------------------------------------------------------------------------
 # Loss
@@ -143,7 +139,6 @@ def summary_loss(logits, labels, decoder_attention_mask, example_weight=None, la
     loss, tokens = cross_entropy_sums(logits, labels, weights, label_smoothing)
     return loss, {"loss": loss, "tokens": tokens}
 
-
 # ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
@@ -152,7 +147,7 @@ def main(argv=None):
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-    preflight = check_before_work(training_args, data_args, files, allowed=("json", "csv"), model_args=model_args)
+    preflight = check_before_work(training_args, data_args, TASK, files, allowed=("json", "csv"), model_args=model_args)
     splits = needed_splits(training_args)
     if not data_args.dataset_name and all(split in preflight.columns for split in splits):
         resolve_columns(data_args, {split: preflight.columns[split] for split in splits})  # a wrong column fails now
@@ -194,10 +189,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Model, preprocessing
     # ------------------------------------------------------------------------------------------
-    model, params = load_model(FlaxAutoModelForSeq2SeqLM, model_args, config, devices.to_dtype(model_args.dtype),
-                               training_args.seed, layout)
-    if training_args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+    model, params = load_model(FlaxAutoModelForSeq2SeqLM, model_args, config, training_args.seed, layout)
 
     arrays, sizes = {}, {}
     for split in splits:
@@ -210,21 +202,20 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
-    label_smoothing = training_args.label_smoothing_factor
 
-    def loss_fn(params, batch, dropout_rng, train):
+    def loss_fn(params, batch, dropout_rng, train, label_smoothing):
         inputs = {k: batch[k] for k in MODEL_INPUTS}
         logits = model(**inputs, params=params, dropout_rng=dropout_rng, train=train)[0]
         return summary_loss(logits, batch["labels"], batch["decoder_attention_mask"], batch.get("example_weight"),
-                            label_smoothing if train else 0.0)
+                            label_smoothing)
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data)
     # Saved with the model (generation_config.json): the demo generates as this predict path does.
-    predict.set_generation(model, max_length=data_args.val_max_target_length,
+    generation.set_generation(model, max_length=data_args.val_max_target_length,
                            num_beams=data_args.num_beams or model.config.num_beams)
 
     def generate_step(params, batch):
-        return predict.generate_ids(model, params, batch["input_ids"], batch["attention_mask"])
+        return generation.generate_ids(model, params, batch["input_ids"], batch["attention_mask"])
 
     p_generate_step = layout.compile_step("generate_step", generate_step)
 
@@ -240,7 +231,7 @@ def main(argv=None):
         metrics = {**host_means(sums, keep_tokens=True), "samples": sizes[split]}
         if not data_args.predict_with_generate:
             return metrics, None
-        texts = predict.decode_texts(tokenizer, predictions)
+        texts = generation.decode_texts(tokenizer, predictions)
         references = tokenizer.batch_decode(arrays[split]["labels"], skip_special_tokens=True)
         metrics.update(rouge(texts, references))
         metrics["gen_len"] = float(np.mean([np.count_nonzero(ids != config.pad_token_id) for ids in predictions]))
@@ -255,7 +246,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    run = TrainingRun(training_args, (model_args, data_args, training_args), plan, layout, train_data, is_main)
+    run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
     state = run.start(state, preflight.resume, config, model, tokenizer)
 
     # ------------------------------------------------------------------------------------------
@@ -282,7 +273,6 @@ def main(argv=None):
         if texts is not None:
             run.write_text("generated_predictions.txt", texts)
     run.finish()
-
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

@@ -22,21 +22,22 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 from transformers import FlaxAutoModelForSeq2SeqLM
 
-from utils import devices, lm, stream
+from tasks import lm
+from tasks.span_corruption import TASK
+from tasks.span_corruption import plan_span_corruption, span_corruption, span_corruption_lengths
+from utils import stream
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.metrics import perplexity
-from utils.models import (enable_gradient_checkpointing, fit_config_to_tokenizer, fit_length, load_config,
+from utils.models import (fit_config_to_tokenizer, fit_length, load_config,
                           load_model, load_tokenizer, max_positions)
 from utils.run import set_up, training_plan
-from utils.span_corruption import plan_span_corruption, span_corruption, span_corruption_lengths
 from utils.steps import cross_entropy_sums
 from utils.training import TrainingRun, make_steps
 
 # The families with sentinel-token pretraining and a Flax class in transformers 4.57 (UMT5 has none).
 MODEL_TYPES = ("t5", "mt5", "longt5")
-
 
 @dataclass
 class DataTrainingArguments(lm.LMDataArguments):
@@ -60,7 +61,6 @@ class DataTrainingArguments(lm.LMDataArguments):
         # The densities, span lengths and input lengths that cannot work are refused before anything else.
         span_corruption_lengths(self.max_seq_length, self.mlm_probability, self.mean_noise_span_length)
 
-
 # ----------------------------------------------------------------------------------------------
 # Loss
 # ----------------------------------------------------------------------------------------------
@@ -80,7 +80,6 @@ def span_target_loss(logits, labels, example_weight=None, label_smoothing=0.0):
     correct = ((logits.argmax(-1) == labels) * weights).sum()
     return loss, {"loss": loss, "accuracy": correct, "tokens": tokens}
 
-
 # ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
@@ -88,7 +87,7 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    preflight = lm.check_before_work(training_args, data_args, model_args)
+    preflight = lm.check_before_work(training_args, data_args, TASK, model_args)
     logger, is_main = set_up(training_args)
     layout = make_layout(training_args)
 
@@ -126,22 +125,18 @@ def main(argv=None):
     eval_size = len(eval_arrays["input_ids"]) if eval_arrays is not None else 0
     plan = training_plan(training_args, train_data and train_data.size)
 
-    model, params = load_model(FlaxAutoModelForSeq2SeqLM, model_args, config, devices.to_dtype(model_args.dtype),
-                               training_args.seed, layout)
-    if training_args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+    model, params = load_model(FlaxAutoModelForSeq2SeqLM, model_args, config, training_args.seed, layout)
 
     # ------------------------------------------------------------------------------------------
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
-    label_smoothing = training_args.label_smoothing_factor
 
-    def loss_fn(params, batch, dropout_rng, train):
+    def loss_fn(params, batch, dropout_rng, train, label_smoothing):
         # No attention masks: inputs and targets are all real tokens, of fixed lengths.
         logits = model(batch["input_ids"], decoder_input_ids=batch["decoder_input_ids"], params=params,
                        dropout_rng=dropout_rng, train=train)[0]
         return span_target_loss(logits, batch["labels"], batch.get("example_weight"),
-                                label_smoothing if train else 0.0)
+                                label_smoothing)
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data, train_corruption)
 
@@ -157,7 +152,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    run = TrainingRun(training_args, (model_args, data_args, training_args), plan, layout, train_data, is_main)
+    run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
     state = run.start(state, preflight.resume, config, model, tokenizer)
 
     # ------------------------------------------------------------------------------------------
@@ -178,7 +173,6 @@ def main(argv=None):
     if run.final_eval_due():
         run.report("eval", evaluate(state.params))
     run.finish()
-
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

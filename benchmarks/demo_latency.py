@@ -215,7 +215,7 @@ def main():
     for flag in ("requests", "clients", "seconds", "timeout"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag} must be positive")
-    from utils import demo
+    from tasks import demo
 
     rows = []
     for output_dir in args.output_dirs:

@@ -18,7 +18,7 @@ from seqeval.metrics import accuracy_score as seqeval_accuracy
 from seqeval.metrics import classification_report as seqeval_report
 from transformers import AutoTokenizer
 
-from utils import classification as cls
+from tasks import classification as cls
 from utils.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -263,7 +263,7 @@ def test_output_dir_without_a_model_is_one_clear_error(tmp_path):
 
 
 def test_output_dir_checks_name_what_is_missing(tmp_path):
-    from utils.demo import check_output_dir
+    from tasks.demo import check_output_dir
     from utils.errors import UsageError
 
     with pytest.raises(UsageError, match="is not a directory"):
@@ -280,7 +280,7 @@ def test_output_dir_checks_name_what_is_missing(tmp_path):
 
 
 def test_buckets_cover_every_length_up_to_the_limit():
-    from utils.demo import bucket_for, buckets
+    from tasks.demo import bucket_for, buckets
 
     assert buckets(96) == [16, 32, 64, 96] and buckets(16) == [16] and buckets(64, smallest=32) == [32, 64]
     sizes = buckets(100)
@@ -293,7 +293,7 @@ def test_buckets_cover_every_length_up_to_the_limit():
 @pytest.fixture(scope="module")
 def predictors(models):
     """predictors(name) -> (task, the warmed-up predictor of `name`'s run), loaded when first asked for."""
-    from utils.demo import load
+    from tasks.demo import load
 
     loaded = {}
 
@@ -408,7 +408,7 @@ def test_question_answerer_gives_the_scripts_answers_and_nbest(predictors, model
 
 @pytest.mark.slow
 def test_question_answerer_refuses_what_it_cannot_read(predictors):
-    from utils.demo import BadInput
+    from tasks.demo import BadInput
 
     _, predictor = predictors("qa")
     with pytest.raises(BadInput, match="the context is empty"):
@@ -449,7 +449,7 @@ def test_image_classifier_gives_the_scripts_predictions_and_top_5(predictors, mo
 
 @pytest.mark.slow
 def test_image_classifier_says_a_file_is_not_an_image(predictors):
-    from utils.demo import BadInput
+    from tasks.demo import BadInput
 
     _, predictor = predictors("image")
     with pytest.raises(BadInput, match="the file is not an image"):

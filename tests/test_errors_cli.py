@@ -27,6 +27,7 @@ import run_qa
 import run_summarization_flax as summarization
 import run_t5_mlm_flax as t5_mlm
 from script_runner import ROOT, directory_state, run_script, script_env
+from tasks.summarization import TASK
 from utils import hub
 from utils.args import TrainingArguments
 from utils.checkpoint import Checkpointer
@@ -251,7 +252,7 @@ def test_overwrite_refuses_to_empty_a_directory_with_other_files(fails, files, t
     (out / "metrics.jsonl").write_text("")
     (out / "train.py").write_text("print('my code')")
     fails(scratch(files, "--overwrite_output_dir"), r"a new run in .*project first removes the previous run's outputs, "
-                                                    r"but the directory also holds files no run writes \(train.py\)",
+                                                    r"but the directory also holds files no run of this script writes \(train.py\)",
           out=out)
 
 
@@ -547,7 +548,7 @@ def saver(tmp_path, monkeypatch):
     for module in (rundir, saving):  # run_main's list, which nothing here drains
         monkeypatch.setattr(module, "at_exit", lambda callback: None)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
-    run_dir = RunDirectory(args, (args,), FakeModel(), None, is_main=True, total_steps=10)
+    run_dir = RunDirectory(args, (args,), TASK, FakeModel(), None, is_main=True, total_steps=10)
     saver = Saver(args, run_dir, DP, InMemoryData({}, 640), {}, steps_per_epoch=10, total_steps=10, start_step=0,
                   is_main=True)
     state = fresh_state()

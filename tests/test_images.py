@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from utils import images
+from tasks import image_classification as images
 from utils.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

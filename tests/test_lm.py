@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from utils import lm
+from tasks.causal_lm import TASK
+from tasks import lm
 from utils.args import ModelArguments, TrainingArguments
 from utils.errors import UsageError
 from utils.layout import AXIS
@@ -250,14 +251,14 @@ def test_csv_and_json_inputs(tmp_path, tokenizer):
 def test_check_before_work(tmp_path):
     train = write_txt(tmp_path / "train.txt", ["a line"])
     model = ModelArguments(model_type="gpt2", tokenizer_name=str(tmp_path))
-    lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(train_file=train), model)  # held-out part
+    lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(train_file=train), TASK, model)  # held-out part
     with pytest.raises(UsageError, match="--do_predict"):
-        lm.check_before_work(training_args(tmp_path, do_predict=True), data_args(train_file=train), model)
+        lm.check_before_work(training_args(tmp_path, do_predict=True), data_args(train_file=train), TASK, model)
     with pytest.raises(UsageError, match="--validation_file"):
-        lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(), model)
+        lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(), TASK, model)
     with pytest.raises(UsageError, match=r"--text_column 'body' is not a column of the train data; its columns: text"):
         lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(train_file=train, text_column="body"),
-                             model)
+                             TASK, model)
     with pytest.raises(UsageError, match="validation_split_percentage"):
         data_args(validation_split_percentage=100)
 

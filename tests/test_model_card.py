@@ -14,6 +14,7 @@ import run_mlm_flax
 import run_summarization_flax
 import run_t5_mlm_flax
 from script_runner import ROOT
+import tasks
 from utils import model_card
 from utils.args import ModelArguments, TrainingArguments
 
@@ -55,7 +56,9 @@ def test_card_has_the_scripts_pipeline_tag_and_widget_examples(tmp_path, script,
     run_args = script_run_args(script, config)
     results = {"eval_loss": 1.25, "train_samples": 160}
     argv = [f"/somewhere/{script.__name__}.py", "config.json", "--learning_rate", "1e-3"]
-    model_card.write_model_card(str(tmp_path), architecture, run_args, results, mask_token="<mask>", argv=argv)
+    task = tasks.task_of(architecture, run_args)  # what the demo reads back from the saved files
+    assert task == script.TASK.name
+    model_card.write_model_card(str(tmp_path), script.TASK, run_args, results, mask_token="<mask>", argv=argv)
     meta, body = front_matter(tmp_path / "README.md")
     assert meta["library_name"] == "transformers"
     assert meta["pipeline_tag"] == tag
@@ -75,9 +78,9 @@ def test_widget_examples_come_from_the_validation_data():
     run_args = script_run_args(run_summarization_flax, "summarization_tiny.json")
     with open(run_args["validation_file"], encoding="utf-8") as f:
         first = json.loads(f.readline())["document"]
-    examples = model_card.widget_examples(run_args, "summarization")
+    examples = model_card.widget_examples(run_args, "text")
     assert examples[0]["text"] == " ".join(first.split())[:1000]
-    prompt = model_card.widget_examples(script_run_args(run_clm_flax, "clm_tiny.json"), "causal-lm")[0]["text"]
+    prompt = model_card.widget_examples(script_run_args(run_clm_flax, "clm_tiny.json"), "prompt")[0]["text"]
     with open(os.path.join(ROOT, "configs", "..", "data", "lm", "validation.txt"), encoding="utf-8") as f:
         assert f.readline().startswith(prompt)
 
@@ -92,7 +95,8 @@ def test_words_joined_and_text_quoted_safely_in_yaml(tmp_path):
 
 
 def test_no_widget_and_no_tag_for_what_no_script_trains(tmp_path):
-    model_card.write_model_card(str(tmp_path), "FlaxWav2Vec2Model", {"output_dir": str(tmp_path)}, {}, argv=["x.py"])
+    assert tasks.task_of("FlaxWav2Vec2Model", {}) is None
+    model_card.write_model_card(str(tmp_path), None, {"output_dir": str(tmp_path)}, {}, argv=["x.py"])
     meta, body = front_matter(tmp_path / "README.md")
     assert "pipeline_tag" not in meta and "widget" not in meta
     assert "No results were recorded" in body

@@ -155,7 +155,7 @@ def test_load_model_compute_and_parameter_dtypes(tokenizer, dtype, param_dtype, 
     args = ModelArguments(model_type="t5", config_overrides="d_model=64,d_ff=256,num_layers=1,num_heads=2,d_kv=8",
                           dtype=dtype, param_dtype=param_dtype)
     config = fit_config_to_tokenizer(load_config(args, "seq2seq"), tokenizer, args)
-    model, params = load_model(FlaxAutoModelForSeq2SeqLM, args, config, jnp.dtype(dtype), 0, layout)
+    model, params = load_model(FlaxAutoModelForSeq2SeqLM, args, config, 0, layout)
     assert {x.dtype for x in jax.tree_util.tree_leaves(params)} == {jnp.dtype(param_dtype)}
     ffn = params["encoder"]["block"]["0"]["layer"]["1"]["DenseReluDense"]["wi"]["kernel"]  # 64 x 256
     assert {shard.data.shape for shard in ffn.addressable_shards} == {(64, 256 // layout.batch_shards)}
@@ -170,12 +170,12 @@ def test_pretrained_weights_load_through_the_host_and_missing_ones_are_made(toke
     compat.apply()
     args = ModelArguments(model_type="t5", config_overrides="d_model=64,d_ff=256,num_layers=1,num_heads=2,d_kv=8")
     config = fit_config_to_tokenizer(load_config(args, "seq2seq"), tokenizer, args)
-    model, params = load_model(FlaxAutoModelForSeq2SeqLM, args, config, jnp.float32, 0, DataParallel())
+    model, params = load_model(FlaxAutoModelForSeq2SeqLM, args, config, 0, DataParallel())
     saved = {key: value for key, value in params.items() if key != "lm_head"} if "lm_head" in params else params
     config.tie_word_embeddings = False  # T5 v1.1 style: a separate head the checkpoint does not hold
     model.save_pretrained(tmp_path, params=saved)
     loaded_args = ModelArguments(model_name_or_path=str(tmp_path))
-    model, loaded = load_model(FlaxAutoModelForSeq2SeqLM, loaded_args, config, jnp.float32, 0, FullySharded(8))
+    model, loaded = load_model(FlaxAutoModelForSeq2SeqLM, loaded_args, config, 0, FullySharded(8))
     assert "lm_head" in loaded
     np.testing.assert_array_equal(np.asarray(loaded["shared"]["embedding"]), np.asarray(params["shared"]["embedding"]))
 
@@ -318,9 +318,9 @@ def test_fresh_encoder_decoder(tokenizer):
         GPT2Config(n_embd=16, n_layer=1, n_head=2, n_inner=32))
     args = ModelArguments(config_name="tiny-encoder-decoder")
     config = fit_config_to_tokenizer(config, tokenizer, args)
-    model, params = load_model(FlaxAutoModelForSeq2SeqLM, args, config, jnp.float32, 0, DataParallel())
-    _, again = load_model(FlaxAutoModelForSeq2SeqLM, args, config, jnp.float32, 0, DataParallel())
-    _, other = load_model(FlaxAutoModelForSeq2SeqLM, args, config, jnp.float32, 1, DataParallel())
+    model, params = load_model(FlaxAutoModelForSeq2SeqLM, args, config, 0, DataParallel())
+    _, again = load_model(FlaxAutoModelForSeq2SeqLM, args, config, 0, DataParallel())
+    _, other = load_model(FlaxAutoModelForSeq2SeqLM, args, config, 1, DataParallel())
     embedding = ("decoder", "transformer", "wte", "embedding")
 
     def leaf(params):

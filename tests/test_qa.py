@@ -20,8 +20,8 @@ import string
 import numpy as np
 import pytest
 
-from utils import qa
-from utils.qa import NO_CONTEXT, best_answers, normalize_answer, squad_v1, squad_v2, token_f1
+from tasks import question_answering as qa
+from tasks.question_answering import NO_CONTEXT, best_answers, normalize_answer, squad_v1, squad_v2, token_f1
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "data", "qa", "tokenizer")

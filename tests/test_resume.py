@@ -318,7 +318,7 @@ def test_overwrite_removes_everything_the_previous_run_wrote(tmp_path, command, 
     (out / "notes.md").write_text("not a run's output")
     before = directory_state(out)
     refused = run(command("summarization", str(out), "--overwrite_output_dir", "--max_steps", 4))
-    assert refused.returncode == 2 and "holds files no run writes (notes.md)" in last_line(refused)
+    assert refused.returncode == 2 and "holds files no run of this script writes (notes.md)" in last_line(refused)
     assert directory_state(out) == before
 
     os.remove(out / "notes.md")

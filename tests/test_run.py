@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tasks.summarization import TASK
 from utils.args import TrainingArguments
 from utils.errors import UsageError
 from utils.resume import ResumePoint
@@ -15,7 +16,7 @@ NO_DATA = SimpleNamespace(dataset_name=None)
 
 
 def preflight(out, **training):
-    return check_before_work(TrainingArguments(output_dir=str(out), **training), NO_DATA, {}, allowed=("json",))
+    return check_before_work(TrainingArguments(output_dir=str(out), **training), NO_DATA, TASK, {}, allowed=("json",))
 
 
 def make_checkpoints(out, *names):
@@ -46,7 +47,7 @@ def test_a_fresh_run_may_replace_only_what_runs_write(tmp_path):
     (out / "train.py").write_text("print('mine')")
     (out / "data").mkdir()
     with pytest.raises(UsageError, match=r"a new run in .*run first removes the previous run's outputs, but the "
-                                         r"directory also holds files no run writes \(data, train.py\): move them"):
+                                         r"directory also holds files no run of this script writes \(data, train.py\): move them"):
         preflight(out, do_train=True, overwrite_output_dir=True)
     assert preflight(out, do_eval=True).resume is None  # evaluation removes nothing
     assert preflight(out, do_train=True, resume_from_checkpoint="latest").resume.step == 4  # a resume keeps all
@@ -58,7 +59,7 @@ def test_latest_before_the_first_checkpoint_replaces_the_killed_run(tmp_path):
     (out / "metrics.jsonl").write_text("")
     assert preflight(out, do_train=True, resume_from_checkpoint="latest").resume is None
     (out / "notes.md").write_text("mine")
-    with pytest.raises(UsageError, match=r"holds files no run writes \(notes.md\)"):
+    with pytest.raises(UsageError, match=r"holds files no run of this script writes \(notes.md\)"):
         preflight(out, do_train=True, resume_from_checkpoint="latest")
 
 

@@ -256,7 +256,7 @@ def test_a_head_for_another_number_of_labels_is_replaced_with_a_warning(tmp_path
     two = BertConfig.from_pretrained(tmp_path, num_labels=2)
     with caplog.at_level(logging.WARNING):
         _, params = load_model(FlaxAutoModelForSequenceClassification, ModelArguments(model_name_or_path=str(tmp_path)),
-                               two, np.float32, 0, DataParallel(), new_head_if_mismatched=True)
+                               two, 0, DataParallel(), new_head_if_mismatched=True)
     assert "classifier/kernel (16, 3) -> (16, 2)" in caplog.text
     assert params["classifier"]["kernel"].shape == (16, 2)
     np.testing.assert_array_equal(params["bert"]["embeddings"]["word_embeddings"]["embedding"],

@@ -11,7 +11,8 @@ import pytest
 import run_mlm_flax as mlm
 from tests.script_runner import (ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script,
                                  run_streamed_config)
-from utils import data, lm
+from utils import data
+from tasks import lm
 
 SCRIPT = "run_mlm_flax.py"
 MAX_STEPS = 40

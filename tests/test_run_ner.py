@@ -24,7 +24,7 @@ from script_runner import (ROOT, calls_of_steps_compiled_once, directory_state, 
                            script_env)
 from test_errors_cli import check_failure, run_in_process
 from test_weights import pytorch_state_dict, write_pytorch_safetensors
-from utils.classification import IGNORE_INDEX, entity_metrics
+from tasks.classification import IGNORE_INDEX, entity_metrics
 
 SCRIPT = "run_flax_ner.py"
 DATA = os.path.join(ROOT, "data", "ner")

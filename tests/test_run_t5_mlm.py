@@ -10,8 +10,9 @@ import pytest
 import run_t5_mlm_flax as t5_mlm
 from tests.script_runner import (ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script,
                                  run_streamed_config)
-from utils import compat, data, lm
-from utils.span_corruption import plan_span_corruption, span_corruption
+from utils import compat, data
+from tasks import lm
+from tasks.span_corruption import plan_span_corruption, span_corruption
 
 SCRIPT = "run_t5_mlm_flax.py"
 MAX_STEPS = 40

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from test_checkpoint import assert_bitwise_equal
+from tasks.summarization import TASK
 from utils.args import TrainingArguments
 from utils.resume import ResumePoint
 from utils.rundir import RunDirectory, export_pretrained, foreign_files, write_results
@@ -22,7 +23,7 @@ def no_exit_callbacks(monkeypatch):
 
 def open_run(out, is_main=True, resume=None, **training):
     args = TrainingArguments(output_dir=str(out), **training)
-    return RunDirectory(args, (args,), model=None, tokenizer=None, is_main=is_main, total_steps=10, resume=resume)
+    return RunDirectory(args, (args,), TASK, model=None, tokenizer=None, is_main=is_main, total_steps=10, resume=resume)
 
 
 def previous_run(out):
@@ -38,11 +39,22 @@ def previous_run(out):
 
 def test_foreign_files(tmp_path):
     previous_run(tmp_path)
-    assert foreign_files(tmp_path) == []
+    assert foreign_files(tmp_path, TASK.outputs) == []
+    assert foreign_files(tmp_path) == ["generated_predictions.txt"]  # a summarization file: the task declares it
     for name in ("train.py", "data.jsonl", "notes.txt"):
         (tmp_path / name).write_text("mine")
     (tmp_path / "src").mkdir()
-    assert foreign_files(tmp_path) == ["data.jsonl", "notes.txt", "src", "train.py"]
+    assert foreign_files(tmp_path, TASK.outputs) == ["data.jsonl", "notes.txt", "src", "train.py"]
+
+
+def test_a_run_writes_only_the_files_its_task_declares(tmp_path):
+    """A file the task does not declare would be foreign to its next run: writing it is refused."""
+    run = open_run(tmp_path / "out")
+    with pytest.raises(ValueError, match="predictions.txt is not among the files task 'summarization' declares"):
+        run.write_text("predictions.txt", ["x"])
+    with pytest.raises(ValueError, match="eval_predictions.json"):
+        run.write_json("eval_predictions.json", {})
+    assert not (tmp_path / "out" / "predictions.txt").exists()
 
 
 def test_a_fresh_training_run_starts_from_an_empty_directory(tmp_path):

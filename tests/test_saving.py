@@ -11,6 +11,7 @@ import optax
 import pytest
 from transformers import T5Config
 
+from tasks.summarization import TASK
 from utils import compat, preemption, devices
 from utils.args import TrainingArguments
 from utils.errors import RunError, Stopped
@@ -57,7 +58,7 @@ def saver(tmp_path, monkeypatch):
     model = FlaxT5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1,
                                                     num_heads=2), seed=0)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True, per_device_train_batch_size=1)
-    run_dir = RunDirectory(args, (args,), model, None, is_main=True, total_steps=4)
+    run_dir = RunDirectory(args, (args,), TASK, model, None, is_main=True, total_steps=4)
     layout = DataParallel()
     saver = Saver(args, run_dir, layout, InMemoryData({}, 16), {"seed": 42}, steps_per_epoch=2, total_steps=4,
                   start_step=0, is_main=True)

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from train_tokenizer import train_tokenizer
-from utils import span_corruption as sc
+from tasks import span_corruption as sc
 from utils.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

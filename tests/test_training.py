@@ -11,6 +11,7 @@ import optax
 import pytest
 from transformers import PretrainedConfig
 
+from tasks.summarization import TASK
 from utils import rundir, saving
 from utils.args import TrainingArguments
 from utils.layout import DataParallel
@@ -37,10 +38,10 @@ class TinyModel:
 MODEL = TinyModel()
 
 
-def loss_fn(params, batch, dropout_rng, train):
+def loss_fn(params, batch, dropout_rng, train, label_smoothing):
     logits = MODEL(batch["features"], params=params)[0]
     weights = batch.get("example_weight", jnp.ones(len(logits)))
-    loss, tokens = cross_entropy_sums(logits, batch["labels"], weights)
+    loss, tokens = cross_entropy_sums(logits, batch["labels"], weights, label_smoothing)
     return loss, {"loss": loss, "tokens": tokens}
 
 
@@ -71,8 +72,10 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def test_train_step_is_the_hand_written_step(tmp_path):
-    training_args = args(tmp_path)
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_train_step_is_the_hand_written_step(tmp_path, smoothing):
+    """The spine gives the train step --label_smoothing_factor (every script's loss takes it from there)."""
+    training_args = args(tmp_path, label_smoothing_factor=smoothing)
     data = InMemoryData(examples(), EXAMPLES)
     plan = training_plan(training_args, EXAMPLES)
     layout = DataParallel()
@@ -84,8 +87,12 @@ def test_train_step_is_the_hand_written_step(tmp_path):
     w = init_params()["w"].astype(np.float64)
     x, y = batch["features"].astype(np.float64), batch["labels"]
     probs = np.exp(log_softmax(x @ w))
-    loss = -log_softmax(x @ w)[np.arange(N), y].sum()
-    grad = x.T @ (probs - np.eye(CLASSES)[y]) / N
+    # Smoothed targets: 1 - smoothing on the label, the rest spread evenly; less their entropy (a perfect
+    # prediction scores 0).
+    targets = np.eye(CLASSES)[y] * (1 - smoothing - smoothing / (CLASSES - 1)) + smoothing / (CLASSES - 1)
+    entropy = -(targets * np.log(np.where(targets > 0, targets, 1))).sum(-1)
+    loss = (-(targets * log_softmax(x @ w)).sum(-1) - entropy).sum()
+    grad = x.T @ (probs - targets) / N
     tx = optax.adamw(0.1, eps=1.0, weight_decay=0.0)  # the linear schedule starts at its peak
     update, _ = tx.update({"w": grad}, tx.init({"w": grad}), {"w": w})
     # float32 forward/backward and psum over 8 devices vs float64 in one sum: a few float32 eps.
@@ -96,7 +103,7 @@ def test_train_step_is_the_hand_written_step(tmp_path):
 
 
 def test_eval_with_predict_fn_gives_every_real_row_once(tmp_path):
-    training_args = args(tmp_path, do_train=False, do_eval=True)
+    training_args = args(tmp_path, do_train=False, do_eval=True, label_smoothing_factor=0.2)  # not in evaluation
     layout = DataParallel()
     params = init_params()
     state, steps = make_steps(loss_fn, MODEL, params, layout, training_args, training_plan(training_args, None),
@@ -123,7 +130,7 @@ def run_to_the_end(training_args, train_data, evaluate_at=None):
     def evaluate(params):
         return steps.evaluate(params, arrays, 10)[0]
 
-    run = TrainingRun(training_args, (training_args,), plan, layout, train_data, is_main=True)
+    run = TrainingRun(training_args, (training_args,), TASK, plan, layout, train_data, is_main=True)
     state = run.start(state, None, MODEL.config, MODEL, None)
     if training_args.do_train:
         for step, batch in run.train_batches(1):

@@ -95,7 +95,7 @@ def loaded(family, directory, layout=None):
     auto_class, _ = FAMILIES[family]
     layout = layout or DataParallel()
     model, params = load_model(auto_class, ModelArguments(model_name_or_path=str(directory)),
-                               AutoConfig.from_pretrained(directory), jnp.float32, 0, layout)
+                               AutoConfig.from_pretrained(directory), 0, layout)
     return model, layout.params_to_host(params)
 
 
@@ -180,7 +180,7 @@ def test_a_checkpoint_for_another_config_is_one_clear_error(tmp_path):
     wider = FAMILIES["bert"][1].to_dict() | {"intermediate_size": 48}
     with pytest.raises(UsageError, match="do not fit the model: .* use the checkpoint's own config"):
         load_model(FlaxAutoModelForMaskedLM, ModelArguments(model_name_or_path=str(directory)),
-                   BertConfig(**wider), jnp.float32, 0, DataParallel())
+                   BertConfig(**wider), 0, DataParallel())
 
 
 def test_pytorch_bin_without_torch_says_what_to_install(tmp_path, monkeypatch):

@@ -10,8 +10,6 @@ import sys
 
 import yaml
 
-from utils.tasks import PIPELINE_TAGS, task_of
-
 logger = logging.getLogger(__name__)
 
 CARD = "README.md"
@@ -60,33 +58,33 @@ def record_text(record, run_args):
     return None
 
 
-def widget_text(text, task, mask_token):
-    """The widget input for `task` made from an example's text."""
+def widget_text(text, widget, mask_token):
+    """The widget input made from an example's text, as the task's `widget` kind says
+    (`tasks.Task`)."""
     words = text.split()
-    if task == "causal-lm":
+    if widget == "prompt":
         return " ".join(words[:_PROMPT_WORDS])
-    if task in ("masked-lm", "span-corruption"):
+    if widget in ("mask", "sentinel"):
         words = words[:_MASKED_WORDS]
-        words[len(words) // 2] = mask_token if task == "masked-lm" else "<extra_id_0>"
+        words[len(words) // 2] = mask_token if widget == "mask" else "<extra_id_0>"
         return " ".join(words)
     return text[:_MAX_EXAMPLE_CHARS]
 
 
-def widget_examples(run_args, task, mask_token=None, count=WIDGET_EXAMPLES):
+def widget_examples(run_args, widget, mask_token=None, count=WIDGET_EXAMPLES):
     """[{"text": ...}] for the Hub's widget, from the validation data. A fill-mask widget needs the
-    tokenizer's mask token; tasks whose widget takes more than a text (question answering, images)
-    get none here."""
-    if task not in ("summarization", "causal-lm", "masked-lm", "span-corruption", "text-classification",
-                    "token-classification") or (task == "masked-lm" and not mask_token):
+    tokenizer's mask token; tasks whose widget takes more than a text (question answering, images:
+    `widget` None) get none here."""
+    if widget is None or (widget == "mask" and not mask_token):
         return []
     texts = [record_text(record, run_args) for record in example_records(run_args, count)]
-    return [{"text": widget_text(text, task, mask_token)} for text in texts if text]
+    return [{"text": widget_text(text, widget, mask_token)} for text in texts if text]
 
 
-def front_matter(task, widget, base_model=None):
+def front_matter(pipeline_tag, widget, base_model=None):
     meta = {"library_name": "transformers", "tags": ["flax", "flaxtune"]}
-    if task in PIPELINE_TAGS:
-        meta["pipeline_tag"] = PIPELINE_TAGS[task]
+    if pipeline_tag:
+        meta["pipeline_tag"] = pipeline_tag
     if base_model:
         meta["base_model"] = base_model
     if widget:
@@ -106,13 +104,13 @@ def training_command(argv):
     return shlex.join(["python", os.path.basename(argv[0]), *argv[1:]])
 
 
-def card_text(name, task, run_args, results, argv, widget):
+def card_text(name, pipeline_tag, run_args, results, argv, widget):
     base = run_args.get("model_name_or_path")
     data = run_args.get("dataset_name") or ", ".join(
         os.path.basename(run_args[key]) for key in ("train_file", "validation_file") if run_args.get(key))
     origin = f"fine-tuned from `{base}`" if base else f"trained from scratch (a `{run_args.get('model_type')}` config)"
     return "\n".join([
-        front_matter(task, widget, base),
+        front_matter(pipeline_tag, widget, base),
         f"# {name}",
         "",
         f"A Flax model {origin} by flaxtune's `{os.path.basename(argv[0])}`"
@@ -140,12 +138,12 @@ def card_text(name, task, run_args, results, argv, widget):
     ])
 
 
-def write_model_card(output_dir, architecture, run_args, results, mask_token=None, argv=None):
-    """Write `output_dir`/README.md for the model of class `architecture` trained with `run_args`
-    (the public arguments), its `results` (all_results.json's entries) and command line `argv`."""
+def write_model_card(output_dir, task, run_args, results, mask_token=None, argv=None):
+    """Write `output_dir`/README.md for a model of `task` (its `tasks.Task` declaration, or None:
+    no pipeline tag, no widget) trained with `run_args` (the public arguments), its `results`
+    (all_results.json's entries) and command line `argv`."""
     argv = list(sys.argv if argv is None else argv)
-    task = task_of(architecture, run_args)
-    widget = widget_examples(run_args, task, mask_token)
+    widget = widget_examples(run_args, task and task.widget, mask_token)
     name = os.path.basename(os.path.normpath(output_dir))
     with open(os.path.join(output_dir, CARD), "w", encoding="utf-8") as f:
-        f.write(card_text(name, task, run_args, results, argv, widget))
+        f.write(card_text(name, task and task.pipeline_tag, run_args, results, argv, widget))

@@ -12,7 +12,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers import AutoConfig, AutoTokenizer, FlaxPreTrainedModel
 from transformers.models.auto import modeling_flax_auto
 
-from utils import hub, remat, weights
+from utils import devices, hub, remat, weights
 from utils.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -310,14 +310,14 @@ def _from_config(auto_class, config, kwargs):
             return auto_class.from_config(config, **kwargs)
 
 
-def load_model(auto_class, model_args, config, dtype, seed, layout, new_head_if_mismatched=False):
+def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatched=False):
     """(model, params): the model (its code and config, no weights) and its parameters, placed by
     `layout` (`utils.layout`): pretrained, or fresh ones from `config`.
 
     No device ever holds weights it would not hold in training: pretrained ones are read into host
     memory (`utils.weights`: any checkpoint format) and placed leaf by leaf; fresh ones come from one
     compiled init that writes them where they belong (transformers inits op by op, a hundred or so
-    small programs compiled on every start). `dtype` is the compute dtype (activations); the weights
+    small programs compiled on every start). `--dtype` is the compute dtype (activations); the weights
     are stored in `--param_dtype`, float32 master weights by default whatever the checkpoint holds
     (hub Flax weights are sometimes bf16). With `new_head_if_mismatched`, a pretrained head of
     other shapes than `config`'s (another number of labels) is replaced by a fresh one, with a
@@ -325,7 +325,7 @@ def load_model(auto_class, model_args, config, dtype, seed, layout, new_head_if_
     from `config` alone: no weights are read or made.
     """
     param_dtype = jnp.dtype(model_args.param_dtype)
-    kwargs = dict(seed=seed, dtype=dtype, trust_remote_code=model_args.trust_remote_code)
+    kwargs = dict(seed=seed, dtype=devices.to_dtype(model_args.dtype), trust_remote_code=model_args.trust_remote_code)
     if model_args.model_name_or_path and not layout.plan:
         name = model_args.model_name_or_path
         # Read with the checkpoint's own config, whose shapes its weights have; then fitted to `config`'s.

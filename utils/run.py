@@ -29,12 +29,13 @@ class Preflight(NamedTuple):
     resume: object  # the `utils.resume.ResumePoint` to continue from, or None to start afresh
 
 
-def check_before_work(training_args, data_args, files, allowed, model_args=None):
+def check_before_work(training_args, data_args, task, files, allowed, model_args=None):
     """Everything that can be checked before a model or dataset is touched, as a `Preflight`.
 
-    `files` maps split -> local path (or None); a phase needs its split's file or a hub dataset.
-    Names that are not local paths (`model_args`' model, config and tokenizer, the dataset) make
-    one short probe of the hub, which switches to offline mode if it does not answer.
+    `task` is the script's `tasks.Task` (the files its runs write). `files` maps split -> local path (or
+    None); a phase needs its split's file or a hub dataset. Names that are not local paths (`model_args`'
+    model, config and tokenizer, the dataset) make one short probe of the hub, which switches to offline
+    mode if it does not answer.
     """
     check_phases(training_args)
     out = training_args.output_dir
@@ -43,7 +44,7 @@ def check_before_work(training_args, data_args, files, allowed, model_args=None)
     if training_args.compile_only:
         check_plan_dir(out)
     elif training_args.do_train and resume is None:
-        check_replaceable(out)  # a fresh training run first removes an earlier run's files
+        check_replaceable(out, task.outputs)  # a fresh training run first removes an earlier run's files
     if training_args.push_to_hub and not (training_args.hub_token or get_token()):
         raise UsageError("--push_to_hub needs --hub_token (a token with write access to the repository) "
                          "or a saved login (huggingface-cli login)")

@@ -14,22 +14,22 @@ import os
 import shutil
 import tempfile
 
-from utils import devices, model_card
+from utils import devices
+from utils import model_card
 from utils.args import public_args, save_args
 from utils.checkpoint import CHECKPOINT_SUBDIR, disk_full_is_fatal
 from utils.errors import UsageError, at_exit
 from utils.hub import HubPusher
 from utils.logging import MetricsLogger
 from utils.perf import memory_report
-from utils.predict import one_line
 
 logger = logging.getLogger(__name__)
 
-# Names (glob patterns) of everything a run writes into its output directory.
+# Names (glob patterns) of what every run writes into its output directory; a task declares the rest
+# (`tasks.Task.outputs`: its prediction files).
 RUN_OUTPUTS = (
     CHECKPOINT_SUBDIR, "run_args.json", "metrics.jsonl", "metrics.jsonl.tmp", "events.out.tfevents.*",
-    "*_results.json", "*_predictions.json", "*_null_odds.json", "generated_predictions.txt", "predict_results*.txt",
-    ".export-*",
+    "*_results.json", ".export-*",
     # The Hugging Face export: model (one file, or shards with an index), tokenizer or image processor.
     "config.json", "generation_config.json", "flax_model.msgpack", "flax_model-*.msgpack",
     "flax_model.msgpack.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -38,31 +38,42 @@ RUN_OUTPUTS = (
 )
 
 
-def foreign_files(output_dir):
-    """The entries of `output_dir` that no run writes, sorted."""
-    return sorted(name for name in os.listdir(output_dir)
-                  if not any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_OUTPUTS))
+def is_run_output(name, task_outputs=()):
+    """Whether a run of a task declaring `task_outputs` writes a file called `name`."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in (*RUN_OUTPUTS, *task_outputs))
 
 
-def check_replaceable(output_dir):
+def foreign_files(output_dir, task_outputs=()):
+    """The entries of `output_dir` that no run of a task declaring `task_outputs` writes, sorted."""
+    return sorted(name for name in os.listdir(output_dir) if not is_run_output(name, task_outputs))
+
+
+def check_replaceable(output_dir, task_outputs=()):
     """A new training run here removes the previous run's outputs: refuse if it would remove more."""
     if not os.path.isdir(output_dir):
         return
-    foreign = foreign_files(output_dir)
+    foreign = foreign_files(output_dir, task_outputs)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise UsageError(f"a new run in {output_dir} first removes the previous run's outputs, but the directory "
-                         f"also holds files no run writes ({shown}): move them away or choose another --output_dir")
+                         f"also holds files no run of this script writes ({shown}): move them away or choose "
+                         "another --output_dir")
 
 
-def remove_run_outputs(output_dir):
-    """Delete everything an earlier run wrote into `output_dir`."""
-    for name in set(os.listdir(output_dir)) - set(foreign_files(output_dir)):
+def remove_run_outputs(output_dir, task_outputs=()):
+    """Delete everything an earlier run of the task wrote into `output_dir`."""
+    for name in set(os.listdir(output_dir)) - set(foreign_files(output_dir, task_outputs)):
         path = os.path.join(output_dir, name)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         else:
             os.remove(path)
+
+
+def one_line(text):
+    """`text` as one line of a result file: inner whitespace collapsed (a generated newline would
+    split a row in two)."""
+    return " ".join(text.split())
 
 
 def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process: bool = True):
@@ -97,15 +108,18 @@ class RunDirectory:
     """What a run leaves in --output_dir: its arguments, metrics (metrics.jsonl, TensorBoard), result
     files, texts, the Hugging Face export, and hub pushes of all of it.
 
-    `resume` is the `utils.resume.ResumePoint` the run continues (a resumed training run drops the
-    metrics logged after its step, so the files read like one uninterrupted run); a training run
-    that is not resumed starts from an empty directory. `train_step_memory` (`utils.layout`) is
-    recorded as `train_step_device_bytes`. Every process makes one; only process 0 writes.
+    `task` is the script's `tasks.Task` declaration: the files it may write beside the engine's, and its
+    model card's pipeline tag and widget. `resume` is the `utils.resume.ResumePoint` the run continues (a
+    resumed training run drops the metrics logged after its step, so the files read like one uninterrupted
+    run); a training run that is not resumed starts from an empty directory. `train_step_memory`
+    (`utils.layout`) is recorded as `train_step_device_bytes`. Every process makes one; only process 0
+    writes.
     """
 
-    def __init__(self, training_args, all_args, model, tokenizer, is_main, total_steps=None, resume=None,
+    def __init__(self, training_args, all_args, task, model, tokenizer, is_main, total_steps=None, resume=None,
                  train_step_memory=None):
         out = self.output_dir = training_args.output_dir
+        self.task = task
         self.model, self.tokenizer, self.is_main = model, tokenizer, is_main
         self.public_args = public_args(*all_args)
         self.pusher = None
@@ -120,7 +134,7 @@ class RunDirectory:
             if training_args.resume_from_checkpoint:
                 logger.warning("no checkpoint to resume from in %s yet: starting from scratch", out)
             if is_main and os.path.isdir(out):
-                remove_run_outputs(out)
+                remove_run_outputs(out, task.outputs)
         # No process may look at the checkpoints before process 0 has removed an earlier run's.
         devices.sync_processes("flaxtune: output_dir ready")
         os.makedirs(out, exist_ok=True)
@@ -159,9 +173,16 @@ class RunDirectory:
         """Entries of all_results.json that no results file holds (train_runtime, train_samples)."""
         self._results.update(values)
 
+    def _declared(self, name):
+        """`name`, a file the task declares (a rerun must know it as its own to replace it)."""
+        if not is_run_output(name, self.task.outputs):
+            raise ValueError(f"{name} is not among the files task {self.task.name!r} declares (tasks.Task.outputs)")
+        return name
+
     def write_text(self, name, lines, collapse_whitespace=True):
         """One line per item, inner whitespace collapsed (generated texts may hold newlines) unless
         `collapse_whitespace` is False (tab-separated tables)."""
+        self._declared(name)
         if self.is_main:
             with disk_full_is_fatal(self.output_dir), open(os.path.join(self.output_dir, name), "w",
                                                            encoding="utf-8") as f:
@@ -169,6 +190,7 @@ class RunDirectory:
 
     def write_json(self, name, value):
         """`value` as indented JSON (prediction files)."""
+        self._declared(name)
         if self.is_main:
             with disk_full_is_fatal(self.output_dir), open(os.path.join(self.output_dir, name), "w",
                                                            encoding="utf-8") as f:
@@ -194,7 +216,7 @@ class RunDirectory:
                 with open(os.path.join(self.output_dir, "all_results.json"), "w", encoding="utf-8") as f:
                     json.dump(self._results, f, indent=2)
                 if os.path.exists(os.path.join(self.output_dir, "config.json")):
-                    model_card.write_model_card(self.output_dir, type(self.model).__name__, self.public_args,
+                    model_card.write_model_card(self.output_dir, self.task, self.public_args,
                                                 self._results, getattr(self.tokenizer, "mask_token", None))
         self.close()
         if self.pusher:

@@ -130,7 +130,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from utils import data, devices, lm
+from utils import data, devices
+from tasks import lm
 from utils.errors import UsageError, is_disk_full
 
 FORMATS = ("json", "csv", "text")

@@ -19,6 +19,7 @@ from utils import devices
 from utils.errors import Done, RunError
 from utils.layout import does_not_fit, eval_levers, per_device_bytes, plan_memory, readable, train_levers
 from utils.logging import MetricsLogger, throughput_meter
+from utils.models import enable_gradient_checkpointing
 from utils.loop import TrainLoop, eval_batches, host_eval_batches, host_means
 from utils.optim import create_optimizer
 from utils.resume import resume_or_start, run_fingerprint
@@ -72,26 +73,32 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
                predict_fn=None):
     """(train state, `Steps`) for a script's loss, placed and compiled by `layout`.
 
-    `loss_fn(params, batch, dropout_rng, train) -> (loss sum, sums)` with at least "loss" and
-    "tokens" in `sums` (`utils.steps.token_weighted_grads`). The optimizer follows `plan`'s
+    `loss_fn(params, batch, dropout_rng, train, label_smoothing) -> (loss sum, sums)` with at least
+    "loss" and "tokens" in `sums` (`utils.steps.token_weighted_grads`). What every script's steps
+    need is applied here, so none can forget it: the train step gets `--label_smoothing_factor`
+    (evaluation 0), and `--gradient_checkpointing` makes `model` recompute its layers' activations. The optimizer follows `plan`'s
     learning-rate schedule. When training, the train step is compiled now, for batches like
     `train_data`'s (after `transform`): its device memory is known, and checked, before anything is
     written. `predict_fn(params, batch) -> [rows, ...]` (class ids, logits, tags) makes the eval
     step return its per-row outputs beside the sums, in the same compiled step. With
     `--compile_only` the steps are planned, never run: `Steps.report_plan`.
     """
+    if training_args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     state = layout.create_state(model.__call__, params, create_optimizer(training_args, plan.schedule),
                                 training_args.seed)
+    label_smoothing = training_args.label_smoothing_factor
     accumulation = training_args.gradient_accumulation_steps
+
+    train_loss = partial(loss_fn, train=True, label_smoothing=label_smoothing)
 
     def train_step(state, batch):
         dropout_rng, state = state.next_dropout_rng()
-        grads, sums = token_weighted_grads(partial(loss_fn, train=True), state.params, batch, dropout_rng,
-                                           accumulation, layout)
+        grads, sums = token_weighted_grads(train_loss, state.params, batch, dropout_rng, accumulation, layout)
         return state.apply_gradients(grads=grads), sums
 
     def eval_step(params, batch):
-        _, sums = loss_fn(params, batch, None, train=False)
+        _, sums = loss_fn(params, batch, None, train=False, label_smoothing=0.0)
         if predict_fn is None:
             return layout.batch_sum(sums)
         return layout.batch_sum(sums), predict_fn(params, batch)
@@ -177,13 +184,13 @@ class TrainingRun:
     `train_batches` / `after_step` / `eval_due` / `report` / `save_if_due` in the script's loop,
     `end_training`, the final `report`s, `finish`.
 
-    `plan` is the `utils.run.TrainingPlan`; `train_data` the `utils.loop.InMemoryData` or
-    `utils.stream.StreamedData` (None when not training). `step` is the last step finished: the
-    step results are reported at.
+    `task` is the script's `tasks.Task` declaration; `plan` the `utils.run.TrainingPlan`; `train_data` the
+    `utils.loop.InMemoryData` or `utils.stream.StreamedData` (None when not training). `step` is the last
+    step finished: the step results are reported at.
     """
 
-    def __init__(self, training_args, all_args, plan, layout, train_data, is_main):
-        self.args, self.all_args, self.plan, self.layout = training_args, all_args, plan, layout
+    def __init__(self, training_args, all_args, task, plan, layout, train_data, is_main):
+        self.args, self.all_args, self.task, self.plan, self.layout = training_args, all_args, task, plan, layout
         self.train_data, self.is_main = train_data, is_main
         self.step = None
         self._last_eval_step = None
@@ -198,8 +205,8 @@ class TrainingRun:
         fingerprint = run_fingerprint(config, args, self.layout, train_data and (train_data.size or "streamed"))
         state, self.start_step = resume_or_start(resume, fingerprint, state, plan.total_steps, self.layout, train_data)
         self.step = self.start_step
-        self.dir = RunDirectory(args, self.all_args, model, tokenizer, self.is_main, plan.total_steps, resume,
-                                self.layout.train_step_memory)
+        self.dir = RunDirectory(args, self.all_args, self.task, model, tokenizer, self.is_main, plan.total_steps,
+                                resume, self.layout.train_step_memory)
         if args.do_train:
             self.saver = Saver(args, self.dir, self.layout, train_data, fingerprint, plan.steps_per_epoch,
                                plan.total_steps, self.start_step, self.is_main)

@@ -12,7 +12,7 @@ tokens. EOS ends both. So, whichever kind comes first:
 `plan_span_corruption` finds the raw length that makes the inputs exactly `--max_seq_length` long
 and checks the tokenizer, before any work; `span_corruption` masks batches of raw blocks, each row
 from its own random numbers drawn from (seed, stream, step, the row's place in the global batch),
-like `utils.lm.masking`. The flags named in the errors are those of `run_t5_mlm_flax.py`:
+like `tasks.lm.masking`. The flags named in the errors are those of `run_t5_mlm_flax.py`:
 --max_seq_length, --mlm_probability (the noise density, under its classic name) and
 --mean_noise_span_length.
 """
@@ -24,6 +24,9 @@ import numpy as np
 
 from utils import data
 from utils.errors import UsageError
+from tasks import Task
+
+TASK = Task("span-corruption", "text2text-generation", widget="sentinel")
 
 SENTINEL = "<extra_id_{}>"
 
@@ -188,7 +191,7 @@ def span_corruption(plan, decoder_start_token_id, seed, stream):
     `batch["input_ids"]` [rows, raw_length] raw blocks become a T5 batch: `input_ids` [rows,
     max_seq_length], `labels` [rows, target_length], and `decoder_input_ids`, the labels shifted
     right after `decoder_start_token_id` (T5: the pad id). Row i is corrupted from its own random
-    numbers, drawn from (seed, stream, step, row_ids[i]), as `utils.lm.masking` masks: a training
+    numbers, drawn from (seed, stream, step, row_ids[i]), as `tasks.lm.masking` masks: a training
     example's corruption depends on the step and its row in the global batch, an evaluation
     example's (step 0) on its index alone. So it is the same on any number of devices and
     processes, a resumed run corrupts its batches exactly as the uninterrupted run would, and

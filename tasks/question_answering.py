@@ -14,6 +14,10 @@ import string
 from typing import NamedTuple
 
 import numpy as np
+from tasks import Task
+
+TASK = Task("question-answering", "question-answering",
+            outputs=("*_predictions.json", "*_nbest_predictions.json", "*_null_odds.json"))
 
 NO_CONTEXT = -1  # the offsets of a token outside the context (question, special tokens, padding)
 

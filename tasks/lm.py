@@ -71,9 +71,9 @@ class LMDataArguments(BaseDataArguments):
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
-def check_before_work(training_args, data_args, model_args):
-    """`run.check_before_work` for LM data (returns its `Preflight`): a validation file is optional when a train file is given
-    (evaluation then uses the part of the training data `load_splits` holds out). An explicit
+def check_before_work(training_args, data_args, task, model_args):
+    """`run.check_before_work` for LM data (returns its `Preflight`): a validation file is optional
+    when a train file is given (evaluation then uses the part of the training data `load_splits` holds out). An explicit
     `--text_column` is checked against the local files' columns now, not after loading them."""
     if training_args.do_predict:
         raise UsageError("--do_predict does not apply to language modeling (there is no test split): use --do_eval")
@@ -84,7 +84,8 @@ def check_before_work(training_args, data_args, model_args):
     files = {"train": data_args.train_file}
     if data_args.validation_file or not data_args.train_file:
         files["validation"] = data_args.validation_file
-    preflight = run.check_before_work(training_args, data_args, files, allowed=FILE_FORMATS, model_args=model_args)
+    preflight = run.check_before_work(training_args, data_args, task, files, allowed=FILE_FORMATS,
+                                      model_args=model_args)
     if data_args.text_column and not data_args.dataset_name:
         data.require_columns(preflight.columns, (("text_column", data_args.text_column),))
     return preflight

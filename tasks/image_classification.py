@@ -32,6 +32,9 @@ from PIL import Image, UnidentifiedImageError
 
 from utils import data, devices
 from utils.errors import UsageError
+from tasks import Task
+
+TASK = Task("image-classification", "image-classification", outputs=("predict_results.txt",))
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm", ".jfif")
 CROP_RATIO = (3 / 4, 4 / 3)  # aspect ratios of the random crop, as the classic (torchvision's defaults)

@@ -2,6 +2,10 @@
 was trained, generation with the settings saved beside the model, outputs decoded into the lines the
 result files hold. One definition for both, so the page shows what the script writes."""
 
+from tasks import Task
+
+TASK = Task("summarization", "summarization", outputs=("generated_predictions.txt",), widget="text")
+
 
 def set_generation(model, **settings):
     """Put the predict path's generation settings (`max_length`, `num_beams`, ...) into the model's
@@ -32,9 +36,3 @@ def generate_ids(model, params, input_ids, attention_mask):
 def decode_texts(tokenizer, ids):
     """The text of each row of generated `ids`, special tokens dropped."""
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
-
-
-def one_line(text):
-    """`text` as one line of a result file: inner whitespace collapsed (a generated newline would
-    split a row in two)."""
-    return " ".join(text.split())

@@ -1,7 +1,7 @@
 """The model behind the demo page (`demo.py`): one predictor per task, loaded once from an output
 dir, answering one request at a time with plain data (text, probabilities, spans) the page shows.
 
-Each predictor encodes inputs as its training script does (`utils.predict` where a script has a
+Each predictor encodes inputs as its training script does (`tasks.summarization` where a script has a
 predict path) and pads them to a few shape buckets, all compiled by `warm_up`: after it no request
 compiles. A bad request raises `BadInput` with the message the page shows; the predictor keeps
 serving. A new task plugs in as one more class in `PREDICTORS` (and a form in `demo.py`).
@@ -18,10 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import UnidentifiedImageError
 
-from utils import classification, compat, images, predict, qa
+from utils import compat
+from tasks import classification, image_classification as images, summarization as generation, question_answering as qa
 from utils.errors import UsageError
+from utils.rundir import one_line
 from utils.models import max_positions
-from utils.tasks import saved_task
+from tasks import saved_task
 
 MODEL_FILES = ("flax_model.msgpack", "flax_model.msgpack.index.json")
 TOP_K = 10  # the fill-mask table shows at most this many tokens per mask (one compiled top-k)
@@ -110,7 +112,7 @@ class Summarizer(Predictor):
         super().__init__(output_dir, run_args)
         self.prefix = run_args.get("source_prefix") or ""
         self.max_length = run_args["max_source_length"]
-        self._generate = jax.jit(lambda params, ids, mask: predict.generate_ids(self.model, params, ids, mask))
+        self._generate = jax.jit(lambda params, ids, mask: generation.generate_ids(self.model, params, ids, mask))
 
     def predict(self, text):
         require_text(text, "document")
@@ -118,9 +120,9 @@ class Summarizer(Predictor):
         length = len(self.tokenizer(self.prefix + text)["input_ids"])
         if length > self.max_length:
             answer.notes.append(truncation_note(length, self.max_length))
-        inputs = predict.encode_sources(self.tokenizer, [text], self.prefix, self.max_length)
+        inputs = generation.encode_sources(self.tokenizer, [text], self.prefix, self.max_length)
         ids = self._generate(self.params, inputs["input_ids"], inputs["attention_mask"])
-        answer.text = predict.one_line(predict.decode_texts(self.tokenizer, np.asarray(ids))[0])
+        answer.text = one_line(generation.decode_texts(self.tokenizer, np.asarray(ids))[0])
         return answer
 
     def warm_up(self):
@@ -358,7 +360,7 @@ class EntityTagger(Predictor):
 
 class QuestionAnswerer(Predictor):
     """run_qa.py's predict path for one question and its context: the same windows
-    (`utils.qa.cut_windows`) and post-processing (`utils.qa.best_answers`) with the run's n-best
+    (`tasks.question_answering.cut_windows`) and post-processing (`tasks.question_answering.best_answers`) with the run's n-best
     size, answer length and SQuAD v2.0 settings. `details` is the n-best list (text, probability,
     score, character offsets into the context); the answer is "" when the model says the context
     does not answer the question (v2.0)."""
@@ -422,7 +424,7 @@ class QuestionAnswerer(Predictor):
 
 class ImageClassifier(Predictor):
     """run_image_classification.py's model on one uploaded image, transformed as the script's
-    evaluation and prediction transform it (`utils.images.Transforms.eval` with the image
+    evaluation and prediction transform it (`tasks.image_classification.Transforms.eval` with the image
     processor saved beside the model): the `TOP_LABELS` best labels with their probabilities."""
 
     auto_class = "FlaxAutoModelForImageClassification"
@@ -462,7 +464,7 @@ class ImageClassifier(Predictor):
         jax.block_until_ready(self._top(self.params, np.zeros((1, 3, side, side), np.float32)))
 
 
-# Task (utils.tasks) -> predictor.
+# Task (tasks) -> predictor.
 PREDICTORS = {
     "summarization": Summarizer,
     "causal-lm": TextGenerator,
