@@ -61,160 +61,13 @@ def main(argv=None):
 # ----------------------------------------------------------------------------------------------
 # The page (run by Streamlit: once per request, top to bottom)
 # ----------------------------------------------------------------------------------------------
-def escape_markdown(text):
-    """`text` shown literally by Streamlit's markdown (generated text may hold `*`, `_`, `<mask>`...)."""
-    return "".join("\\" + c if c in "\\`*_{}[]()#+-.!|<>:~$" else c for c in text)
-
-
-def shown_token(token):
-    """A token as a table cell: its text, or for a token of whitespace only, its repr ('\\n')."""
-    return escape_markdown(token.strip()) or repr(token)
-
-
-def show_answer(st, answer):
-    with st.container(key="answer"):
-        st.markdown("**Answer**")
-        for note in answer.notes:
-            st.info(escape_markdown(note))
-        st.text(answer.text)
-
-
-def summarization_form(st, predictor):
-    with st.form("request"):
-        text = st.text_area("Document", height=150, key="text")
-        submitted = st.form_submit_button("Summarize")
-    if submitted:
-        return lambda: show_answer(st, predictor(text))
-
-
-def text_generation_form(st, predictor):
-    with st.form("request"):
-        prompt = st.text_area("Prompt", key="text")
-        left, middle, right = st.columns(3)
-        max_new_tokens = left.number_input("Max new tokens", 1, predictor.max_new_tokens,
-                                           min(32, predictor.max_new_tokens), key="max_new_tokens")
-        decoding = middle.radio("Decoding", ("greedy", "sampling"), key="decoding")
-        seed = right.number_input("Seed (sampling)", 0, 2**31 - 1, 0, key="seed")
-        submitted = st.form_submit_button("Continue")
-    if submitted:
-        return lambda: show_answer(st, predictor(prompt, int(max_new_tokens), decoding == "sampling", int(seed)))
-
-
-def fill_mask_form(st, predictor):
-    from tasks.demo import TOP_K
-
-    mask = predictor.tokenizer.mask_token
-    with st.form("request"):
-        text = st.text_input(f"Text with {mask}", key="text")
-        top_k = st.slider("Top k", 1, TOP_K, 5, key="top_k")
-        submitted = st.form_submit_button("Fill")
-    if submitted:
-        def show():
-            answer = predictor(text, int(top_k))
-            show_answer(st, answer)
-            for number, candidates in enumerate(answer.details, start=1):
-                st.table({f"{escape_markdown(mask)} {number}": [shown_token(token) for token, _ in candidates],
-                          "probability": [f"{p:.3f}" for _, p in candidates]})
-        return show
-
-
-def span_filling_form(st, predictor):
-    with st.form("request"):
-        text = st.text_input("Text with <extra_id_0>, <extra_id_1>, ...", key="text")
-        submitted = st.form_submit_button("Fill the spans")
-    if submitted:
-        def show():
-            answer = predictor(text)
-            show_answer(st, answer)
-            st.table({"sentinel": [s for s, _ in answer.details], "span": [span for _, span in answer.details]})
-        return show
-
-
-def text_classification_form(st, predictor):
-    with st.form("request"):
-        text = st.text_area("Text" if not predictor.pair else "First text", key="text")
-        second = st.text_area("Second text", key="second_text") if predictor.pair else None
-        submitted = st.form_submit_button("Classify")
-    if submitted:
-        def show():
-            answer = predictor(text, second)
-            show_answer(st, answer)
-            if answer.details:
-                st.table({"label": [label for label, _ in answer.details],
-                          "probability": [f"{p:.3f}" for _, p in answer.details]})
-        return show
-
-
-def token_classification_form(st, predictor):
-    with st.form("request"):
-        text = st.text_area("Sentence", key="text")
-        submitted = st.form_submit_button("Tag")
-    if submitted:
-        def show():
-            answer = predictor(text)
-            show_answer(st, answer)
-            st.markdown(" ".join(f":blue-background[{escape_markdown(words)}] **{escape_markdown(kind)}**"
-                                 for words, kind in answer.details) or "No entities found.")
-        return show
-
-
-def highlighted(context, first, last):
-    """`context` as markdown with characters [first, last) (the answer) highlighted."""
-    return (escape_markdown(context[:first]) + f":orange-background[{escape_markdown(context[first:last])}]"
-            + escape_markdown(context[last:]))
-
-
-def question_answering_form(st, predictor):
-    with st.form("request"):
-        question = st.text_input("Question", key="text")
-        context = st.text_area("Context", height=150, key="context")
-        submitted = st.form_submit_button("Answer")
-    if submitted:
-        def show():
-            answer = predictor(question, context)
-            show_answer(st, answer)
-            with st.container(key="context_shown"):
-                if answer.text:  # the best span with text (tasks.question_answering.best_answers)
-                    st.markdown(highlighted(context, *next(e["offsets"] for e in answer.details if e["text"])))
-                else:
-                    st.markdown("The model finds no answer to this question in the context.")
-            st.table({"answer": [escape_markdown(entry["text"]) or "(no answer)" for entry in answer.details],
-                      "probability": [f"{entry['probability']:.3f}" for entry in answer.details],
-                      "score": [f"{entry['score']:.3f}" for entry in answer.details]})
-        return show
-
-
-def image_classification_form(st, predictor):
-    with st.form("request"):
-        upload = st.file_uploader("Image", key="image")
-        submitted = st.form_submit_button("Classify")
-    if submitted:
-        def show():
-            answer = predictor(upload.getvalue() if upload is not None else b"")
-            st.image(upload.getvalue(), width=224)
-            show_answer(st, answer)
-            st.table({"label": [escape_markdown(label) for label, _ in answer.details],
-                      "probability": [f"{p:.3f}" for _, p in answer.details]})
-        return show
-
-
-# Task -> the form asking for its input (`tasks.demo.PREDICTORS` has the same keys).
-FORMS = {
-    "summarization": summarization_form,
-    "causal-lm": text_generation_form,
-    "masked-lm": fill_mask_form,
-    "span-corruption": span_filling_form,
-    "text-classification": text_classification_form,
-    "token-classification": token_classification_form,
-    "question-answering": question_answering_form,
-    "image-classification": image_classification_form,
-}
 
 
 def page(output_dir):
     import streamlit as st
 
-    from tasks.demo import BadInput, load
+    import tasks
+    from tasks.demo import BadInput, escape_markdown, load
 
     st.set_page_config(page_title=f"flaxtune: {os.path.basename(output_dir)}")
 
@@ -225,7 +78,7 @@ def page(output_dir):
     task, predictor = loaded(output_dir)
     st.title(os.path.basename(output_dir))
     st.caption(f"{task} · {type(predictor.model).__name__} · {output_dir}")
-    show = FORMS[task](st, predictor)
+    show = tasks.module_of(task).demo_form(st, predictor)
     if show is not None:
         try:
             show()

@@ -27,12 +27,15 @@ import io
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from tasks import Task
+from tasks.demo import Answer, BadInput, Predictor, escape_markdown, show_answer
 from utils import data, devices
 from utils.errors import UsageError
-from tasks import Task
 
 TASK = Task("image-classification", "image-classification", outputs=("predict_results.txt",))
 
@@ -388,3 +391,65 @@ class ImageData:
 
     def state_after(self, step):
         return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo page (demo.py): the predictor and the form asking for its input
+# ----------------------------------------------------------------------------------------------
+class ImageClassifier(Predictor):
+    """run_image_classification.py's model on one uploaded image, transformed as the script's
+    evaluation and prediction transform it (`tasks.image_classification.Transforms.eval` with the image
+    processor saved beside the model): the `TOP_LABELS` best labels with their probabilities."""
+
+    auto_class = "FlaxAutoModelForImageClassification"
+    TOP_LABELS = 5
+
+    def __init__(self, output_dir, run_args):
+        from transformers import AutoImageProcessor
+
+        super().__init__(output_dir, run_args)
+        processor = AutoImageProcessor.from_pretrained(output_dir)
+        # The size the run trained at, found as run_image_classification.py finds it.
+        size = run_args.get("image_size") or getattr(self.config, "image_size", None) or processor_size(
+            processor)
+        self.transforms = Transforms(size, Normalisation(processor))
+        top = min(self.TOP_LABELS, self.config.num_labels)
+        self._top = jax.jit(lambda params, pixels: jax.lax.top_k(jax.nn.softmax(
+            self.model(pixels, params=params, train=False)[0].astype(jnp.float32), axis=-1), top))
+
+    def load_tokenizer(self):
+        return None  # images need none: the transform is read from the saved image processor
+
+    def predict(self, image_bytes):
+        if not image_bytes:
+            raise BadInput("no image: upload a PNG, JPEG, GIF, BMP, WebP or TIFF file")
+        try:
+            pixels = self.transforms.eval(bytes(image_bytes))
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+            raise BadInput(f"the file is not an image that can be read ({type(e).__name__}): upload a PNG, JPEG, "
+                           "GIF, BMP, WebP or TIFF file") from e
+        probabilities, label_ids = (np.asarray(x)[0] for x in self._top(self.params, pixels[None]))
+        answer = Answer(details=[(self.config.id2label[int(i)], float(p)) for i, p in zip(label_ids, probabilities)])
+        answer.text = answer.details[0][0]
+        return answer
+
+    def warm_up(self):
+        side = self.transforms.size
+        jax.block_until_ready(self._top(self.params, np.zeros((1, 3, side, side), np.float32)))
+
+
+PREDICTOR = ImageClassifier
+
+
+def demo_form(st, predictor):
+    with st.form("request"):
+        upload = st.file_uploader("Image", key="image")
+        submitted = st.form_submit_button("Classify")
+    if submitted:
+        def show():
+            answer = predictor(upload.getvalue() if upload is not None else b"")
+            st.image(upload.getvalue(), width=224)
+            show_answer(st, answer)
+            st.table({"label": [escape_markdown(label) for label, _ in answer.details],
+                      "probability": [f"{p:.3f}" for _, p in answer.details]})
+        return show

@@ -9,12 +9,19 @@ and in their scale: percentages, 0 to 100.
 """
 
 import collections
+import inspect
 import re
 import string
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
 from tasks import Task
+from tasks.demo import (Answer, BadInput, Predictor, bucket_for, buckets, escape_markdown, require_text,
+                        show_answer)
+from utils.models import max_positions
 
 TASK = Task("question-answering", "question-answering",
             outputs=("*_predictions.json", "*_nbest_predictions.json", "*_null_odds.json"))
@@ -233,3 +240,98 @@ def _best_threshold(predictions, scores, probabilities, has_answer):
         if current > best:
             best, threshold = current, probabilities[example_id]
     return 100.0 * best / len(scores), threshold
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo page (demo.py): the predictor and the form asking for its input
+# ----------------------------------------------------------------------------------------------
+class QuestionAnswerer(Predictor):
+    """run_qa.py's predict path for one question and its context: the same windows (`cut_windows`)
+    and post-processing (`best_answers`) with the run's n-best size, answer length and SQuAD v2.0 settings. `details` is the n-best list (text, probability,
+    score, character offsets into the context); the answer is "" when the model says the context
+    does not answer the question (v2.0)."""
+
+    auto_class = "FlaxAutoModelForQuestionAnswering"
+    MAX_WINDOWS = 8  # windows read per request (a longer context is cut, and the page says so)
+
+    def __init__(self, output_dir, run_args):
+        super().__init__(output_dir, run_args)
+        # As run_qa.py sizes its windows: the argument, at most the tokenizer's and the model's length.
+        self.seq_length = min(run_args["max_seq_length"], self.tokenizer.model_max_length,
+                              max_positions(self.config) or run_args["max_seq_length"])
+        self.doc_stride = run_args["doc_stride"]
+        self.settings = dict(n_best_size=run_args["n_best_size"], max_answer_length=run_args["max_answer_length"],
+                             with_negative=run_args["version_2_with_negative"],
+                             null_score_diff_threshold=run_args["null_score_diff_threshold"])
+        self.window_buckets = buckets(self.MAX_WINDOWS, smallest=1)
+        accepted = inspect.signature(self.model.__call__).parameters
+        self.inputs = [name for name in ("input_ids", "attention_mask", "token_type_ids") if name in accepted]
+
+        def logits(params, inputs):
+            outputs = self.model(**inputs, params=params)
+            return jnp.stack([outputs.start_logits, outputs.end_logits], axis=-1).astype(jnp.float32)
+
+        self._logits = jax.jit(logits)
+
+    def predict(self, question, context):
+        require_text(question, "question")
+        require_text(context, "context")
+        question = question.lstrip()  # as run_qa.py reads its questions
+        question_tokens = len(self.tokenizer(question, add_special_tokens=False)["input_ids"])
+        room = self.seq_length - question_tokens - self.tokenizer.num_special_tokens_to_add(pair=True)
+        if room <= self.doc_stride:
+            raise BadInput(f"the question takes {question_tokens} tokens, leaving {max(room, 0)} of the model's "
+                           f"{self.seq_length} for the context: ask a shorter question")
+        answer = Answer()
+        encoded, windows = cut_windows(self.tokenizer, [question], [context], self.seq_length, self.doc_stride)
+        if len(windows) > self.MAX_WINDOWS:
+            read = int(windows[self.MAX_WINDOWS - 1].offsets.max())
+            answer.notes.append(f"the context needs {len(windows)} windows of {self.seq_length} tokens; the model "
+                                f"reads the first {self.MAX_WINDOWS}, its first {read} characters")
+            windows = windows[:self.MAX_WINDOWS]
+        size = bucket_for(len(windows), self.window_buckets)
+        inputs = {}
+        for name in self.inputs:
+            rows = np.zeros((size, self.seq_length), np.int32)
+            rows[:len(windows)] = np.asarray(encoded[name][:len(windows)])
+            inputs[name] = rows
+        logits = np.asarray(self._logits(self.params, inputs))[:len(windows)]
+        answers, nbest, _ = best_answers(
+            [("request", context)], [0] * len(windows), logits[..., 0], logits[..., 1],
+            np.stack([w.offsets for w in windows]), [w.null for w in windows], **self.settings)
+        answer.text, answer.details = answers["request"], nbest["request"]
+        return answer
+
+    def warm_up(self):
+        for size in self.window_buckets:
+            ids = np.zeros((size, self.seq_length), np.int32)
+            jax.block_until_ready(self._logits(self.params, {name: ids for name in self.inputs}))
+
+
+PREDICTOR = QuestionAnswerer
+
+
+def highlighted(context, first, last):
+    """`context` as markdown with characters [first, last) (the answer) highlighted."""
+    return (escape_markdown(context[:first]) + f":orange-background[{escape_markdown(context[first:last])}]"
+            + escape_markdown(context[last:]))
+
+
+def demo_form(st, predictor):
+    with st.form("request"):
+        question = st.text_input("Question", key="text")
+        context = st.text_area("Context", height=150, key="context")
+        submitted = st.form_submit_button("Answer")
+    if submitted:
+        def show():
+            answer = predictor(question, context)
+            show_answer(st, answer)
+            with st.container(key="context_shown"):
+                if answer.text:  # the best span with text (tasks.question_answering.best_answers)
+                    st.markdown(highlighted(context, *next(e["offsets"] for e in answer.details if e["text"])))
+                else:
+                    st.markdown("The model finds no answer to this question in the context.")
+            st.table({"answer": [escape_markdown(entry["text"]) or "(no answer)" for entry in answer.details],
+                      "probability": [f"{entry['probability']:.3f}" for entry in answer.details],
+                      "score": [f"{entry['score']:.3f}" for entry in answer.details]})
+        return show

@@ -17,14 +17,17 @@ like `tasks.lm.masking`. The flags named in the errors are those of `run_t5_mlm_
 --mean_noise_span_length.
 """
 
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
+from tasks import Task
+from tasks.demo import Answer, BadInput, Predictor, bucket_for, buckets, require_text, show_answer, truncation_note
 from utils import data
 from utils.errors import UsageError
-from tasks import Task
 
 TASK = Task("span-corruption", "text2text-generation", widget="sentinel")
 
@@ -211,3 +214,67 @@ def span_corruption(plan, decoder_start_token_id, seed, stream):
                 "decoder_input_ids": np.concatenate([start, labels[:, :-1]], axis=1)}
 
     return transform
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo page (demo.py): the predictor and the form asking for its input
+# ----------------------------------------------------------------------------------------------
+class SpanFiller(Predictor):
+    """Fills T5's sentinels (`<extra_id_0>`, ...) as run_t5_mlm_flax.py trained the model: the text
+    (sentinels in it) in, the spans after their sentinels out."""
+
+    auto_class = "FlaxAutoModelForSeq2SeqLM"
+    SENTINEL = re.compile(r"<extra_id_(\d+)>")
+
+    def __init__(self, output_dir, run_args):
+        super().__init__(output_dir, run_args)
+        self.input_buckets = buckets(run_args.get("max_seq_length") or 512)
+        self.max_length = min(64, self.input_buckets[-1])
+        self._generate = jax.jit(lambda params, ids, mask: self.model.generate(
+            ids, attention_mask=mask, params=params, max_length=self.max_length, num_beams=1).sequences)
+
+    def predict(self, text):
+        require_text(text, "text")
+        sentinels = self.SENTINEL.findall(text)
+        if not sentinels:
+            raise BadInput("the text has no <extra_id_0>: put <extra_id_0>, <extra_id_1>, ... where spans are "
+                           "missing")
+        answer = Answer()
+        ids = self.tokenizer(text)["input_ids"]
+        limit = self.input_buckets[-1]
+        if len(ids) > limit:
+            answer.notes.append(truncation_note(len(ids), limit))
+            ids = ids[:limit - 1] + [self.tokenizer.eos_token_id]
+        size = bucket_for(len(ids), self.input_buckets)
+        padded = np.full((1, size), self.config.pad_token_id, np.int32)
+        padded[0, :len(ids)] = ids
+        output = np.asarray(self._generate(self.params, padded, (padded != self.config.pad_token_id).astype(np.int32)))
+        decoded = self.tokenizer.decode(output[0], skip_special_tokens=False)
+        for token in (self.tokenizer.pad_token, self.tokenizer.eos_token):
+            decoded = decoded.replace(token, "")
+        # "<extra_id_0> a span <extra_id_1> another" -> {0: "a span", 1: "another"}
+        pieces = self.SENTINEL.split(decoded)
+        spans = {int(number): piece.strip() for number, piece in zip(pieces[1::2], pieces[2::2])}
+        answer.details = [(f"<extra_id_{n}>", spans.get(int(n), "")) for n in sentinels]
+        answer.text = self.SENTINEL.sub(lambda m: spans.get(int(m.group(1)), ""), text)
+        return answer
+
+    def warm_up(self):
+        for size in self.input_buckets:
+            ids = np.full((1, size), self.config.pad_token_id, np.int32)
+            self._generate(self.params, ids, np.ones_like(ids)).block_until_ready()
+
+
+PREDICTOR = SpanFiller
+
+
+def demo_form(st, predictor):
+    with st.form("request"):
+        text = st.text_input("Text with <extra_id_0>, <extra_id_1>, ...", key="text")
+        submitted = st.form_submit_button("Fill the spans")
+    if submitted:
+        def show():
+            answer = predictor(text)
+            show_answer(st, answer)
+            st.table({"sentinel": [s for s, _ in answer.details], "span": [span for _, span in answer.details]})
+        return show

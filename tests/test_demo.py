@@ -1,4 +1,4 @@
-"""The demo (demo.py, utils/demo.py) against the training scripts' own predict paths.
+"""The demo (demo.py, tasks/demo.py) against the training scripts' own predict paths.
 
 The models are the scripts' tiny "dp" runs the cross-layout tests make anyway (the session's
 `layout_runs`): no training here. Every task's predictor is checked in this process against the
