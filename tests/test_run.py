@@ -84,3 +84,23 @@ def test_training_plan():
     assert training_plan(TrainingArguments(output_dir="out", do_eval=True), None)[:3] == (0, 0, 0)
     with pytest.raises(UsageError, match="47 training examples are fewer than one global batch of 48"):
         training_plan(args, 47)
+
+
+def test_phase_datasets_cut_each_phase_and_name_the_missing_split():
+    """Every script's phases read their data through `phase_datasets`: --max_*_samples per phase, and a
+    phase whose split the dataset lacks stops with the flag to drop."""
+    import datasets
+
+    from utils.args import BaseDataArguments
+    from utils.run import phase_datasets
+
+    raw = {name: datasets.Dataset.from_dict({"x": list(range(10))}) for name in ("train", "validation", "test")}
+    data_args = BaseDataArguments(dataset_name="some/set", max_train_samples=3, max_eval_samples=4)
+    data_args.max_predict_samples = 5  # a field of the scripts that predict
+    cut = phase_datasets(raw, {"train": "train", "validation": "validation", "test": "test"}, data_args)
+    assert {split: cut[split]["x"][:] for split in cut} == {"train": [0, 1, 2], "validation": [0, 1, 2, 3],
+                                                           "test": [0, 1, 2, 3, 4]}
+    assert len(phase_datasets(raw, {"train": "train"}, BaseDataArguments())["train"]) == 10  # no limit: all
+    with pytest.raises(UsageError, match=r"^--do_eval needs a 'validation_matched' split, but dataset 'some/set' "
+                                         r"has only train, validation, test: drop --do_eval, or pass local files"):
+        phase_datasets(raw, {"train": "train", "validation_matched": "validation"}, data_args)

@@ -91,6 +91,32 @@ def needed_splits(training_args, splits=("train", "validation", "test")):
     return [split for split in splits if getattr(training_args, SPLIT_FLAGS[split][0])]
 
 
+MAX_SAMPLES = {"train": "max_train_samples", "validation": "max_eval_samples", "test": "max_predict_samples"}
+
+
+def check_splits(available, phase_of, dataset_name, fix=None):
+    """Stop when a phase's split is not among `available` (a loaded dataset's split names):
+    `phase_of` maps each split the run reads to its phase ("train", "validation", "test")."""
+    for split, phase in phase_of.items():
+        if split not in available:
+            flag = SPLIT_FLAGS[phase][0]
+            fix = fix or f"drop --{flag}, or pass local files instead of --dataset_name"
+            raise UsageError(f"--{flag} needs a {split!r} split, but dataset {dataset_name!r} has only "
+                             f"{', '.join(available)}: {fix}")
+
+
+def sample_limit(data_args, phase):
+    """The --max_train_samples / --max_eval_samples / --max_predict_samples of `phase` (None: all)."""
+    return getattr(data_args, MAX_SAMPLES[phase], None)
+
+
+def phase_datasets(raw, phase_of, data_args):
+    """{split: its first --max_*_samples examples} of each split a phase reads (`phase_of`: split ->
+    phase), after `check_splits`: every script's phases read their data through here."""
+    check_splits(raw, phase_of, data_args.dataset_name)
+    return {split: data.take(raw[split], sample_limit(data_args, phase)) for split, phase in phase_of.items()}
+
+
 def set_up(training_args):
     """Multi-host start-up, version shims, compilation cache, logging; returns (logger, is_main_process).
     With --compile_only, the TPU slice's compile-only devices first, and as many CPU devices."""
