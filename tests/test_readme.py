@@ -1,5 +1,6 @@
-"""The README tells the truth: every argument of every script with the default the code has, no unfilled
-placeholder, and every figure of a results table the value of the JSON file it comes from."""
+"""The README and its pages in docs/ tell the truth: every argument of every script with the default the code
+has, no unfilled placeholder, every figure of a results table the value of the JSON file it comes from, and
+every page reachable from the README by links that lead somewhere."""
 
 import dataclasses
 import json
@@ -16,10 +17,12 @@ import run_qa
 import run_mlm_flax
 import run_summarization_flax
 import run_t5_mlm_flax
+import train_tokenizer
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The README sections (`### <title>` under Arguments) that every script takes its arguments from.
+ARGUMENTS = os.path.join("docs", "arguments.md")
+# The sections (`## <title>`) of the arguments page that every script takes its arguments from.
 COMMON = ("Model", "Training (all scripts)", "Data (every script)")
 # Each script and the sections of its own data arguments, the most specific first: an argument two
 # scripts share by name (`max_seq_length`: None for mlm, 512 for t5 mlm) is read from the first that has it.
@@ -36,14 +39,13 @@ SCRIPTS = {
 
 
 def documented_defaults(sections):
-    """{argument: default as written} from the `| `name` | default | meaning |` rows of the README's
-    `sections`, the first section that documents an argument winning."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        parts = re.split(r"^#{2,3} (.+)$", f.read(), flags=re.M)
+    """{argument: default as written} from the `| `name` | default | meaning |` rows of the arguments
+    page's `sections`, the first section that documents an argument winning."""
+    parts = re.split(r"^## (.+)$", read(ARGUMENTS), flags=re.M)
     bodies = dict(zip(parts[1::2], parts[2::2]))
     defaults = {}
     for section in sections:
-        assert section in bodies, f"README has no section '### {section}'"
+        assert section in bodies, f"{ARGUMENTS} has no section '## {section}'"
         for name, default in re.findall(r"^\| `(\w+)` \| (\(required\)|`[^|]*`) \|", bodies[section], re.M):
             defaults.setdefault(name, default)
     return defaults
@@ -66,11 +68,21 @@ def test_every_argument_is_documented_with_its_default(name):
             assert documented.get(field.name) == expected, f"{name}: --{field.name} (default {expected})"
 
 
+def test_every_train_tokenizer_argument_is_documented_with_its_default():
+    required = {"kind": "bpe", "vocab_size": "100", "output_dir": "out"}
+    parsed = vars(train_tokenizer.parse_args([word for name, value in required.items()
+                                              for word in (f"--{name}", value)]))
+    expected = {name: "(required)" if name in required else f"`{value!r}`" for name, value in parsed.items()}
+    assert documented_defaults(("train_tokenizer.py",)) == expected
+
+
 # ----------------------------------------------------------------------------------------------
 # No unfilled placeholders
 # ----------------------------------------------------------------------------------------------
 
-DOCS = ("README.md", os.path.join("benchmarks", "README.md"))
+BENCHMARKS = os.path.join("benchmarks", "README.md")
+PAGES = sorted(os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md"))
+DOCS = ("README.md", BENCHMARKS, *PAGES)
 PLACEHOLDER = re.compile(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")
 # Shell variables of other tools that the README's commands use (the SLURM task count and rank).
 OTHER_TOOLS_VARIABLES = {"SLURM_NTASKS", "SLURM_PROCID", "TPU_NAME"}
@@ -121,16 +133,18 @@ def json_file(name):
     return json.loads(read(os.path.join("benchmarks", name)))
 
 
-def table(path, header):
-    """The rows (lists of cells) of the markdown table in `path` whose header line starts with `header`."""
+def table(path, header, several=False):
+    """The rows (lists of cells) of the markdown table in `path` whose header line starts with `header`;
+    `several`: of all such tables, in order (the README gives each script's results a table of its own)."""
     lines = read(path).splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith(header)]
-    assert len(starts) == 1, f"{path}: {len(starts)} tables start with {header!r}"
+    assert len(starts) == 1 or several and starts, f"{path}: {len(starts)} tables start with {header!r}"
     rows = []
-    for line in lines[starts[0] + 2:]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip()[1:-1])])
+    for start in starts:
+        for line in lines[start + 2:]:
+            if not line.startswith("|"):
+                break
+            rows.append([cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip()[1:-1])])
     return rows
 
 
@@ -183,14 +197,18 @@ def rss(r):
     return [r["peak_host_memory_gib"]]
 
 
-def test_readme_speed_table_is_results_cpu_json():
-    check_table("README.md", "| script | size | tokens/s |", speed_records(), [
+PERFORMANCE, LAYOUTS, TPU_PLAN, LARGE_DATA, TASKS = (os.path.join("docs", f"{name}.md") for name in (
+    "performance", "layouts", "tpu-plan", "large-data", "tasks"))
+
+
+def test_performance_speed_table_is_results_cpu_json():
+    check_table(PERFORMANCE, "| script | size | tokens/s |", speed_records(), [
         tokens, of_limit, lambda r: [r["startup_cold_seconds"], r["startup_compile_cache_seconds"]], evals, generates,
         rss], key_cells=2)
 
 
 def test_benchmarks_speed_table_is_results_cpu_json():
-    check_table(DOCS[1], "| script | size | limit tok/s |", speed_records(), [
+    check_table(BENCHMARKS, "| script | size | limit tok/s |", speed_records(), [
         lambda r: [r["limit_tokens_per_second"]], tokens, of_limit, lambda r: [r["startup_cold_seconds"]],
         lambda r: [r["startup_compile_cache_seconds"]], lambda r: [r["startup_warm_vs_cold"]], evals, generates, rss],
         key_cells=2)
@@ -221,7 +239,7 @@ def test_memory_tables_are_memory_tpu_json_and_memory_cpu_json():
         if with_checkpointing:
             columns += [lambda m: [size_row(memory, m, "fsdp", True)["bytes"] / GIB],
                         lambda m: [ratio(memory, m, True)]]
-        check_table("README.md", header, models, columns)
+        check_table(TPU_PLAN, header, models, columns)
 
     largest = json_file("memory_tpu.json")["largest"]
 
@@ -237,12 +255,12 @@ def test_memory_tables_are_memory_tpu_json_and_memory_cpu_json():
 
     families = {"GPT-2-style (50257 tokens)": "gpt2 {} adamw", "Llama-style (MLP 2.7 x, 32000 tokens)": "llama {} adamw",
                 "T5-style (d_ff 4 x width, 32128 tokens)": "t5 {} adamw", "T5-style with Adafactor": "t5 {} adafactor"}
-    check_table("README.md", "| family | `dp`, no checkpointing |", families,
+    check_table(TPU_PLAN, "| family | `dp`, no checkpointing |", families,
                 [lambda f, setting=setting: ladder(f.format(setting))
                  for setting in ("dp remat off", "fsdp remat off", "fsdp remat on")])
     check = largest["llama fsdp remat on adamw"]["largest"]["check"]
     assert (f"compiled at {check['layers']} layers came out {-check['residual'] / MIB:.0f} MiB below its fit"
-            in " ".join(read("README.md").split()))
+            in " ".join(read(TPU_PLAN).split()))
 
     memory = json_file("memory_cpu.json")
 
@@ -251,19 +269,19 @@ def test_memory_tables_are_memory_tpu_json_and_memory_cpu_json():
         return [*fit["shape"], fit["parameters"] / 1e9, fit["bytes"] / GIB]
 
     families = {"GPT-2 (50257 vocabulary)": "gpt2", "T5 (d_ff 4 x width)": "t5"}
-    check_table("README.md", "| family | `dp` | `fsdp` on 8 devices |", families,
+    check_table(TPU_PLAN, "| family | `dp` | `fsdp` on 8 devices |", families,
                 [lambda f: rung(f + " dp"), lambda f: rung(f + " fsdp")])
     # The next rungs (columns 2 and 4) are printed by the benchmark, not kept in its JSON.
-    for row in table(DOCS[1], "| family | `dp` fits |"):
+    for row in table(BENCHMARKS, "| family | `dp` fits |"):
         family = families[row[0]]
-        assert_shows(row[1], rung(family + " dp"), f"{DOCS[1]}, {row[0]}")
-        assert_shows(row[3], rung(family + " fsdp"), f"{DOCS[1]}, {row[0]}")
+        assert_shows(row[1], rung(family + " dp"), f"{BENCHMARKS}, {row[0]}")
+        assert_shows(row[3], rung(family + " fsdp"), f"{BENCHMARKS}, {row[0]}")
     ratios = [memory["largest"][f"{f} fsdp remat off adamw"]["largest"]["parameters"]
               / memory["largest"][f"{f} dp remat off adamw"]["largest"]["parameters"] for f in ("gpt2", "t5")]
-    assert f"about {ratios[0]:.1f}x (GPT-2) and {ratios[1]:.1f}x (T5)" in read("README.md")
+    assert f"about {ratios[0]:.1f}x (GPT-2) and {ratios[1]:.1f}x (T5)" in read(TPU_PLAN)
     speed = f"{memory['speed']['fsdp']:,.0f} tokens/s under `fsdp` vs {memory['speed']['dp']:,.0f} under `dp`"
-    assert speed in read("README.md")
-    assert f"{memory['speed']['fsdp']:,.0f} under `fsdp` vs {memory['speed']['dp']:,.0f} under `dp`" in read(DOCS[1])
+    assert speed in read(LAYOUTS)
+    assert f"{memory['speed']['fsdp']:,.0f} under `fsdp` vs {memory['speed']['dp']:,.0f} under `dp`" in read(BENCHMARKS)
 
 
 def test_data_tables_are_results_data_cpu_json():
@@ -276,9 +294,9 @@ def test_data_tables_are_results_data_cpu_json():
         return [(row["anon_peak"] - row["anon_start"]) / MIB]
 
     for path, header, columns in (
-            ("README.md", "| blocks of 128 tokens | host time per step |",
+            (LARGE_DATA, "| blocks of 128 tokens | host time per step |",
              [lambda r: [r["step_s"] * 1e6], growth]),
-            (DOCS[1], "| blocks of 128 tokens | host time per step (cold pages) |",
+            (BENCHMARKS, "| blocks of 128 tokens | host time per step (cold pages) |",
              [lambda r: [r["step_s"] * 1e6], lambda r: [r["mapped_step_s"] * 1e6], lambda r: [r["old_step_s"] * 1e3],
               growth])):
         rows = table(path, header)
@@ -293,7 +311,7 @@ def test_data_tables_are_results_data_cpu_json():
 def test_results_table_is_results_configs_cpu_json():
     results = json_file("results_configs_cpu.json")
     runs = {(run["config"], run["devices"]): run for run in results["runs"]}
-    rows = table("README.md", "| config | model | data |")
+    rows = table("README.md", "| config | model | data |", several=True)
     assert sorted(row[0].strip("`") for row in rows) == sorted({config for config, _ in runs})
     for row in rows:
         for devices, cell in ((1, row[4]), (8, row[5])):
@@ -322,23 +340,75 @@ def test_the_results_prose_is_results_configs_cpu_json():
     results = json_file("results_configs_cpu.json")
     untrained = results["untrained"]
     (plateau,) = results["variants"]
-    readme = " ".join(read("README.md").split())
+    readme, tasks = (" ".join(read(path).split()) for path in ("README.md", TASKS))
     assert (f"`test_rougeL` < {untrained['configs/summarization_tiny.json']['test_rougeL_below']} (summarization) and "
             f"perplexity {untrained['configs/clm_tiny.json']['eval_perplexity']} (clm) / "
             f"{untrained['configs/mlm_tiny.json']['eval_perplexity']} (mlm) / "
             f"{untrained['configs/t5_mlm_tiny.json']['eval_perplexity']} (t5 mlm, accuracy "
             f"{untrained['configs/t5_mlm_tiny.json']['eval_accuracy']})") in readme
     assert (f"reaches perplexity {plateau['results']['eval_perplexity']} / accuracy "
-            f"{plateau['results']['eval_accuracy']:.3f} in {plateau['seconds']} s") in readme
+            f"{plateau['results']['eval_accuracy']:.3f} in {plateau['seconds']} s") in tasks
     transfer = {run["from"]: run["results"]["eval_accuracy"] for run in results["transfer"]["runs"]}
     assert (f"export classifies {transfer['outputs/mlm_tiny']} of the validation sentences, the same model from "
             f"scratch {transfer['scratch']} (it can only guess at words it never saw; the most frequent kind is "
-            f"{results['transfer']['most_frequent_label_share']})") in readme
+            f"{results['transfer']['most_frequent_label_share']})") in tasks
 
 
 def test_demo_latency_table_is_results_demo_cpu_json():
     records = {row["output_dir"]: row for row in json_file("results_demo_cpu.json")["rows"]}
-    check_table(DOCS[1], "| model | model p50 / p95 (ms) |", records, [
+    check_table(BENCHMARKS, "| model | model p50 / p95 (ms) |", records, [
         lambda r: [r["model"]["p50_ms"], r["model"]["p95_ms"]], lambda r: [r["page"]["p50_ms"], r["page"]["p95_ms"]],
         lambda r: [r["concurrent"]["requests_per_s"]],
         lambda r: [r["concurrent"]["p50_ms"], r["concurrent"]["p95_ms"]], lambda r: [r["concurrent"]["errors"]]])
+
+
+# ----------------------------------------------------------------------------------------------
+# Every page of docs/ is reachable from the README, and links lead where they say
+# ----------------------------------------------------------------------------------------------
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def links(path):
+    """(target, anchor) of each link in the markdown file `path` to a file of the repository: the target's
+    path from the repository root (`path` itself for a link to its own heading), the anchor or ""."""
+    for link in LINK.findall(read(path)):
+        if re.match(r"\w+:", link):
+            continue  # https://..., mailto:...
+        target, _, anchor = link.partition("#")
+        yield (os.path.normpath(os.path.join(os.path.dirname(path), target)) if target else path), anchor
+
+
+def anchors(path):
+    """The anchors GitHub gives the headings of the markdown file `path`."""
+    headings = re.findall(r"^#{1,6} (.+)$", read(path), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_anchors_are_githubs():
+    assert anchors(TASKS) >= {"t5-span-corruption-run_t5_mlm_flaxpy", "the-length-rule"}
+    assert "tpu-plan-benchmarksmemorypy---plan-tpu" in anchors(BENCHMARKS)
+
+
+def test_every_page_the_readme_links_exists():
+    missing = sorted({target for target, _ in links("README.md") if not os.path.exists(os.path.join(ROOT, target))})
+    assert not missing, f"README.md links to {missing}, which do not exist"
+
+
+def test_every_docs_page_is_reachable_from_the_readme():
+    reached, todo = set(), ["README.md"]
+    while todo:
+        page = todo.pop()
+        for target, _ in links(page):
+            if target.endswith(".md") and target not in reached and os.path.isfile(os.path.join(ROOT, target)):
+                reached.add(target)
+                todo.append(target)
+    orphans = sorted(set(PAGES) - reached)
+    assert not orphans, f"no link from the README (or a page it links) reaches {orphans}"
+
+
+@pytest.mark.parametrize("path", DOCS)
+def test_every_link_to_a_heading_reaches_one(path):
+    for target, anchor in links(path):
+        if anchor and target.endswith(".md") and os.path.isfile(os.path.join(ROOT, target)):
+            assert anchor in anchors(target), f"{path}: {target} has no heading #{anchor}"
