@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from huggingface_hub import get_token
 
-from utils import compat, data, hub, devices, tpu_plan
+from utils import compat, data, hub, hub_access, devices, tpu_plan
 from utils.args import check_output_dir, check_phases
 from utils.checkpoint import checkpoint_steps, find_checkpoint_dir
 from utils.errors import UsageError
@@ -63,9 +63,9 @@ def check_before_work(training_args, data_args, task, files, allowed, model_args
         names.update(model_name_or_path=model_args.model_name_or_path, config_name=model_args.config_name,
                      tokenizer_name=model_args.tokenizer_name)
     for flag, name in names.items():
-        if name and hub.looks_like_path(name) and not os.path.exists(name):
+        if name and hub_access.looks_like_path(name) and not os.path.exists(name):
             raise UsageError(f"--{flag} {name} not found: check the path")
-    offline = hub.check_access(names.values(), need_hub=training_args.push_to_hub)
+    offline = hub_access.check_access(names.values(), need_hub=training_args.push_to_hub)
     if training_args.push_to_hub:
         if offline:
             raise UsageError(f"--push_to_hub needs the hub, but {offline}: run where it is reachable, or drop "
