@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from utils import data, run
+from utils import arrow_columns, batch_order, dataset_loading, file_formats, run
 from utils.args import BaseDataArguments
 from utils.errors import UsageError
 from utils.loop import InMemoryData
@@ -87,7 +87,7 @@ def check_before_work(training_args, data_args, task, model_args):
     preflight = run.check_before_work(training_args, data_args, task, files, allowed=FILE_FORMATS,
                                       model_args=model_args)
     if data_args.text_column and not data_args.dataset_name:
-        data.require_columns(preflight.columns, (("text_column", data_args.text_column),))
+        file_formats.require_columns(preflight.columns, (("text_column", data_args.text_column),))
     return preflight
 
 
@@ -100,7 +100,7 @@ def load_splits(data_args, training_args, cache_dir=None):
         files["validation"] = data_args.validation_file
     # `keep_linebreaks` configures the local text builder only; a hub dataset would reject it.
     kwargs = {} if data_args.dataset_name else {"keep_linebreaks": data_args.keep_linebreaks}
-    raw = data.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS, **kwargs)
+    raw = dataset_loading.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS, **kwargs)
     if "validation" not in raw and not data_args.validation_file and "train" in raw:
         raw["train"], raw["validation"] = split_off_validation(raw["train"], data_args.validation_split_percentage)
     for split, phase in (("train", training_args.do_train), ("validation", training_args.do_eval)):
@@ -225,10 +225,10 @@ def read_into_memory(data_args, training_args, cache_dir, make_examples, columns
     max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
     arrays = {}
     for split in splits:
-        examples = data.take(make_examples(raw[split], text_column), max_samples[split])
+        examples = dataset_loading.take(make_examples(raw[split], text_column), max_samples[split])
         if len(examples) == 0:
             raise UsageError(no_examples(split))
-        arrays[split] = data.to_arrays(examples, columns)
+        arrays[split] = arrow_columns.to_arrays(examples, columns)
         logger.info("%s: %d examples of %d tokens", split, len(examples), arrays[split]["input_ids"].shape[1])
     train_data = InMemoryData(arrays["train"], len(arrays["train"]["input_ids"])) if "train" in arrays else None
     return train_data, arrays.get("validation")
@@ -270,7 +270,7 @@ def masking(tokenizer, probability, seed, stream):
     replacement_ids = np.setdiff1d(np.arange(len(tokenizer)), special_ids)
 
     def transform(batch, step, row_ids):
-        draws = data.row_uniforms((seed, stream, step), row_ids, batch["input_ids"].shape, count=3)
+        draws = batch_order.row_uniforms((seed, stream, step), row_ids, batch["input_ids"].shape, count=3)
         inputs, weights = mask_tokens(batch["input_ids"], special_ids, tokenizer.mask_token_id, replacement_ids,
                                       probability, draws)
         return {**batch, "input_ids": inputs, "labels": batch["input_ids"], "label_weights": weights}

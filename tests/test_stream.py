@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from utils import data, stream
+from utils import dataset_loading, stream
 from tasks import lm
 from utils.errors import UsageError
 
@@ -93,7 +93,7 @@ def test_file_source_reads_the_texts_datasets_reads(tmp_path, name, content, kwa
     path = write(tmp_path / name, content, compression)
     source = stream.FileSource(path, **kwargs)
     builder_kwargs = {"keep_linebreaks": kwargs["keep_linebreaks"]} if name.endswith(".txt") else {}
-    loaded = data.load_splits(NO_HUB, {"train": path}, cache_dir=str(tmp_path / "cache"), **builder_kwargs)["train"]
+    loaded = dataset_loading.load_splits(NO_HUB, {"train": path}, cache_dir=str(tmp_path / "cache"), **builder_kwargs)["train"]
     assert source.text_column == "text"
     expected = [text for text in loaded["text"] if lm.has_text(text)]
     assert [text for text in rows_of(source) if lm.has_text(text)] == expected and len(expected) >= 4
@@ -157,7 +157,7 @@ def test_dataset_source_continues_from_a_position(corpus_lines):
 # The rows of the in-memory path
 # ---------------------------------------------------------------------------------------------
 def test_blocks_equal_those_of_the_in_memory_path(tokenizer):
-    loaded = data.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
+    loaded = dataset_loading.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
     in_memory = np.asarray(lm.tokenize_and_group(loaded, tokenizer, "text", 32, NO_WORKERS)["input_ids"])
     for workers in (1, 3):
         batches = batches_of(stream.Stream(stream.FileSource(CORPUS), stream.Blocks(tokenizer, 32), 16,
@@ -169,7 +169,7 @@ def test_blocks_equal_those_of_the_in_memory_path(tokenizer):
 
 
 def test_lines_equal_those_of_the_in_memory_path(tokenizer):
-    loaded = data.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
+    loaded = dataset_loading.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
     in_memory = lm.tokenize_lines(loaded, tokenizer, "text", 24, NO_WORKERS)
     batches = batches_of(stream.Stream(stream.FileSource(CORPUS), stream.Lines(tokenizer, 24), 100,
                                        shuffle_buffer_size=0))
@@ -192,7 +192,7 @@ def test_passes_repeat_the_rows_without_the_held_out_ones(tmp_path, tokenizer, c
     the in-memory path's, its last 3 (fewer than a batch) dropped, as an in-memory epoch drops its
     remainder; every pass says where it starts; `transform` counts the steps across passes."""
     path = small_corpus(tmp_path, corpus_lines)
-    loaded = data.load_splits(NO_HUB, {"train": path}, keep_linebreaks=True)["train"]
+    loaded = dataset_loading.load_splits(NO_HUB, {"train": path}, keep_linebreaks=True)["train"]
     blocks = np.asarray(lm.tokenize_and_group(loaded, tokenizer, "text", 32, NO_WORKERS)["input_ids"])
     assert len(blocks) == 171
     encoder = stream.Blocks(tokenizer, 32)

@@ -130,7 +130,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from utils import data, devices
+from utils import devices, file_formats
 from tasks import lm
 from utils.errors import UsageError, is_disk_full
 
@@ -189,7 +189,7 @@ class FileSource:
         self.paths = [os.path.abspath(path) for path in ([paths] if isinstance(paths, str) else paths)]
         if not self.paths:
             raise UsageError("no data files to stream: pass --train_file")
-        formats = {data.file_builder(path, FORMATS) for path in self.paths}
+        formats = {file_formats.file_builder(path, FORMATS) for path in self.paths}
         if len(formats) > 1:
             raise UsageError(f"data files must share one format, got {', '.join(sorted(formats))}")
         self.format = formats.pop()
@@ -211,7 +211,7 @@ class FileSource:
         return name
 
     def _columns(self, path):
-        with data.open_content(path) as f:
+        with file_formats.open_content(path) as f:
             offset = 0
             for raw in f:
                 if self.format == "csv":
@@ -282,7 +282,7 @@ class _FileReader:
             self.file, self.offset, self.skip = self.file + 1, 0, 0
 
     def _text_rows(self, path):
-        with data.open_content(path) as f:
+        with file_formats.open_content(path) as f:
             f.seek(self.offset)  # compressed: decompresses up to there
             for raw in f:
                 start = self.offset
@@ -296,7 +296,7 @@ class _FileReader:
                 self.offset, self.skip = start + len(raw), 0
 
     def _json_rows(self, path):
-        with data.open_content(path) as f:
+        with file_formats.open_content(path) as f:
             f.seek(self.offset)
             for raw in f:
                 start = self.offset
@@ -306,7 +306,7 @@ class _FileReader:
                     yield self._checked(value, path, start)
 
     def _csv_rows(self, path):
-        with data.open_content(path) as f:
+        with file_formats.open_content(path) as f:
             header_line = f.readline()
             header = FileSource._header(path, header_line)
             if self.source.text_column not in header:
