@@ -191,17 +191,19 @@ def text_file(path, megabytes):
 def make_stream(path, workers=1, state=None):
     from transformers import AutoTokenizer
 
-    from utils import stream
+    from tasks import lm
+    from utils import stream, stream_sources
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "data", "lm", "tokenizer"))
-    return stream.Stream(stream.FileSource(path), stream.Blocks(tokenizer, STREAM_BLOCK), STREAM_BATCH,
+    return stream.Stream(stream_sources.FileSource(path), lm.Blocks(tokenizer, STREAM_BLOCK), STREAM_BATCH,
                          shuffle_buffer_size=STREAM_POOL, seed=0, workers=workers, state=state)
 
 
 def stream_child(path, workers):
     import transformers  # noqa: F401  (imported before the first reading: their memory is not the stream's)
 
-    from utils import stream  # noqa: F401
+    from tasks import lm  # noqa: F401
+    from utils import stream, stream_sources  # noqa: F401
 
     start = memory_status()["anon"]
     clock = time.perf_counter()

@@ -91,7 +91,7 @@ def host_eval_batches(arrays, num_examples, global_batch_size, transform=None):
 class InMemoryData:
     """The training examples of a run, in arrays (read in place from the `datasets` cache): batches in
     a seeded order per epoch (`batch_order.TrainOrder`), so a checkpoint needs only the step to resume.
-    `utils.stream.StreamedData` is the streamed counterpart, with the same methods."""
+    `utils.streamed_data.StreamedData` is the streamed counterpart, with the same methods."""
 
     def __init__(self, arrays, size):
         self.arrays, self.size = arrays, size
