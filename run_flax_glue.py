@@ -26,7 +26,7 @@ from transformers import FlaxAutoModelForSequenceClassification
 
 from tasks import classification
 from tasks.text_classification import TASK
-from utils import data
+from utils import arrow_columns, dataset_loading, file_formats
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
@@ -103,8 +103,8 @@ def resolve_columns(data_args, task, columns):
         if not texts:
             raise UsageError(f"the {split} data has no column besides the label column {label!r}: it needs a text "
                              "column (--text_column_name)")
-    data.require_columns(columns, [("text_column_name", name) for name in texts])
-    data.require_columns({split: names for split, names in columns.items() if not split.startswith("test")},
+    file_formats.require_columns(columns, [("text_column_name", name) for name in texts])
+    file_formats.require_columns({split: names for split, names in columns.items() if not split.startswith("test")},
                          [("label_column_name", label)])
     return texts[0], (texts[1] if len(texts) > 1 else None), label
 
@@ -226,7 +226,7 @@ def main(argv=None):
     config = fit_config_to_tokenizer(load_config(model_args, task="sequence-classification"), tokenizer, model_args)
     seq_length = fit_length(data_args.max_seq_length or min(512, tokenizer.model_max_length), max_positions(config),
                             "max_seq_length", logger)
-    raw = data.load_splits(data_args, {s: files[s] for s in splits if s in files}, model_args.cache_dir,
+    raw = dataset_loading.load_splits(data_args, {s: files[s] for s in splits if s in files}, model_args.cache_dir,
                            allowed=("json", "csv"))
     for split in splits:
         if split not in raw:
@@ -236,7 +236,7 @@ def main(argv=None):
     label_column = columns[2]
     max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples,
                    "test": data_args.max_predict_samples}
-    raw = {split: data.take(raw[split], max_samples[phase_of[split]]) for split in splits}
+    raw = {split: dataset_loading.take(raw[split], max_samples[phase_of[split]]) for split in splits}
     label_source = "train" if training_args.do_train else (needed["validation"][0][0] if "validation" in needed
                                                            else None)
     names = choose_labels(task, raw, label_column, config, pretrained, label_source)
@@ -262,7 +262,7 @@ def main(argv=None):
     arrays, sizes, labels = {}, {}, {}
     for split in splits:
         dataset = tokenize(raw[split], tokenizer, data_args, columns[:2], seq_length, model_inputs)
-        arrays[split], sizes[split] = data.to_arrays(dataset, model_inputs), len(dataset)
+        arrays[split], sizes[split] = arrow_columns.to_arrays(dataset, model_inputs), len(dataset)
         if not split.startswith("test"):
             if is_regression:
                 labels[split] = np.asarray(raw[split][label_column], np.float32)

@@ -26,7 +26,7 @@ from transformers import FlaxAutoModelForTokenClassification, PretrainedConfig
 from tasks.classification import (IGNORE_INDEX, align_word_labels, config_label_maps, entity_metrics,
                                   first_token_positions, inside_label_ids)
 from tasks.token_classification import TASK
-from utils import data
+from utils import arrow_columns, dataset_loading, file_formats
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
@@ -85,7 +85,7 @@ def resolve_columns(data_args, columns):
     if label is None:
         raise UsageError(f"the {split} data has only the column {names[0]!r}: tagging needs a column of words and "
                          "one of tags (--text_column_name, --label_column_name)")
-    data.require_columns(columns, (("text_column_name", text), ("label_column_name", label)))
+    file_formats.require_columns(columns, (("text_column_name", text), ("label_column_name", label)))
     return text, label
 
 def as_sequence(value, what, split, row):
@@ -225,7 +225,7 @@ def main(argv=None):
     config = load_config(model_args, task="token-classification")
     tokenizer = load_tagging_tokenizer(model_args)
     config = fit_config_to_tokenizer(config, tokenizer, model_args)
-    raw = data.load_splits(data_args, {s: files[s] for s in splits}, model_args.cache_dir, allowed=("json", "csv"))
+    raw = dataset_loading.load_splits(data_args, {s: files[s] for s in splits}, model_args.cache_dir, allowed=("json", "csv"))
     for split in splits:
         if split not in raw:
             phase = SPLIT_FLAGS[split][0]
@@ -234,7 +234,7 @@ def main(argv=None):
     text_column, label_column = resolve_columns(data_args, {split: raw[split].column_names for split in splits})
     max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples,
                    "test": data_args.max_predict_samples}
-    sentences = {split: read_sentences(data.take(raw[split], max_samples[split]), text_column, label_column, split,
+    sentences = {split: read_sentences(dataset_loading.take(raw[split], max_samples[split]), text_column, label_column, split,
                                        tokenizer, data_args) for split in splits}
     all_tags = {tag for split in splits for tags in sentences[split]["tags"] for tag in tags}
     label_list, new_head = choose_labels(config, all_tags, training_args.do_train, model_args.model_name_or_path,
@@ -251,9 +251,9 @@ def main(argv=None):
     for split in splits:
         dataset = tokenize_and_align(sentences[split], tokenizer, seq_length, config.label2id, inside_ids, data_args)
         model_inputs = [name for name in ("input_ids", "attention_mask", "token_type_ids") if name in dataset.features]
-        arrays[split], sizes[split] = data.to_arrays(dataset, model_inputs + ["labels"]), len(dataset)
+        arrays[split], sizes[split] = arrow_columns.to_arrays(dataset, model_inputs + ["labels"]), len(dataset)
         if split != "train":  # scored on the host, word by word
-            word_starts[split] = data.to_arrays(dataset, ["word_starts"])["word_starts"][:]
+            word_starts[split] = arrow_columns.to_arrays(dataset, ["word_starts"])["word_starts"][:]
             true_tags[split] = [tags[:n] for tags, n in zip(dataset["tags"], word_starts[split].sum(axis=1))]
             cut = sum(map(len, dataset["tags"])) - int(word_starts[split].sum())
             if cut:

@@ -32,7 +32,7 @@ from transformers import FlaxAutoModelForImageClassification
 
 from tasks import classification, image_classification as images
 from tasks.image_classification import TASK
-from utils import data
+from utils import dataset_loading, file_formats
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
@@ -119,14 +119,14 @@ def dataset_columns(data_args, columns, split):
     if image is None:
         raise UsageError(f"the {split} data has no 'image' or 'img' column (its columns: {', '.join(columns)}): "
                          "name it with --image_column_name")
-    data.require_columns({split: columns}, [("image_column_name", image)])
+    file_formats.require_columns({split: columns}, [("image_column_name", image)])
     if split == "test":
         return image, None
     label = data_args.label_column_name or next((c for c in ("label", "labels") if c in columns), None)
     if label is None:
         raise UsageError(f"the {split} data has no 'label' or 'labels' column (its columns: {', '.join(columns)}): "
                          "name it with --label_column_name")
-    data.require_columns({split: columns}, [("label_column_name", label)])
+    file_formats.require_columns({split: columns}, [("label_column_name", label)])
     return image, label
 
 def dataset_split(data_args, dataset, split, file):
@@ -152,7 +152,7 @@ def load_image_splits(data_args, training_args, cache_dir):
     from_datasets = [split for split in splits if not getattr(data_args, SPLIT_DIRS[split])]
     raw = {}
     if from_datasets:
-        raw = data.load_splits(data_args, {s: files[s] for s in from_datasets}, cache_dir, allowed=("json", "csv"))
+        raw = dataset_loading.load_splits(data_args, {s: files[s] for s in from_datasets}, cache_dir, allowed=("json", "csv"))
     loaded = {}
     for split in splits:
         if split not in from_datasets:

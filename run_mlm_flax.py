@@ -22,7 +22,7 @@ from transformers import FlaxAutoModelForMaskedLM
 
 from tasks import lm
 from tasks.masked_lm import TASK
-from utils import stream
+from utils import devices, streamed_data
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
@@ -101,16 +101,19 @@ def main(argv=None):
     # after, so too little data fails first
     # ------------------------------------------------------------------------------------------
     if data_args.streaming:
-        encoder = (stream.Lines(tokenizer, seq_length) if data_args.line_by_line
-                   else stream.Blocks(tokenizer, seq_length))
-        train_data = stream.StreamedData(data_args, training_args, encoder, model_args.cache_dir)
+        encoder = (lm.Lines(tokenizer, seq_length) if data_args.line_by_line
+                   else lm.Blocks(tokenizer, seq_length))
+        batch_size = devices.global_batch_size(training_args.per_device_train_batch_size,
+                                               training_args.gradient_accumulation_steps)
+        train_data = streamed_data.StreamedData(data_args, encoder, batch_size, training_args.do_train,
+                                                training_args.do_eval, model_args.cache_dir)
         eval_arrays = train_data.eval_arrays
     else:
         # Blocks are all real tokens; padded lines also need their attention mask.
         tokenize, columns = ((lm.tokenize_lines, ("input_ids", "attention_mask")) if data_args.line_by_line
                              else (lm.tokenize_and_group, ("input_ids",)))
         train_data, eval_arrays = lm.read_into_memory(
-            data_args, training_args, model_args.cache_dir,
+            data_args, training_args.do_train, training_args.do_eval, model_args.cache_dir,
             lambda raw, text_column: tokenize(raw, tokenizer, text_column, seq_length, data_args), columns,
             lambda split: f"the {split} data has no text (or, in blocks, fewer than --max_seq_length {seq_length} "
                           "tokens): add text, lower --max_seq_length or use --line_by_line")

@@ -29,7 +29,7 @@ from transformers import FlaxAutoModelForQuestionAnswering
 
 from tasks import question_answering as qa
 from tasks.question_answering import TASK
-from utils import data
+from utils import arrow_columns, dataset_loading, file_formats
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
@@ -85,16 +85,16 @@ class DataTrainingArguments(BaseDataArguments):
 def is_squad_document(path):
     """Whether a local .json file is one SQuAD document, {"version": ..., "data": [...]} (or the
     classic scripts' {"data": [rows]}), rather than JSON lines."""
-    if data.EXTENSIONS.get(data._extensions(path)[0]) != "json":
+    if file_formats.EXTENSIONS.get(file_formats._extensions(path)[0]) != "json":
         return False
-    with data.open_content(path) as f:
+    with file_formats.open_content(path) as f:
         head = f.read(4096).decode("utf-8", errors="ignore").lstrip("\ufeff")
     return re.match(r'\s*\{\s*"(version|data)"\s*:', head) is not None
 
 def read_squad_document(path):
     """The rows of a SQuAD document: the official layout's articles / paragraphs / qas flattened
     (id, title, context, question, answers {text, answer_start}), or the classic scripts' rows."""
-    with data.open_content(path) as f:
+    with file_formats.open_content(path) as f:
         try:
             document = json.load(f)
         except json.JSONDecodeError as e:
@@ -124,10 +124,10 @@ def load_qa_splits(data_args, files, cache_dir):
     import datasets
 
     if data_args.dataset_name:
-        return data.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS)
+        return dataset_loading.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS)
     documents = {split: path for split, path in files.items() if path and is_squad_document(path)}
     others = {split: path for split, path in files.items() if path and split not in documents}
-    loaded = dict(data.load_splits(data_args, others, cache_dir, allowed=FILE_FORMATS)) if others else {}
+    loaded = dict(dataset_loading.load_splits(data_args, others, cache_dir, allowed=FILE_FORMATS)) if others else {}
     for split, path in documents.items():
         loaded[split] = datasets.Dataset.from_list(read_squad_document(path))
     return loaded
@@ -290,9 +290,9 @@ def main(argv=None):
         columns[split] = raw[split].column_names
     needed = (("question_column_name", data_args.question_column_name),
               ("context_column_name", data_args.context_column_name))
-    data.require_columns(columns, needed)
+    file_formats.require_columns(columns, needed)
     answered = {"train", "validation"} & set(splits)  # a test set may come without answers
-    data.require_columns({split: columns[split] for split in answered},
+    file_formats.require_columns({split: columns[split] for split in answered},
                          (("answer_column_name", data_args.answer_column_name),))
     has_answers = {split: data_args.answer_column_name in columns[split] for split in splits}
 
@@ -310,7 +310,7 @@ def main(argv=None):
     examples, arrays, sizes, windows, references = {}, {}, {}, {}, {}
     for split in splits:
         # Examples, not windows, are cut: every kept example is scored on all of its context.
-        examples[split] = read_examples(data.take(raw[split], max_samples[split]), split, data_args, tokenizer,
+        examples[split] = read_examples(dataset_loading.take(raw[split], max_samples[split]), split, data_args, tokenizer,
                                         has_answers[split])
         check_windows(examples[split], split, seq_length, data_args.doc_stride,
                       tokenizer.num_special_tokens_to_add(pair=True))
@@ -322,11 +322,11 @@ def main(argv=None):
                                  "all): pass --version_2_with_negative for SQuAD v2.0-style data")
         dataset = make_windows(examples[split], tokenizer, seq_length, data_args.doc_stride, data_args)
         model_inputs = [name for name in ("input_ids", "attention_mask", "token_type_ids") if name in dataset.features]
-        arrays[split] = data.to_arrays(dataset, model_inputs + ["start_positions", "end_positions"])
+        arrays[split] = arrow_columns.to_arrays(dataset, model_inputs + ["start_positions", "end_positions"])
         sizes[split] = len(dataset)
         if split != "train":  # post-processed on the host, example by example
             windows[split] = {name: column[:] for name, column in
-                              data.to_arrays(dataset, ["example_index", "offsets", "null_index"]).items()}
+                              arrow_columns.to_arrays(dataset, ["example_index", "offsets", "null_index"]).items()}
             windows[split]["offsets"] = windows[split]["offsets"].reshape(sizes[split], seq_length, 2)
         logger.info("%s: %d examples in %d windows of %d tokens", split, len(examples[split]), sizes[split],
                     seq_length)

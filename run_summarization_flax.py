@@ -21,7 +21,7 @@ from transformers import FlaxAutoModelForSeq2SeqLM
 
 from tasks import summarization as generation
 from tasks.summarization import TASK
-from utils import data
+from utils import arrow_columns, dataset_loading, file_formats
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
@@ -90,7 +90,7 @@ def resolve_columns(data_args, columns):
     if summary is None:
         raise UsageError(f"the {split} data has only the column {names[0]!r}: summarization needs a document "
                          "column and a summary column (--text_column, --summary_column)")
-    data.require_columns(columns, (("text_column", text), ("summary_column", summary)))
+    file_formats.require_columns(columns, (("text_column", text), ("summary_column", summary)))
     return text, summary
 
 def drop_empty(dataset, text_column, summary_column, data_args):
@@ -166,7 +166,7 @@ def main(argv=None):
                                              "max_source_length", logger)
     for name in ("max_target_length", "val_max_target_length"):
         setattr(data_args, name, fit_length(getattr(data_args, name), max_positions(decoder), name, logger))
-    raw = data.load_splits(data_args, {s: files[s] for s in splits}, model_args.cache_dir, allowed=("json", "csv"))
+    raw = dataset_loading.load_splits(data_args, {s: files[s] for s in splits}, model_args.cache_dir, allowed=("json", "csv"))
     for split in splits:
         if split not in raw:
             phase = SPLIT_FLAGS[split][0]
@@ -177,7 +177,7 @@ def main(argv=None):
                    "test": data_args.max_predict_samples}
     usable = {}
     for split in splits:
-        usable[split], dropped = drop_empty(data.take(raw[split], max_samples[split]), text_column, summary_column,
+        usable[split], dropped = drop_empty(dataset_loading.take(raw[split], max_samples[split]), text_column, summary_column,
                                             data_args)
         if dropped:
             logger.warning("%s: dropped %d examples with an empty document or summary", split, dropped)
@@ -195,7 +195,7 @@ def main(argv=None):
     for split in splits:
         target_length = data_args.max_target_length if split == "train" else data_args.val_max_target_length
         dataset = preprocess(usable[split], tokenizer, config, data_args, text_column, summary_column, target_length)
-        arrays[split], sizes[split] = data.to_arrays(dataset, INPUT_COLUMNS), len(dataset)
+        arrays[split], sizes[split] = arrow_columns.to_arrays(dataset, INPUT_COLUMNS), len(dataset)
         logger.info("%s: %d examples", split, len(dataset))
     train_data = InMemoryData(arrays["train"], sizes["train"]) if training_args.do_train else None
 

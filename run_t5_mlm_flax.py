@@ -25,7 +25,7 @@ from transformers import FlaxAutoModelForSeq2SeqLM
 from tasks import lm
 from tasks.span_corruption import TASK
 from tasks.span_corruption import plan_span_corruption, span_corruption, span_corruption_lengths
-from utils import stream
+from utils import devices, streamed_data
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
@@ -112,12 +112,14 @@ def main(argv=None):
     # little data fails first
     # ------------------------------------------------------------------------------------------
     if data_args.streaming:
-        train_data = stream.StreamedData(data_args, training_args, stream.Blocks(tokenizer, raw_length),
-                                         model_args.cache_dir)
+        batch_size = devices.global_batch_size(training_args.per_device_train_batch_size,
+                                               training_args.gradient_accumulation_steps)
+        train_data = streamed_data.StreamedData(data_args, lm.Blocks(tokenizer, raw_length), batch_size,
+                                                training_args.do_train, training_args.do_eval, model_args.cache_dir)
         eval_arrays = train_data.eval_arrays
     else:
         train_data, eval_arrays = lm.read_into_memory(
-            data_args, training_args, model_args.cache_dir,
+            data_args, training_args.do_train, training_args.do_eval, model_args.cache_dir,
             lambda raw, text_column: lm.tokenize_and_group(raw, tokenizer, text_column, raw_length, data_args),
             ("input_ids",),
             lambda split: f"the {split} data has fewer than {raw_length} tokens, the raw block that --max_seq_length "

@@ -7,7 +7,7 @@
 
 memory   per size, in a fresh process: a synthetic token cache (`--block` tokens per block, written
          as a `datasets` Arrow cache file, one record batch per 1000 rows, as `datasets.map` writes
-         it) read through `data.to_arrays`, then the host side of `loop.train_batches`
+         it) read through `arrow_columns.to_arrays`, then the host side of `loop.train_batches`
          (`loop.host_train_batches`: order + gather, no devices) for `--steps` steps of a global
          batch of `--batch`: seconds per step (median; the first step, which computes the epoch's
          order, apart) and the minor page faults per step (the kernel mapping a page of the file on
@@ -105,12 +105,12 @@ def memory_child(path, blocks, batch, steps, old_steps, mode):
     import datasets
     import numpy as np
 
-    from utils import data, loop
+    from utils import arrow_columns, batch_order, loop
 
     start = memory_status()
     dataset = datasets.Dataset.from_file(path)
     clock = time.perf_counter()
-    arrays = data.to_arrays(dataset, ["input_ids"])
+    arrays = arrow_columns.to_arrays(dataset, ["input_ids"])
     open_s = time.perf_counter() - clock
     if mode == "ram":  # the floor: the same gathers from a copy in memory (what to_arrays did before)
         column = arrays["input_ids"]
@@ -129,7 +129,7 @@ def memory_child(path, blocks, batch, steps, old_steps, mode):
     per_epoch = blocks // batch
     for step in range(old_steps):  # the loop before TrainOrder: the permutation in every step
         clock = time.perf_counter()
-        data.gather(arrays, data.train_batch_indices(blocks, batch, 0, *divmod(step, per_epoch)))
+        batch_order.gather(arrays, batch_order.train_batch_indices(blocks, batch, 0, *divmod(step, per_epoch)))
         old.append(time.perf_counter() - clock)
     end = memory_status()
     return {"blocks": blocks, "open_s": open_s, "step_s": step_s, "page_faults_per_step": faults,
@@ -191,17 +191,19 @@ def text_file(path, megabytes):
 def make_stream(path, workers=1, state=None):
     from transformers import AutoTokenizer
 
-    from utils import stream
+    from tasks import lm
+    from utils import stream, stream_sources
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "data", "lm", "tokenizer"))
-    return stream.Stream(stream.FileSource(path), stream.Blocks(tokenizer, STREAM_BLOCK), STREAM_BATCH,
+    return stream.Stream(stream_sources.FileSource(path), lm.Blocks(tokenizer, STREAM_BLOCK), STREAM_BATCH,
                          shuffle_buffer_size=STREAM_POOL, seed=0, workers=workers, state=state)
 
 
 def stream_child(path, workers):
     import transformers  # noqa: F401  (imported before the first reading: their memory is not the stream's)
 
-    from utils import stream  # noqa: F401
+    from tasks import lm  # noqa: F401
+    from utils import stream, stream_sources  # noqa: F401
 
     start = memory_status()["anon"]
     clock = time.perf_counter()

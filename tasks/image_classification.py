@@ -34,7 +34,7 @@ from PIL import Image, UnidentifiedImageError
 
 from tasks import Task
 from tasks.demo import Answer, BadInput, Predictor, escape_markdown, show_answer
-from utils import data, devices
+from utils import batch_order, devices
 from utils.errors import UsageError
 
 TASK = Task("image-classification", "image-classification", outputs=("predict_results.txt",))
@@ -308,7 +308,7 @@ def eval_processor(size, mean, std):
 
 class ImageColumn:
     """A column of eval-transformed images: `column[indices]` decodes those images (on a pool of
-    `workers` threads) into float32 [len(indices), 3, size, size]. What `utils.data.gather` reads."""
+    `workers` threads) into float32 [len(indices), 3, size, size]. What `utils.batch_order.gather` reads."""
 
     def __init__(self, sources, transforms, workers=None):
         self.sources, self.transforms = sources, transforms
@@ -333,7 +333,7 @@ class ImageColumn:
 class ImageData:
     """The training images of a run, for `utils.training` (the methods of `utils.loop.InMemoryData`).
 
-    Batches follow `utils.data.TrainOrder` (a seeded order per epoch); example i of epoch e is
+    Batches follow `utils.batch_order.TrainOrder` (a seeded order per epoch); example i of epoch e is
     transformed with `Transforms.generator(seed, e, i)`. So a batch is a pure function of (seed,
     step) and a checkpoint needs only the step. `workers` threads prepare the batches of the next
     `BATCHES_AHEAD` steps while the current one trains; each process decodes only its own rows.
@@ -358,7 +358,7 @@ class ImageData:
                      transform=None):
         """This process's rows `rows` (None: all) of each step's batch from `start_step` on, prepared
         `BATCHES_AHEAD` steps ahead by the thread pool."""
-        order = data.TrainOrder(self.size, global_batch_size, seed, steps_per_epoch)
+        order = batch_order.TrainOrder(self.size, global_batch_size, seed, steps_per_epoch)
         row_ids = np.arange(global_batch_size)[rows if rows is not None else slice(None)]
 
         def prepare(step, indices):

@@ -2,9 +2,11 @@
 
 Arguments the scripts take, loading with a validation split carved off the training data when the
 data has none, text-column resolution, tokenizing into fixed-length blocks (or padded lines) read
-into memory, the sequence-length defaults, and BERT-style masking on the host.
+into memory or streamed (`Blocks`, `Lines`), the sequence-length defaults, and BERT-style masking on
+the host.
 """
 
+import copy
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -13,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from utils import data, run
+from utils import arrow_columns, batch_order, dataset_loading, file_formats, run
 from utils.args import BaseDataArguments
 from utils.errors import UsageError
 from utils.loop import InMemoryData
@@ -87,23 +89,23 @@ def check_before_work(training_args, data_args, task, model_args):
     preflight = run.check_before_work(training_args, data_args, task, files, allowed=FILE_FORMATS,
                                       model_args=model_args)
     if data_args.text_column and not data_args.dataset_name:
-        data.require_columns(preflight.columns, (("text_column", data_args.text_column),))
+        file_formats.require_columns(preflight.columns, (("text_column", data_args.text_column),))
     return preflight
 
 
-def load_splits(data_args, training_args, cache_dir=None):
-    """The DatasetDict a run needs, with "validation" carved off "train" when the data has none."""
+def load_splits(data_args, do_train, do_eval, cache_dir=None):
+    """The DatasetDict a run of these phases needs, with "validation" carved off "train" when the data has none."""
     files = {}
-    if training_args.do_train or not data_args.validation_file:
+    if do_train or not data_args.validation_file:
         files["train"] = data_args.train_file
-    if training_args.do_eval:
+    if do_eval:
         files["validation"] = data_args.validation_file
     # `keep_linebreaks` configures the local text builder only; a hub dataset would reject it.
     kwargs = {} if data_args.dataset_name else {"keep_linebreaks": data_args.keep_linebreaks}
-    raw = data.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS, **kwargs)
+    raw = dataset_loading.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS, **kwargs)
     if "validation" not in raw and not data_args.validation_file and "train" in raw:
         raw["train"], raw["validation"] = split_off_validation(raw["train"], data_args.validation_split_percentage)
-    for split, phase in (("train", training_args.do_train), ("validation", training_args.do_eval)):
+    for split, phase in (("train", do_train), ("validation", do_eval)):
         if phase and split not in raw:
             raise UsageError(f"the dataset has no {split!r} split (it has: {', '.join(raw)})")
     return raw
@@ -144,7 +146,7 @@ def sequence_length(requested, default_cap, tokenizer, config, flag, logger):
 # Tokenizing
 # ----------------------------------------------------------------------------------------------
 # Rows per `datasets.map` batch. Grouping concatenates one batch's texts and drops its tail shorter
-# than a block, so the blocks depend on it: `utils.stream` groups the same number of texts.
+# than a block, so the blocks depend on it: the streamed `Blocks` group the same number of texts.
 GROUP_ROWS = 1000
 
 
@@ -192,7 +194,7 @@ def tokenize_and_group(dataset, tokenizer, text_column, block_size, data_args):
     """Every non-blank text tokenized (special tokens included), concatenated, cut into blocks.
 
     With `preprocessing_num_workers` each worker's part of the rows is grouped on its own, so the
-    blocks at the parts' borders differ from a run without workers (and from `utils.stream`'s).
+    blocks at the parts' borders differ from a run without workers (and from the streamed `Blocks`').
     """
 
     def tokenize(examples):
@@ -212,23 +214,72 @@ def tokenize_lines(dataset, tokenizer, text_column, max_length, data_args):
     return _map(dataset, tokenize, data_args, "tokenizing lines", remove_columns=dataset.column_names)
 
 
-def read_into_memory(data_args, training_args, cache_dir, make_examples, columns, no_examples):
+# The streamed path's encoders (`utils.stream`): texts -> the rows the in-memory path makes of them. Each
+# group of `GROUP_ROWS` non-blank texts is encoded on its own, as a `datasets.map` batch is: on one process
+# and without shuffling, a stream's blocks equal `tokenize_and_group`'s (with `--preprocessing_num_workers`
+# the in-memory path groups each worker's part alone: its rows then differ at the parts' borders).
+class Blocks:
+    """Texts -> consecutive blocks of `block_size` tokens, the tail shorter than a block dropped."""
+
+    columns = ("input_ids",)
+    group_size = GROUP_ROWS
+    keeps = staticmethod(has_text)
+
+    def __init__(self, tokenizer, block_size):
+        self.tokenizer, self.width = tokenizer, block_size
+
+    def __call__(self, texts):
+        ids = encode_texts(self.tokenizer, texts)
+        tokens = sum(map(len, ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32, count=tokens)
+        return {"input_ids": flat[: tokens // self.width * self.width].reshape(-1, self.width)}
+
+    def copy(self):
+        return type(self)(copy.deepcopy(self.tokenizer), self.width)
+
+    def describe(self):
+        return {"rows": "blocks", "length": self.width, "vocabulary": len(self.tokenizer)}
+
+
+class Lines:
+    """Texts -> one example per text, truncated and padded to `max_length`, with its attention mask."""
+
+    columns = ("input_ids", "attention_mask")
+    group_size = GROUP_ROWS
+    keeps = staticmethod(has_text)
+
+    def __init__(self, tokenizer, max_length):
+        check_lines_tokenizer(tokenizer)
+        self.tokenizer, self.width = tokenizer, max_length
+
+    def __call__(self, texts):
+        encoded = encode_lines(self.tokenizer, texts, self.width)
+        return {name: np.asarray(encoded[name], np.int32).reshape(-1, self.width) for name in self.columns}
+
+    def copy(self):
+        return type(self)(copy.deepcopy(self.tokenizer), self.width)
+
+    def describe(self):
+        return {"rows": "lines", "length": self.width, "vocabulary": len(self.tokenizer)}
+
+
+def read_into_memory(data_args, do_train, do_eval, cache_dir, make_examples, columns, no_examples):
     """(train data or None, validation arrays or None) for the phases that run, read in memory.
 
     Each split is loaded, cut into examples by `make_examples(dataset, text_column)`, truncated to
     --max_train_samples / --max_eval_samples and kept as memory-mapped `columns`. A split left with
     no example raises UsageError(`no_examples(split)`): the script knows what its examples need.
     """
-    splits = run.needed_splits(training_args, ("train", "validation"))
-    raw = load_splits(data_args, training_args, cache_dir)
+    splits = [split for split, phase in (("train", do_train), ("validation", do_eval)) if phase]
+    raw = load_splits(data_args, do_train, do_eval, cache_dir)
     text_column = resolve_text_column(data_args.text_column, raw[splits[0]])
     max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
     arrays = {}
     for split in splits:
-        examples = data.take(make_examples(raw[split], text_column), max_samples[split])
+        examples = dataset_loading.take(make_examples(raw[split], text_column), max_samples[split])
         if len(examples) == 0:
             raise UsageError(no_examples(split))
-        arrays[split] = data.to_arrays(examples, columns)
+        arrays[split] = arrow_columns.to_arrays(examples, columns)
         logger.info("%s: %d examples of %d tokens", split, len(examples), arrays[split]["input_ids"].shape[1])
     train_data = InMemoryData(arrays["train"], len(arrays["train"]["input_ids"])) if "train" in arrays else None
     return train_data, arrays.get("validation")
@@ -270,7 +321,7 @@ def masking(tokenizer, probability, seed, stream):
     replacement_ids = np.setdiff1d(np.arange(len(tokenizer)), special_ids)
 
     def transform(batch, step, row_ids):
-        draws = data.row_uniforms((seed, stream, step), row_ids, batch["input_ids"].shape, count=3)
+        draws = batch_order.row_uniforms((seed, stream, step), row_ids, batch["input_ids"].shape, count=3)
         inputs, weights = mask_tokens(batch["input_ids"], special_ids, tokenizer.mask_token_id, replacement_ids,
                                       probability, draws)
         return {**batch, "input_ids": inputs, "labels": batch["input_ids"], "label_weights": weights}

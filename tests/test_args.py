@@ -131,6 +131,12 @@ def test_non_positive_values_rejected(flag, value):
         parse(["--output_dir", "a", flag, value])
 
 
+def test_compile_only_takes_a_known_tpu_slice():
+    with pytest.raises(UsageError, match=r"^--compile_only 'v3-9' is not a TPU slice .*: use one of v2-8, v3-8, v4-8"):
+        parse(["--output_dir", "a", "--do_train", "--compile_only", "v3-9"])
+    assert parse(["--output_dir", "a", "--do_train", "--compile_only", "v3-8"])[2].compile_only == "v3-8"
+
+
 def test_zero_epochs_allowed_with_max_steps():
     _, _, train = parse(["--output_dir", "a", "--num_train_epochs", "0", "--max_steps", "10"])
     assert train.max_steps == 10

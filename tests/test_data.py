@@ -1,4 +1,5 @@
-"""utils/data.py: local files, seeded per-process training batches, eval ranges."""
+"""utils/file_formats.py, dataset_loading.py, arrow_columns.py, batch_order.py: local files, loading, memory-mapped
+columns, seeded per-process training batches, eval ranges."""
 
 import bz2
 import gzip
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from utils import data
+from utils import arrow_columns, batch_order, dataset_loading, file_formats
 from utils.errors import UsageError
 
 
@@ -32,12 +33,12 @@ def test_file_builder(tmp_path):
     for name, builder in (("a.json", "json"), ("a.JSONL", "json"), ("a.csv", "csv"), ("a.txt", "text"),
                           ("a.jsonl.gz", "json"), ("a.JSON.GZ", "json"), ("a.csv.bz2", "csv"), ("a.txt.xz", "text")):
         (tmp_path / name).write_text("x")
-        assert data.file_builder(str(tmp_path / name)) == builder
+        assert file_formats.file_builder(str(tmp_path / name)) == builder
 
 
 def test_file_builder_missing(tmp_path):
     with pytest.raises(UsageError, match=r"data file .*missing\.json not found"):
-        data.file_builder(str(tmp_path / "missing.json"))
+        file_formats.file_builder(str(tmp_path / "missing.json"))
 
 
 def test_file_builder_unsupported_extension(tmp_path):
@@ -49,7 +50,7 @@ def test_file_builder_unsupported_extension(tmp_path):
     for name, allowed, names in cases:
         (tmp_path / name).write_text("x")
         with pytest.raises(UsageError, match="unsupported extension") as info:
-            data.file_builder(str(tmp_path / name), allowed=allowed)
+            file_formats.file_builder(str(tmp_path / name), allowed=allowed)
         assert str(info.value).endswith(f"use one of {names}, or one of them compressed as .gz, .bz2, .xz "
                                         "(e.g. .csv.gz)")
 
@@ -57,7 +58,7 @@ def test_file_builder_unsupported_extension(tmp_path):
 def test_file_builder_empty(tmp_path):
     (tmp_path / "empty.csv").write_text("")
     with pytest.raises(UsageError, match="empty"):
-        data.file_builder(str(tmp_path / "empty.csv"))
+        file_formats.file_builder(str(tmp_path / "empty.csv"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,7 +75,7 @@ def test_file_builder_empty(tmp_path):
     ("a.txt", "caf\u00e9\n", ["text"]),
 ])
 def test_check_file_columns(tmp_path, name, content, columns, compression):
-    assert data.check_file(write(tmp_path / name, content, compression)) == columns
+    assert file_formats.check_file(write(tmp_path / name, content, compression)) == columns
 
 
 @pytest.mark.parametrize("compression", ["", ".gz"])
@@ -89,18 +90,18 @@ def test_check_file_columns(tmp_path, name, content, columns, compression):
 def test_check_file_malformed(tmp_path, name, content, message, compression):
     path = write(tmp_path / name, content, compression)
     with pytest.raises(UsageError, match=re.escape(path) + message):
-        data.check_file(path)
+        file_formats.check_file(path)
 
 
 @pytest.mark.parametrize("compression", ["", *COMPRESS])
 def test_check_file_not_utf8_names_offset_and_line_across_chunks(tmp_path, monkeypatch, compression):
-    monkeypatch.setattr(data, "_CHUNK_BYTES", 4)  # characters split across chunks must still decode
+    monkeypatch.setattr(file_formats, "_CHUNK_BYTES", 4)  # characters split across chunks must still decode
     path = write(tmp_path / "a.txt", "h\u00e9\u20ac\n\u00e9\u00e9\n".encode() + b"ab\xffc\n", compression)
     with pytest.raises(UsageError, match=r"a\.txt\S* is not UTF-8 text: byte 0xff at offset 14 \(line 3\)"):
-        data.check_file(path)
+        file_formats.check_file(path)
     path = write(tmp_path / "b.txt", b"ok\n\xe2\x82", compression)  # truncated at the end of the file
     with pytest.raises(UsageError, match=r"byte 0xe2 at offset 3 \(line 2\)"):
-        data.check_file(path)
+        file_formats.check_file(path)
 
 
 def test_check_file_corrupt_or_truncated_compression(tmp_path):
@@ -116,30 +117,30 @@ def test_check_file_corrupt_or_truncated_compression(tmp_path):
         (tmp_path / name).write_bytes(raw)
         with pytest.raises(UsageError, match=rf"^data file \S*/{name} is not a valid {kind}.*\): it is corrupt "
                                              r"or truncated; compress or download it again$"):
-            data.check_file(str(tmp_path / name))
+            file_formats.check_file(str(tmp_path / name))
 
 
 def test_check_file_compressed_but_empty(tmp_path):
     with pytest.raises(UsageError, match=r"a\.jsonl\.gz is empty"):
-        data.check_file(write(tmp_path / "a.jsonl", "", ".gz"))
+        file_formats.check_file(write(tmp_path / "a.jsonl", "", ".gz"))
 
 
 def test_check_file_parses_only_the_head(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text('{"x": 1}\n{"y": 2}\nnot json\n')
-    assert data.check_file(str(path), limit=12) == ["x"]  # whole lines only: the second is cut off
+    assert file_formats.check_file(str(path), limit=12) == ["x"]  # whole lines only: the second is cut off
     with pytest.raises(UsageError, match=r"a\.jsonl:3 is not valid JSON"):
-        data.check_file(str(path), limit=None)
+        file_formats.check_file(str(path), limit=None)
     path.write_text('{"x": "' + "a" * 100 + '"}\n')
-    assert data.check_file(str(path), limit=50) is None  # no complete line: columns unknown
+    assert file_formats.check_file(str(path), limit=50) is None  # no complete line: columns unknown
     path.write_text('{\n  "x": ["' + "a" * 100 + '"]\n}\n')
-    assert data.check_file(str(path), limit=50) is None  # a multi-line object, not read whole: left to datasets
+    assert file_formats.check_file(str(path), limit=50) is None  # a multi-line object, not read whole: left to datasets
 
 
 def test_require_columns():
-    data.require_columns({"train": ["a", "b"], "test": None}, (("text_column", "a"), ("summary_column", "b")))
+    file_formats.require_columns({"train": ["a", "b"], "test": None}, (("text_column", "a"), ("summary_column", "b")))
     with pytest.raises(UsageError, match=r"--summary_column 'c' is not a column of the test data; its columns: a, b"):
-        data.require_columns({"train": ["a", "c"], "test": ["a", "b"]}, (("summary_column", "c"),))
+        file_formats.require_columns({"train": ["a", "c"], "test": ["a", "b"]}, (("summary_column", "c"),))
 
 
 NO_HUB = SimpleNamespace(dataset_name=None, dataset_config_name=None)
@@ -150,19 +151,19 @@ def test_load_splits_json_and_csv(tmp_path):
     (tmp_path / "train.json").write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "valid.json").write_text("\n".join(json.dumps(r) for r in rows[:2]))
     files = {"train": str(tmp_path / "train.json"), "validation": str(tmp_path / "valid.json"), "test": None}
-    splits = data.load_splits(NO_HUB, files, cache_dir=str(tmp_path / "cache"))
+    splits = dataset_loading.load_splits(NO_HUB, files, cache_dir=str(tmp_path / "cache"))
     assert sorted(splits) == ["train", "validation"]
     assert len(splits["train"]) == 5 and splits["validation"][1] == rows[1]
 
     (tmp_path / "train.csv").write_text("document,summary\n" + "".join(f"d{i},s{i}\n" for i in range(3)))
-    csv = data.load_splits(NO_HUB, {"train": str(tmp_path / "train.csv")}, cache_dir=str(tmp_path / "cache"))
+    csv = dataset_loading.load_splits(NO_HUB, {"train": str(tmp_path / "train.csv")}, cache_dir=str(tmp_path / "cache"))
     assert csv["train"].column_names == ["document", "summary"] and csv["train"][2] == {"document": "d2",
                                                                                       "summary": "s2"}
 
 
 def test_load_splits_text(tmp_path):
     (tmp_path / "train.txt").write_text("first line\nsecond line\nthird\n")
-    splits = data.load_splits(NO_HUB, {"train": str(tmp_path / "train.txt")}, cache_dir=str(tmp_path / "cache"))
+    splits = dataset_loading.load_splits(NO_HUB, {"train": str(tmp_path / "train.txt")}, cache_dir=str(tmp_path / "cache"))
     assert list(splits["train"]["text"]) == ["first line", "second line", "third"]
 
 
@@ -171,9 +172,9 @@ def test_load_splits_compressed_and_mixed_with_plain(tmp_path):
     lines = "".join(json.dumps(r) + "\n" for r in rows)
     files = {"train": write(tmp_path / "train.jsonl", lines, ".gz"),
              "validation": write(tmp_path / "valid.jsonl", lines)}
-    splits = data.load_splits(NO_HUB, files, cache_dir=str(tmp_path / "cache"))  # one format: json
+    splits = dataset_loading.load_splits(NO_HUB, files, cache_dir=str(tmp_path / "cache"))  # one format: json
     assert list(splits["train"]) == rows and list(splits["validation"]) == rows
-    text = data.load_splits(NO_HUB, {"train": write(tmp_path / "train.txt", "first\nsecond\n", ".xz")},
+    text = dataset_loading.load_splits(NO_HUB, {"train": write(tmp_path / "train.txt", "first\nsecond\n", ".xz")},
                             cache_dir=str(tmp_path / "cache"))
     assert list(text["train"]["text"]) == ["first", "second"]
 
@@ -182,33 +183,33 @@ def test_load_splits_compressed_and_mixed_with_plain(tmp_path):
 def test_load_splits_csv_with_a_byte_order_mark(tmp_path, compression):
     """An Excel export ("CSV UTF-8") starts with a BOM: it must not become part of the first column's name."""
     path = write(tmp_path / "excel.csv", "\ufeffdocument,summary\nd0,s0\n", compression)
-    assert data.check_file(path) == ["document", "summary"]
-    splits = data.load_splits(NO_HUB, {"train": path}, cache_dir=str(tmp_path / "cache"))
+    assert file_formats.check_file(path) == ["document", "summary"]
+    splits = dataset_loading.load_splits(NO_HUB, {"train": path}, cache_dir=str(tmp_path / "cache"))
     assert list(splits["train"]) == [{"document": "d0", "summary": "s0"}]
 
 
 def test_load_splits_errors(tmp_path):
     with pytest.raises(UsageError, match="no data"):
-        data.load_splits(NO_HUB, {"train": None})
+        dataset_loading.load_splits(NO_HUB, {"train": None})
     (tmp_path / "a.json").write_text("{}")
     (tmp_path / "b.csv").write_text("a\n1\n")
     with pytest.raises(UsageError, match="share one format, got csv, json"):
-        data.load_splits(NO_HUB, {"train": str(tmp_path / "a.json"), "validation": str(tmp_path / "b.csv")})
+        dataset_loading.load_splits(NO_HUB, {"train": str(tmp_path / "a.json"), "validation": str(tmp_path / "b.csv")})
     (tmp_path / "c.txt").write_text("x\n")
     with pytest.raises(UsageError, match="unsupported extension"):
-        data.load_splits(NO_HUB, {"train": str(tmp_path / "c.txt")}, allowed=("json", "csv"))
+        dataset_loading.load_splits(NO_HUB, {"train": str(tmp_path / "c.txt")}, allowed=("json", "csv"))
 
 
 def test_take_and_to_arrays():
     import datasets
 
     ds = datasets.Dataset.from_dict({"ids": [[i, i + 1] for i in range(10)], "label": list(range(10))})
-    assert len(data.take(ds, 3)) == 3 and data.take(ds, 3)["label"][:] == [0, 1, 2]
-    assert data.take(ds, None) is ds and data.take(ds, 50) is ds
-    arrays = data.to_arrays(data.take(ds, 4), ["ids", "label"])
+    assert len(dataset_loading.take(ds, 3)) == 3 and dataset_loading.take(ds, 3)["label"][:] == [0, 1, 2]
+    assert dataset_loading.take(ds, None) is ds and dataset_loading.take(ds, 50) is ds
+    arrays = arrow_columns.to_arrays(dataset_loading.take(ds, 4), ["ids", "label"])
     assert arrays["ids"].shape == (4, 2) and arrays["ids"].dtype.kind == "i"
     np.testing.assert_array_equal(arrays["label"], [0, 1, 2, 3])
-    np.testing.assert_array_equal(data.gather(arrays, np.array([3, 0]))["ids"], [[3, 4], [0, 1]])
+    np.testing.assert_array_equal(batch_order.gather(arrays, np.array([3, 0]))["ids"], [[3, 4], [0, 1]])
     assert arrays["ids"].dtype == np.int32  # what JAX computes with: half the bytes of int64 to move
 
 
@@ -217,7 +218,7 @@ def test_to_arrays_refuses_ragged_sequences():
 
     ds = datasets.Dataset.from_dict({"ids": [[1, 2], [3]]})
     with pytest.raises(ValueError, match="sequences of 1 to 2 items"):
-        data.to_arrays(ds, ["ids"])
+        arrow_columns.to_arrays(ds, ["ids"])
 
 
 def write_token_file(path, rows, width, rows_per_chunk=1000, dtype=np.int32):
@@ -248,7 +249,7 @@ def test_to_arrays_reads_chunks_files_slices_and_index_mappings(tmp_path):
     second = write_token_file(tmp_path / "b.arrow", 20, 3, rows_per_chunk=6)  # rows 0..19 again
     both = datasets.concatenate_datasets([first, second])  # two memory-mapped files, 11 + 4 chunks
     truth = np.concatenate([expected_rows(range(50), 3), expected_rows(range(20), 3)])
-    column = data.to_arrays(both, ["input_ids"])["input_ids"]
+    column = arrow_columns.to_arrays(both, ["input_ids"])["input_ids"]
     assert column.shape == (70, 3) and len(column) == 70 and column.dtype == np.int32
     rows = np.array([69, 0, 49, 50, 6, 7, 13, 14, 55, 3, 3])
     np.testing.assert_array_equal(column[rows], truth[rows])
@@ -261,10 +262,10 @@ def test_to_arrays_reads_chunks_files_slices_and_index_mappings(tmp_path):
     for name, selection in selections.items():
         selected = both.select(selection)
         assert (selected._indices is None) == (name == "slice")  # a contiguous select slices the table
-        np.testing.assert_array_equal(data.to_arrays(selected, ["input_ids"])["input_ids"][np.arange(len(selection))],
+        np.testing.assert_array_equal(arrow_columns.to_arrays(selected, ["input_ids"])["input_ids"][np.arange(len(selection))],
                                       truth[np.asarray(selection)], err_msg=name)
     twice = both.select(range(60, 10, -1)).select([0, 5, 49])  # a mapping of a mapping
-    np.testing.assert_array_equal(np.asarray(data.to_arrays(twice, ["input_ids"])["input_ids"]), truth[[60, 55, 11]])
+    np.testing.assert_array_equal(np.asarray(arrow_columns.to_arrays(twice, ["input_ids"])["input_ids"]), truth[[60, 55, 11]])
     with pytest.raises(IndexError, match="rows 3..70 of column 'input_ids', which has 70"):
         column[[3, 70]]
 
@@ -274,7 +275,7 @@ def test_to_arrays_narrows_integers_to_int32():
 
     ds = datasets.Dataset.from_dict({"ids": [[1, 2], [3, 4]], "mask": [[1, 0], [1, 1]], "score": [0.5, 1.5]})
     ds = ds.cast_column("mask", datasets.Sequence(datasets.Value("int8")))
-    arrays = data.to_arrays(ds, ["ids", "mask", "score"])
+    arrays = arrow_columns.to_arrays(ds, ["ids", "mask", "score"])
     assert ds.features["ids"].feature.dtype == "int64"
     assert arrays["ids"][[1]].dtype == arrays["mask"][[1]].dtype == np.int32
     np.testing.assert_array_equal(arrays["mask"][[0, 1]], [[1, 0], [1, 1]])
@@ -285,9 +286,9 @@ def test_to_arrays_refuses_text_and_missing_values():
     import datasets
 
     with pytest.raises(ValueError, match="column 'text' holds string: only numbers and fixed-length lists"):
-        data.to_arrays(datasets.Dataset.from_dict({"text": ["a", "b"]}), ["text"])
+        arrow_columns.to_arrays(datasets.Dataset.from_dict({"text": ["a", "b"]}), ["text"])
     with pytest.raises(ValueError, match="column 'ids' has missing values"):
-        data.to_arrays(datasets.Dataset.from_dict({"ids": [[1, 2], None]}), ["ids"])
+        arrow_columns.to_arrays(datasets.Dataset.from_dict({"ids": [[1, 2], None]}), ["ids"])
 
 
 def anonymous_memory():
@@ -302,7 +303,7 @@ def test_to_arrays_copies_no_tokens_into_memory(tmp_path):
     file) adds far less anonymous memory than a copy of the column would."""
     dataset = write_token_file(tmp_path / "big.arrow", 1 << 17, 128)
     before = anonymous_memory()
-    column = data.to_arrays(dataset, ["input_ids"])["input_ids"]
+    column = arrow_columns.to_arrays(dataset, ["input_ids"])["input_ids"]
     checksum = sum(int(column[start: start + 4096][:, -1].sum()) for start in range(0, len(column), 4096))
     grown = anonymous_memory() - before
     assert checksum == int(expected_rows(np.arange(1 << 17), 128)[:, -1].sum())
@@ -313,21 +314,21 @@ def test_to_arrays_copies_no_tokens_into_memory(tmp_path):
 # Batches
 # ---------------------------------------------------------------------------------------------
 def epoch_batches(num_examples, batch, seed, epoch, rows=None):
-    steps = data.steps_per_epoch(num_examples, batch)
-    return [data.train_batch_indices(num_examples, batch, seed, epoch, step, rows) for step in range(steps)]
+    steps = batch_order.steps_per_epoch(num_examples, batch)
+    return [batch_order.train_batch_indices(num_examples, batch, seed, epoch, step, rows) for step in range(steps)]
 
 
 def test_train_batches_deterministic_and_without_repeats():
     num, batch = 103, 8
     first = epoch_batches(num, batch, seed=0, epoch=0)
-    assert len(first) == data.steps_per_epoch(num, batch) == 12
+    assert len(first) == batch_order.steps_per_epoch(num, batch) == 12
     assert all(len(b) == batch for b in first)
     flat = np.concatenate(first)
     assert len(set(flat.tolist())) == len(flat) == 96 and flat.min() >= 0 and flat.max() < num
     np.testing.assert_array_equal(np.concatenate(epoch_batches(num, batch, 0, 0)), flat)  # same seed and epoch
     assert not np.array_equal(np.concatenate(epoch_batches(num, batch, 0, 1)), flat)  # next epoch reshuffles
     assert not np.array_equal(np.concatenate(epoch_batches(num, batch, 1, 0)), flat)  # other seed
-    np.testing.assert_array_equal(data.train_batch_indices(num, batch, 0, 0, 5), first[5])  # resume mid-epoch
+    np.testing.assert_array_equal(batch_order.train_batch_indices(num, batch, 0, 0, 5), first[5])  # resume mid-epoch
 
 
 def todays_batch_indices(num_examples, global_batch_size, seed, epoch, step_in_epoch, rows=None):
@@ -340,17 +341,17 @@ def todays_batch_indices(num_examples, global_batch_size, seed, epoch, step_in_e
 
 def test_train_order_keeps_the_order_of_every_seed_and_resumes_mid_epoch():
     num, batch, seed = 103, 8, 5
-    per_epoch = data.steps_per_epoch(num, batch)
+    per_epoch = batch_order.steps_per_epoch(num, batch)
     reference = [todays_batch_indices(num, batch, seed, *divmod(step, per_epoch)) for step in range(4 * per_epoch)]
-    order = data.TrainOrder(num, batch, seed, per_epoch)
+    order = batch_order.TrainOrder(num, batch, seed, per_epoch)
     for step, indices in enumerate(reference):
         np.testing.assert_array_equal(order.batch_indices(step), indices, err_msg=f"step {step}")
-        np.testing.assert_array_equal(data.train_batch_indices(num, batch, seed, *divmod(step, per_epoch)), indices)
-    resumed = data.TrainOrder(num, batch, seed, per_epoch)  # a run resumed in the middle of epoch 2
+        np.testing.assert_array_equal(batch_order.train_batch_indices(num, batch, seed, *divmod(step, per_epoch)), indices)
+    resumed = batch_order.TrainOrder(num, batch, seed, per_epoch)  # a run resumed in the middle of epoch 2
     for step in range(2 * per_epoch + 5, 4 * per_epoch):
         np.testing.assert_array_equal(resumed.batch_indices(step), reference[step], err_msg=f"step {step}")
     rows = slice(2, 6)
-    np.testing.assert_array_equal(data.TrainOrder(num, batch, seed, per_epoch).batch_indices(3 * per_epoch + 1, rows),
+    np.testing.assert_array_equal(batch_order.TrainOrder(num, batch, seed, per_epoch).batch_indices(3 * per_epoch + 1, rows),
                                   reference[3 * per_epoch + 1][rows])
 
 
@@ -358,19 +359,19 @@ def test_train_order_keeps_the_order_of_every_seed_and_resumes_mid_epoch():
 def test_process_rows_partition_global_batch(processes):
     num, batch = 64, 16
     local = batch // processes
-    for step in range(data.steps_per_epoch(num, batch)):
-        whole = data.train_batch_indices(num, batch, 7, 2, step)
-        parts = [data.train_batch_indices(num, batch, 7, 2, step, slice(p * local, (p + 1) * local))
+    for step in range(batch_order.steps_per_epoch(num, batch)):
+        whole = batch_order.train_batch_indices(num, batch, 7, 2, step)
+        parts = [batch_order.train_batch_indices(num, batch, 7, 2, step, slice(p * local, (p + 1) * local))
                  for p in range(processes)]
         np.testing.assert_array_equal(np.concatenate(parts), whole)
 
 
 def test_eval_batch_ranges_cover_every_example_once():
-    assert data.eval_batch_ranges(21, 8) == [(0, 8), (8, 16), (16, 21)]
-    assert data.eval_batch_ranges(16, 8) == [(0, 8), (8, 16)]
-    assert data.eval_batch_ranges(3, 8) == [(0, 3)]
-    assert data.eval_batch_ranges(0, 8) == []
-    covered = [i for start, stop in data.eval_batch_ranges(1001, 64) for i in range(start, stop)]
+    assert batch_order.eval_batch_ranges(21, 8) == [(0, 8), (8, 16), (16, 21)]
+    assert batch_order.eval_batch_ranges(16, 8) == [(0, 8), (8, 16)]
+    assert batch_order.eval_batch_ranges(3, 8) == [(0, 3)]
+    assert batch_order.eval_batch_ranges(0, 8) == []
+    covered = [i for start, stop in batch_order.eval_batch_ranges(1001, 64) for i in range(start, stop)]
     assert covered == list(range(1001))
 
 
@@ -378,14 +379,14 @@ def test_load_splits_error_past_the_pre_read_names_file_and_line(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text('{"x": "a"}\n' * 3 + '{"x": "a",}\n')
     with pytest.raises(UsageError, match=r"train\.jsonl:4 is not valid JSON"):
-        data.load_splits(NO_HUB, {"train": str(path)}, cache_dir=str(tmp_path / "cache"))
+        dataset_loading.load_splits(NO_HUB, {"train": str(path)}, cache_dir=str(tmp_path / "cache"))
 
 
 def test_load_splits_unusable_dataset(tmp_path):
     (tmp_path / "no_data").mkdir()
     args = SimpleNamespace(dataset_name=str(tmp_path / "no_data"), dataset_config_name=None)
     with pytest.raises(UsageError, match=r"could not load dataset .*no_data': .*check --dataset_name"):
-        data.load_splits(args, {}, cache_dir=str(tmp_path / "cache"))
+        dataset_loading.load_splits(args, {}, cache_dir=str(tmp_path / "cache"))
     args.dataset_name = "no-such/dataset"  # conftest: offline
     with pytest.raises(UsageError, match=r"'no-such/dataset': it is not in the local cache and offline mode is on"):
-        data.load_splits(args, {}, cache_dir=str(tmp_path / "cache"))
+        dataset_loading.load_splits(args, {}, cache_dir=str(tmp_path / "cache"))

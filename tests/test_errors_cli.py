@@ -28,7 +28,7 @@ import run_summarization_flax as summarization
 import run_t5_mlm_flax as t5_mlm
 from script_runner import ROOT, directory_state, run_script, script_env
 from tasks.summarization import TASK
-from utils import hub
+from utils import hub_access
 from utils.args import TrainingArguments
 from utils.checkpoint import Checkpointer
 from utils.errors import RunError, run_main
@@ -335,7 +335,7 @@ def test_push_to_hub_with_a_rejected_token(fails, files, hub_online, fake_hub):
     hub_online(fake_hub)
     fails(scratch(files, "--push_to_hub", "--hub_token", "hf_bad"),
           r"the hub at http://127\.0\.0\.1:\d+ does not accept the token for --push_to_hub: Invalid user token")
-    assert hub.offline_reason() is None and not constants.HF_HUB_OFFLINE  # a reachable hub stays online
+    assert hub_access.offline_reason() is None and not constants.HF_HUB_OFFLINE  # a reachable hub stays online
 
 
 # ---------------------------------------------------------------------------------------------

@@ -237,7 +237,7 @@ def test_resumed_batches_are_the_uninterrupted_ones(tmp_path):
         np.testing.assert_array_equal(a["pixel_values"], b["pixel_values"])
         np.testing.assert_array_equal(a["labels"], b["labels"])
     # Each row is its example's own transform: the example found by its label and epoch-3 crop.
-    from utils.data import TrainOrder
+    from utils.batch_order import TrainOrder
 
     order = TrainOrder(10, 3, 7, 3)
     for step in (0, 4, 8):

@@ -198,12 +198,12 @@ def test_split_off_validation_takes_the_first_rows():
 def test_load_splits_falls_back_to_a_validation_split(tmp_path):
     train = write_txt(tmp_path / "train.txt", [f"line {i}" for i in range(40)])
     raw = lm.load_splits(data_args(train_file=train, validation_split_percentage=10),
-                         training_args(tmp_path, do_train=True, do_eval=True))
+                         do_train=True, do_eval=True)
     assert len(raw["validation"]) == 4 and len(raw["train"]) == 36
     assert raw["validation"]["text"][0] == "line 0\n"
     # Eval-only holds out the same rows, so it evaluates on what training did not see.
     eval_only = lm.load_splits(data_args(train_file=train, validation_split_percentage=10),
-                               training_args(tmp_path, do_eval=True))
+                               do_train=False, do_eval=True)
     assert eval_only["validation"]["text"] == raw["validation"]["text"]
 
 
@@ -211,10 +211,10 @@ def test_load_splits_keeps_a_given_validation_file(tmp_path):
     train = write_txt(tmp_path / "train.txt", [f"line {i}" for i in range(40)])
     validation = write_txt(tmp_path / "validation.txt", ["held out"])
     raw = lm.load_splits(data_args(train_file=train, validation_file=validation),
-                         training_args(tmp_path, do_train=True, do_eval=True))
+                         do_train=True, do_eval=True)
     assert len(raw["train"]) == 40 and raw["validation"]["text"] == ["held out\n"]
     train_only = lm.load_splits(data_args(train_file=train, validation_file=validation),
-                                training_args(tmp_path, do_train=True))
+                                do_train=True, do_eval=False)
     assert len(train_only["train"]) == 40  # nothing carved off when a validation file exists
 
 
@@ -222,14 +222,14 @@ def test_load_splits_keeps_a_given_validation_file(tmp_path):
 def test_txt_keep_linebreaks(tmp_path, keep_linebreaks, expected):
     train = write_txt(tmp_path / "train.txt", ["first line", "second line"])
     raw = lm.load_splits(data_args(train_file=train, keep_linebreaks=keep_linebreaks),
-                         training_args(tmp_path, do_train=True))
+                         do_train=True, do_eval=False)
     assert raw["validation"]["text"] == [expected]  # the first row of two is held out
     assert lm.resolve_text_column(None, raw["train"]) == "text"
 
 
 def test_csv_and_json_inputs(tmp_path, tokenizer):
     (tmp_path / "train.csv").write_text("id,content\n" + "".join(f"{i},sentence {i}\n" for i in range(20)))
-    raw = lm.load_splits(data_args(train_file=str(tmp_path / "train.csv")), training_args(tmp_path, do_train=True))
+    raw = lm.load_splits(data_args(train_file=str(tmp_path / "train.csv")), do_train=True, do_eval=False)
     with pytest.raises(UsageError, match="not text: pass --text_column"):
         lm.resolve_text_column(None, raw["train"])  # the first column holds numbers
     assert lm.resolve_text_column("content", raw["train"]) == "content"
@@ -241,7 +241,7 @@ def test_csv_and_json_inputs(tmp_path, tokenizer):
     (tmp_path / "validation.json").write_text("".join(json.dumps(row) + "\n" for row in rows[:3]))
     raw = lm.load_splits(data_args(train_file=str(tmp_path / "train.jsonl"),
                                    validation_file=str(tmp_path / "validation.json")),
-                         training_args(tmp_path, do_train=True, do_eval=True))
+                         do_train=True, do_eval=True)
     column = lm.resolve_text_column(None, raw["train"])
     assert column == "text" and len(raw["validation"]) == 3
     blocks = lm.tokenize_and_group(raw["train"], tokenizer, column, 8, data_args())

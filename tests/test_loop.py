@@ -169,13 +169,13 @@ def test_train_batches_transform_sees_the_step_and_this_process_rows(monkeypatch
 
 
 def test_train_batches_follow_seeded_order_and_resume():
-    from utils import data
+    from utils import batch_order
 
     arrays = {"x": np.arange(40)}
     run = [DP.rows_to_host(b["x"]) for b in train_batches(arrays, 40, 16, seed=1, steps_per_epoch=2, start_step=0,
                                                            total_steps=5, layout=DP)]
     assert len(run) == 5
-    np.testing.assert_array_equal(run[2], data.train_batch_indices(40, 16, 1, epoch=1, step_in_epoch=0))
+    np.testing.assert_array_equal(run[2], batch_order.train_batch_indices(40, 16, 1, epoch=1, step_in_epoch=0))
     resumed = [DP.rows_to_host(b["x"])
                for b in train_batches(arrays, 40, 16, 1, 2, start_step=3, total_steps=5, layout=DP)]
     np.testing.assert_array_equal(np.stack(resumed), np.stack(run[3:]))
@@ -186,10 +186,10 @@ def test_host_train_batches_read_dataset_columns_by_the_seeded_order():
     each batch of the seeded order, transformed with their step, and a resumed run's batches are the rest."""
     import datasets
 
-    from utils import data, loop
+    from utils import arrow_columns, batch_order, loop
 
     ds = datasets.Dataset.from_dict({"input_ids": [[i, -i] for i in range(40)]})
-    arrays = data.to_arrays(ds, ["input_ids"])
+    arrays = arrow_columns.to_arrays(ds, ["input_ids"])
     rows = slice(4, 8)  # the second of two processes
     def transform(batch, step, row_ids):
         assert row_ids.tolist() == list(range(rows.start, rows.stop))  # this process's rows of the global batch
@@ -198,7 +198,7 @@ def test_host_train_batches_read_dataset_columns_by_the_seeded_order():
     run = list(loop.host_train_batches(arrays, 40, 8, 3, 5, 0, 12, rows, transform))
     assert len(run) == 12
     for step, batch in enumerate(run):
-        indices = data.train_batch_indices(40, 8, 3, *divmod(step, 5))[rows]
+        indices = batch_order.train_batch_indices(40, 8, 3, *divmod(step, 5))[rows]
         np.testing.assert_array_equal(batch["input_ids"], np.stack([indices, -indices], 1) * 100 + step)
     resumed = list(loop.host_train_batches(arrays, 40, 8, 3, 5, 7, 12, rows, transform))
     np.testing.assert_array_equal(np.stack([b["input_ids"] for b in resumed]),

@@ -3,7 +3,7 @@ run reused by every test (it learns, its files are complete and score as a refer
 then eval-only / predict-only of the saved model as SQuAD v2.0, with another eval batch.
 
 Negative controls (each was broken on purpose and seen failing):
-- `--max_eval_samples` counting windows (`data.take` on the windows):
+- `--max_eval_samples` counting windows (`dataset_loading.take` on the windows):
   `test_prediction_files_have_one_entry_per_example` (and the scores of `test_results_score_the_prediction_files`);
 - a padded eval row scored, or a window given to the wrong example: `test_results_score_the_prediction_files`
   (41 examples in windows of batches of 16) and `test_eval_and_predict_only_from_the_saved_dir`

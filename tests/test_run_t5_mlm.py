@@ -10,7 +10,7 @@ import pytest
 import run_t5_mlm_flax as t5_mlm
 from tests.script_runner import (ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script,
                                  run_streamed_config)
-from utils import compat, data
+from utils import arrow_columns, compat, dataset_loading
 from tasks import lm
 from tasks.span_corruption import plan_span_corruption, span_corruption
 
@@ -83,8 +83,8 @@ def corrupted_eval_set(tokenizer, decoder_start_token_id, seed=42):
     raw = datasets.load_dataset("text", data_files={"validation": os.path.join(ROOT, "data/lm/validation.txt")},
                                 keep_linebreaks=True)["validation"]
     no_workers = SimpleNamespace(preprocessing_num_workers=None, overwrite_cache=False)
-    blocks = data.take(lm.tokenize_and_group(raw, tokenizer, "text", RAW_LENGTH, no_workers), EVAL_SAMPLES)
-    input_ids = data.to_arrays(blocks, ("input_ids",))["input_ids"]
+    blocks = dataset_loading.take(lm.tokenize_and_group(raw, tokenizer, "text", RAW_LENGTH, no_workers), EVAL_SAMPLES)
+    input_ids = arrow_columns.to_arrays(blocks, ("input_ids",))["input_ids"]
     plan = plan_span_corruption(tokenizer, SEQ_LENGTH, 0.15, 3.0)
     assert plan.lengths.raw_length == RAW_LENGTH and plan.lengths.target_length == TARGET_LENGTH
     batch = span_corruption(plan, decoder_start_token_id, seed, lm.EVAL_STREAM)(

@@ -1,4 +1,5 @@
-"""utils/stream.py: sources read as `datasets` reads them, the in-memory path's rows, exact resume
+"""utils/stream_sources.py, stream_examples.py and stream.py (StreamedData: the LM scripts' streamed runs):
+sources read as `datasets` reads them, the in-memory path's rows (`tasks.lm.Blocks` / `Lines`), exact resume
 without re-reading, the split over processes and their agreement, held-out eval rows."""
 
 import bz2
@@ -11,8 +12,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from utils import data, stream
 from tasks import lm
+from utils import dataset_loading, stream
+from utils.stream_examples import check_one_batch, eval_set, read_examples
+from utils.stream_sources import DatasetSource, FileSource, open_sources
 from utils.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,9 +94,10 @@ def csv_text(rows):
 def test_file_source_reads_the_texts_datasets_reads(tmp_path, name, content, kwargs, compression):
     """Every text the in-memory path would tokenize, in its order (blank ones aside: neither path keeps them)."""
     path = write(tmp_path / name, content, compression)
-    source = stream.FileSource(path, **kwargs)
+    source = FileSource(path, **kwargs)
     builder_kwargs = {"keep_linebreaks": kwargs["keep_linebreaks"]} if name.endswith(".txt") else {}
-    loaded = data.load_splits(NO_HUB, {"train": path}, cache_dir=str(tmp_path / "cache"), **builder_kwargs)["train"]
+    loaded = dataset_loading.load_splits(NO_HUB, {"train": path}, cache_dir=str(tmp_path / "cache"),
+                                         **builder_kwargs)["train"]
     assert source.text_column == "text"
     expected = [text for text in loaded["text"] if lm.has_text(text)]
     assert [text for text in rows_of(source) if lm.has_text(text)] == expected and len(expected) >= 4
@@ -108,7 +112,7 @@ def test_file_source_reads_the_texts_datasets_reads(tmp_path, name, content, kwa
 def test_file_source_continues_from_the_position_after_any_row(tmp_path, name, content):
     """position() after row k opens a reader that gives rows k + 1, ... (a line holding lone CRs too)."""
     compression = ".gz" if name.endswith(".gz") else ""
-    source = stream.FileSource(write(tmp_path / name.removesuffix(".gz"), content, compression))
+    source = FileSource(write(tmp_path / name.removesuffix(".gz"), content, compression))
     reader = source.open(source.start())
     rows, positions = [], []
     for text in reader:
@@ -121,21 +125,21 @@ def test_file_source_continues_from_the_position_after_any_row(tmp_path, name, c
 def test_file_source_errors_name_the_file_and_the_fix(tmp_path):
     bad_json = write(tmp_path / "a.jsonl", '{"text": "a"}\n{"text": "b",}\n')
     with pytest.raises(UsageError, match=r"a\.jsonl at byte 14 is not a JSON line .*one JSON object per line"):
-        rows_of(stream.FileSource(bad_json))
+        rows_of(FileSource(bad_json))
     document = write(tmp_path / "b.jsonl", '[{"text": "a"}]\n')
     with pytest.raises(UsageError, match=r"holds a JSON list, not an object"):
-        stream.FileSource(document)
+        FileSource(document)
     with open(tmp_path / "c.txt", "wb") as f:
         f.write(b"fine\nnot \xff utf-8\n")
     with pytest.raises(UsageError, match=r"c\.txt is not UTF-8 text: byte 0xff at offset 9"):
-        rows_of(stream.FileSource(str(tmp_path / "c.txt")))
+        rows_of(FileSource(str(tmp_path / "c.txt")))
     numbers = write(tmp_path / "d.jsonl", '{"text": 3}\n')
     with pytest.raises(UsageError, match=r"the text column holds int, not text: pass --text_column"):
-        rows_of(stream.FileSource(numbers))
+        rows_of(FileSource(numbers))
     with pytest.raises(UsageError, match=r"--text_column 'body' is not a column of .*d\.jsonl; its columns: text"):
-        stream.FileSource(numbers, text_column="body")
+        FileSource(numbers, text_column="body")
     with pytest.raises(UsageError, match="data files must share one format, got json, text"):
-        stream.FileSource([numbers, str(tmp_path / "c.txt")])
+        FileSource([numbers, str(tmp_path / "c.txt")])
 
 
 def iterable(lines, shards):
@@ -145,7 +149,7 @@ def iterable(lines, shards):
 
 
 def test_dataset_source_continues_from_a_position(corpus_lines):
-    source = stream.DatasetSource(iterable(corpus_lines[:100], 3))
+    source = DatasetSource(iterable(corpus_lines[:100], 3))
     reader = source.open(source.start())
     iterator = iter(reader)
     rows = [next(iterator) for _ in range(40)]
@@ -157,10 +161,10 @@ def test_dataset_source_continues_from_a_position(corpus_lines):
 # The rows of the in-memory path
 # ---------------------------------------------------------------------------------------------
 def test_blocks_equal_those_of_the_in_memory_path(tokenizer):
-    loaded = data.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
+    loaded = dataset_loading.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
     in_memory = np.asarray(lm.tokenize_and_group(loaded, tokenizer, "text", 32, NO_WORKERS)["input_ids"])
     for workers in (1, 3):
-        batches = batches_of(stream.Stream(stream.FileSource(CORPUS), stream.Blocks(tokenizer, 32), 16,
+        batches = batches_of(stream.Stream(FileSource(CORPUS), lm.Blocks(tokenizer, 32), 16,
                                            shuffle_buffer_size=0, workers=workers))
         streamed = np.concatenate([batch["input_ids"] for batch in batches])
         assert len(streamed) == len(in_memory) // 16 * 16  # the last, short batch is dropped
@@ -169,9 +173,9 @@ def test_blocks_equal_those_of_the_in_memory_path(tokenizer):
 
 
 def test_lines_equal_those_of_the_in_memory_path(tokenizer):
-    loaded = data.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
+    loaded = dataset_loading.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
     in_memory = lm.tokenize_lines(loaded, tokenizer, "text", 24, NO_WORKERS)
-    batches = batches_of(stream.Stream(stream.FileSource(CORPUS), stream.Lines(tokenizer, 24), 100,
+    batches = batches_of(stream.Stream(FileSource(CORPUS), lm.Lines(tokenizer, 24), 100,
                                        shuffle_buffer_size=0))
     for name in ("input_ids", "attention_mask"):
         streamed = np.concatenate([batch[name] for batch in batches])
@@ -192,14 +196,14 @@ def test_passes_repeat_the_rows_without_the_held_out_ones(tmp_path, tokenizer, c
     the in-memory path's, its last 3 (fewer than a batch) dropped, as an in-memory epoch drops its
     remainder; every pass says where it starts; `transform` counts the steps across passes."""
     path = small_corpus(tmp_path, corpus_lines)
-    loaded = data.load_splits(NO_HUB, {"train": path}, keep_linebreaks=True)["train"]
+    loaded = dataset_loading.load_splits(NO_HUB, {"train": path}, keep_linebreaks=True)["train"]
     blocks = np.asarray(lm.tokenize_and_group(loaded, tokenizer, "text", 32, NO_WORKERS)["input_ids"])
     assert len(blocks) == 171
-    encoder = stream.Blocks(tokenizer, 32)
-    held_out, start = stream.eval_set(stream.FileSource(path), encoder, 40)
+    encoder = lm.Blocks(tokenizer, 32)
+    held_out, start = eval_set(FileSource(path), encoder, 40)
     np.testing.assert_array_equal(held_out["input_ids"], blocks[:40])
     caplog.set_level("INFO", logger="utils.stream")
-    made = stream.Stream(stream.FileSource(path), encoder, 16, shuffle_buffer_size=0, start=start, max_passes=3,
+    made = stream.Stream(FileSource(path), encoder, 16, shuffle_buffer_size=0, start=start, max_passes=3,
                          transform=lambda batch, index: {**batch, "index": np.full(1, index)})
     batches = batches_of(made)
     one_pass = blocks[40: 40 + 8 * 16]  # 131 blocks: 8 batches
@@ -215,14 +219,14 @@ def test_each_pass_is_reshuffled_by_its_own_seed(tmp_path, tokenizer, corpus_lin
     """Shuffled, unbounded: each pass draws 160 of the 171 blocks (the rest, fewer than a batch,
     dropped), in an order of its own; a bound of one pass stops where the first pass ends."""
     path = small_corpus(tmp_path, corpus_lines)
-    encoder = stream.Blocks(tokenizer, 32)
-    every_row = set(map(bytes, stream.read_examples(stream.FileSource(path), encoder)[0]["input_ids"]))
-    with stream.Stream(stream.FileSource(path), encoder, 16, shuffle_buffer_size=50, seed=5, max_passes=None) as made:
+    encoder = lm.Blocks(tokenizer, 32)
+    every_row = set(map(bytes, read_examples(FileSource(path), encoder)[0]["input_ids"]))
+    with stream.Stream(FileSource(path), encoder, 16, shuffle_buffer_size=50, seed=5, max_passes=None) as made:
         passes = [np.concatenate([next(made)["input_ids"] for _ in range(10)]) for _ in range(3)]
     for rows in passes:
         assert len(set(map(bytes, rows))) == 160 and set(map(bytes, rows)) <= every_row
     assert not np.array_equal(passes[0], passes[1]) and not np.array_equal(passes[1], passes[2])
-    one = batches_of(stream.Stream(stream.FileSource(path), encoder, 16, shuffle_buffer_size=50, seed=5, max_passes=1))
+    one = batches_of(stream.Stream(FileSource(path), encoder, 16, shuffle_buffer_size=50, seed=5, max_passes=1))
     np.testing.assert_array_equal(np.concatenate([b["input_ids"] for b in one]), passes[0])
 
 
@@ -230,19 +234,19 @@ def test_a_pass_without_one_batch_is_an_error_not_a_loop(tmp_path, tokenizer, co
     path = write(tmp_path / "tiny.txt", "".join(corpus_lines[:20]))  # 10 blocks of 32: fewer than a batch
     with pytest.raises(UsageError, match=r"the training data gives no batch in pass 1: a process has fewer than 16 "
                                          r"examples \(its rows of a global batch\): add data or lower the batch size"):
-        batches_of(stream.Stream(stream.FileSource(path), stream.Blocks(tokenizer, 32), 16, max_passes=None))
-    encoder = stream.Blocks(tokenizer, 32)
+        batches_of(stream.Stream(FileSource(path), lm.Blocks(tokenizer, 32), 16, max_passes=None))
+    encoder = lm.Blocks(tokenizer, 32)
     with pytest.raises(UsageError, match=r"the training data gives 10 examples, fewer than one global batch of 16 "
                                          r"\(per_device_train_batch_size x devices x gradient_accumulation_steps\): "
                                          r"lower the batch size, add data$"):
-        stream.check_one_batch(stream.FileSource(path), encoder, 16, None, 16)
-    _, start = stream.eval_set(stream.FileSource(path), encoder, 4)
+        check_one_batch(FileSource(path), encoder, 16, None, 16)
+    _, start = eval_set(FileSource(path), encoder, 4)
     with pytest.raises(UsageError, match=r"gives 6 examples in process 1's part after the rows held out for "
                                          r"evaluation, fewer than its 8 rows of a global batch of 16 .* or hold out "
                                          r"fewer \(--max_eval_samples\)"):
-        stream.check_one_batch(stream.FileSource(path), encoder, 8, start, 16,
+        check_one_batch(FileSource(path), encoder, 8, start, 16,
                                gather=lambda rows: np.concatenate([rows + 2, rows]))  # process 0 has 2 more
-    stream.check_one_batch(stream.FileSource(path), encoder, 10, None, 10)
+    check_one_batch(FileSource(path), encoder, 10, None, 10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,8 +257,8 @@ def sources(tmp_path, corpus_lines):
     lines = corpus_lines[:1500]
     txt = write(tmp_path / "c.txt", "".join(lines))
     jsonl = write(tmp_path / "c.jsonl", "".join(json.dumps({"text": line}) + "\n" for line in lines), ".gz")
-    return {"txt": lambda: stream.FileSource(txt), "jsonl.gz": lambda: stream.FileSource(jsonl),
-            "dataset": lambda: stream.DatasetSource(iterable(lines, 4))}
+    return {"txt": lambda: FileSource(txt), "jsonl.gz": lambda: FileSource(jsonl),
+            "dataset": lambda: DatasetSource(iterable(lines, 4))}
 
 
 @pytest.mark.parametrize("kind", ["txt", "jsonl.gz", "dataset"])
@@ -264,7 +268,7 @@ def test_a_resumed_stream_continues_exactly(tmp_path, tokenizer, corpus_lines, k
     boundary and in the second pass, even when the caller had taken 3 batches more (prefetch): the
     batches of the uninterrupted stream."""
     make_source = sources(tmp_path, corpus_lines)[kind]
-    encoder = stream.Lines(tokenizer, 24) if lines else stream.Blocks(tokenizer, 32)
+    encoder = lm.Lines(tokenizer, 24) if lines else lm.Blocks(tokenizer, 32)
     batch_size = 32 if lines else 16
 
     def make(**kwargs):
@@ -299,7 +303,7 @@ def test_a_resume_reads_nothing_before_its_position(tmp_path, tokenizer):
     path.write_bytes(open(CORPUS, "rb").read() * 3)
 
     def make(**kwargs):
-        return stream.Stream(stream.FileSource(str(path)), stream.Blocks(tokenizer, 32), 16, shuffle_buffer_size=200,
+        return stream.Stream(FileSource(str(path)), lm.Blocks(tokenizer, 32), 16, shuffle_buffer_size=200,
                              seed=1, **kwargs)
 
     full = batches_of(make())
@@ -315,7 +319,7 @@ def test_a_resume_reads_nothing_before_its_position(tmp_path, tokenizer):
 
 
 def test_state_after_refuses_what_it_no_longer_knows(tokenizer):
-    with stream.Stream(stream.FileSource(CORPUS), stream.Blocks(tokenizer, 32), 16, shuffle_buffer_size=10,
+    with stream.Stream(FileSource(CORPUS), lm.Blocks(tokenizer, 32), 16, shuffle_buffer_size=10,
                        queue_size=2) as made:
         for _ in range(50):
             next(made)
@@ -325,25 +329,25 @@ def test_state_after_refuses_what_it_no_longer_knows(tokenizer):
 
 
 def test_a_resume_with_other_settings_is_refused(tokenizer):
-    encoder = stream.Blocks(tokenizer, 32)
-    with stream.Stream(stream.FileSource(CORPUS), encoder, 16, seed=3, shuffle_buffer_size=10) as made:
+    encoder = lm.Blocks(tokenizer, 32)
+    with stream.Stream(FileSource(CORPUS), encoder, 16, seed=3, shuffle_buffer_size=10) as made:
         next(made)
         state = made.state_after(1)
     with pytest.raises(UsageError, match=r"cannot resume the data stream: seed is 3 in the checkpoint but 4 in this"):
-        stream.Stream(stream.FileSource(CORPUS), encoder, 16, seed=4, shuffle_buffer_size=10, state=state).close()
+        stream.Stream(FileSource(CORPUS), encoder, 16, seed=4, shuffle_buffer_size=10, state=state).close()
     with pytest.raises(UsageError, match=r"source\.process is \[0, 1\] in the checkpoint but \[1, 2\]"):
-        stream.Stream(stream.FileSource(CORPUS, process_index=1, process_count=2), encoder, 16, seed=3,
+        stream.Stream(FileSource(CORPUS, process_index=1, process_count=2), encoder, 16, seed=3,
                       shuffle_buffer_size=10, state=state).close()
-    _, held_out = stream.eval_set(stream.FileSource(CORPUS), encoder, 20)  # every pass would skip 20 rows
+    _, held_out = eval_set(FileSource(CORPUS), encoder, 20)  # every pass would skip 20 rows
     with pytest.raises(UsageError, match=r"cannot resume the data stream: start is None in the checkpoint but .* in "
                                          r"this run \(the rows held out for evaluation: --do_eval, --max_eval_samples"):
-        stream.Stream(stream.FileSource(CORPUS), encoder, 16, seed=3, shuffle_buffer_size=10, state=state,
+        stream.Stream(FileSource(CORPUS), encoder, 16, seed=3, shuffle_buffer_size=10, state=state,
                       start=held_out).close()
 
 
 def test_transform_gets_each_batch_and_its_index(tokenizer):
     def make(**kwargs):
-        return stream.Stream(stream.FileSource(CORPUS), stream.Blocks(tokenizer, 32), 16, shuffle_buffer_size=50,
+        return stream.Stream(FileSource(CORPUS), lm.Blocks(tokenizer, 32), 16, shuffle_buffer_size=50,
                              transform=lambda batch, index: {**batch, "index": np.full(1, index)}, **kwargs)
 
     full = batches_of(make())
@@ -359,7 +363,7 @@ def test_an_error_while_reading_surfaces_in_the_caller(tmp_path, tokenizer):
     lines[2500] = "{broken"
     path = write(tmp_path / "a.jsonl", "\n".join(lines) + "\n")
     with pytest.raises(UsageError, match=r"a\.jsonl at byte \d+ is not a JSON line"):
-        batches_of(stream.Stream(stream.FileSource(path), stream.Blocks(tokenizer, 8), 4, shuffle_buffer_size=0))
+        batches_of(stream.Stream(FileSource(path), lm.Blocks(tokenizer, 8), 4, shuffle_buffer_size=0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,14 +403,14 @@ class Processes:
 
 
 def test_file_source_deals_rows_round_robin(corpus_lines):
-    parts = [rows_of(stream.FileSource(CORPUS, process_index=p, process_count=3)) for p in range(3)]
+    parts = [rows_of(FileSource(CORPUS, process_index=p, process_count=3)) for p in range(3)]
     for p, part in enumerate(parts):
         assert part == corpus_lines[p::3]
 
 
 @pytest.mark.parametrize("shards", [2, 3])
 def test_dataset_source_splits_over_processes(corpus_lines, shards):
-    parts = [rows_of(stream.DatasetSource(iterable(corpus_lines[:90], shards), process_index=p, process_count=2))
+    parts = [rows_of(DatasetSource(iterable(corpus_lines[:90], shards), process_index=p, process_count=2))
              for p in range(2)]
     # A count, not a float: 45 and 45 today (datasets deals the 90 lines out one by one); 15 is room
     # for another datasets version to split 3 shards of 30 by shard halves.
@@ -418,8 +422,8 @@ def test_two_processes_see_the_global_batches_of_one_with_lines_in_order(tokeniz
     rows of the one process's batch (the documented case), and both stop where it stops."""
 
     def make(index, count):
-        return stream.Stream(stream.FileSource(CORPUS, process_index=index, process_count=count),
-                             stream.Lines(tokenizer, 24), 16 // count, shuffle_buffer_size=0)
+        return stream.Stream(FileSource(CORPUS, process_index=index, process_count=count),
+                             lm.Lines(tokenizer, 24), 16 // count, shuffle_buffer_size=0)
 
     one = [batch["input_ids"] for batch in batches_of(make(0, 1))]
     two = [[batch["input_ids"] for batch in batches_of(make(p, 2))] for p in range(2)]
@@ -435,7 +439,7 @@ def test_processes_stop_at_the_same_step(tmp_path, tokenizer, corpus_lines):
     processes = Processes(2)
 
     def work(index, agree):
-        made = stream.Stream(stream.FileSource(files[index]), stream.Blocks(tokenizer, 32), 8, shuffle_buffer_size=20,
+        made = stream.Stream(FileSource(files[index]), lm.Blocks(tokenizer, 32), 8, shuffle_buffer_size=20,
                              agree=agree(index))
         return len(batches_of(made))
 
@@ -450,17 +454,17 @@ def test_processes_end_each_pass_together_and_resume_across_its_end(tmp_path, to
     the rest of its pass and starts the next one from its start), the steps count on across passes,
     and both resume exactly from states on either side of a pass's end."""
     files = [write(tmp_path / f"{p}.txt", "".join(corpus_lines[: 300 * (p + 1)])) for p in range(2)]
-    encoder, processes = stream.Blocks(tokenizer, 32), Processes(2)
-    first_rows = [set(map(bytes, stream.read_examples(stream.FileSource(path), encoder, 28)[0]["input_ids"]))
+    encoder, processes = lm.Blocks(tokenizer, 32), Processes(2)
+    first_rows = [set(map(bytes, read_examples(FileSource(path), encoder, 28)[0]["input_ids"]))
                   for path in files]  # the pool's capacity (20 + 8): a pass's first batch comes from these
 
     def make(index, **kwargs):
-        return stream.Stream(stream.FileSource(files[index]), encoder, 8, shuffle_buffer_size=20, seed=2,
+        return stream.Stream(FileSource(files[index]), encoder, 8, shuffle_buffer_size=20, seed=2,
                              transform=lambda batch, step: {**batch, "step": np.full(1, step)},
                              agree=lambda flag: all(processes.allgather(index, flag)), max_passes=3, **kwargs)
 
     steps = processes.run(lambda index: len(batches_of(stream.Stream(
-        stream.FileSource(files[index]), encoder, 8, agree=bool))))  # one pass alone, in stream order
+        FileSource(files[index]), encoder, 8, agree=bool))))  # one pass alone, in stream order
     assert steps[1] > 1.5 * steps[0]
     full = processes.run(lambda index: batches_of(make(index)))
     per_pass = steps[0]
@@ -496,31 +500,31 @@ def test_all_processes_have(monkeypatch):
 # Eval sets
 # ---------------------------------------------------------------------------------------------
 def test_eval_set_holds_out_the_first_blocks_and_training_skips_them(tokenizer):
-    encoder = stream.Blocks(tokenizer, 32)
+    encoder = lm.Blocks(tokenizer, 32)
     everything = np.concatenate([b["input_ids"] for b in batches_of(
-        stream.Stream(stream.FileSource(CORPUS), encoder, 1, shuffle_buffer_size=0))])
-    held_out, start = stream.eval_set(stream.FileSource(CORPUS), encoder, 700)  # in the middle of the 2nd group
+        stream.Stream(FileSource(CORPUS), encoder, 1, shuffle_buffer_size=0))])
+    held_out, start = eval_set(FileSource(CORPUS), encoder, 700)  # in the middle of the 2nd group
     np.testing.assert_array_equal(held_out["input_ids"], everything[:700])
     training = np.concatenate([b["input_ids"] for b in batches_of(
-        stream.Stream(stream.FileSource(CORPUS), encoder, 1, shuffle_buffer_size=0, start=start))])
+        stream.Stream(FileSource(CORPUS), encoder, 1, shuffle_buffer_size=0, start=start))])
     np.testing.assert_array_equal(training, everything[700:])
     with pytest.raises(UsageError, match=r"gives only 3427 examples, fewer than the 5000 to hold out"):
-        stream.eval_set(stream.FileSource(CORPUS), encoder, 5000)
+        eval_set(FileSource(CORPUS), encoder, 5000)
 
 
 def test_eval_set_of_two_processes_is_the_same_on_both(tokenizer):
-    encoder = stream.Lines(tokenizer, 24)
+    encoder = lm.Lines(tokenizer, 24)
     processes = Processes(2)
 
     def work(index):
-        source = stream.FileSource(CORPUS, process_index=index, process_count=2)
+        source = FileSource(CORPUS, process_index=index, process_count=2)
         gather = lambda rows: np.concatenate(processes.allgather(index, rows))  # noqa: E731
-        held_out, start = stream.eval_set(source, encoder, 99, gather=gather)
+        held_out, start = eval_set(source, encoder, 99, gather=gather)
         training = batches_of(stream.Stream(source, encoder, 1, shuffle_buffer_size=0, start=start))
         return held_out["input_ids"], np.concatenate([b["input_ids"] for b in training])
 
     (eval_0, train_0), (eval_1, train_1) = processes.run(work)
-    own = [np.asarray(encoder(rows_of(stream.FileSource(CORPUS, process_index=p, process_count=2)))["input_ids"])
+    own = [np.asarray(encoder(rows_of(FileSource(CORPUS, process_index=p, process_count=2)))["input_ids"])
            for p in range(2)]
     np.testing.assert_array_equal(eval_0, eval_1)
     np.testing.assert_array_equal(eval_0, np.concatenate([own[0][:50], own[1][:50]]))
@@ -529,10 +533,10 @@ def test_eval_set_of_two_processes_is_the_same_on_both(tokenizer):
 
 
 def test_eval_set_reads_the_validation_source_when_there_is_one(tokenizer):
-    encoder = stream.Blocks(tokenizer, 32)
-    validation = stream.FileSource(os.path.join(ROOT, "data", "lm", "validation.txt"))
-    arrays, start = stream.eval_set(stream.FileSource(CORPUS), encoder, 700, validation, max_examples=30)
-    everything, _ = stream.read_examples(validation, encoder)
+    encoder = lm.Blocks(tokenizer, 32)
+    validation = FileSource(os.path.join(ROOT, "data", "lm", "validation.txt"))
+    arrays, start = eval_set(FileSource(CORPUS), encoder, 700, validation, max_examples=30)
+    everything, _ = read_examples(validation, encoder)
     assert start is None and len(everything) and len(everything["input_ids"]) > 30
     np.testing.assert_array_equal(arrays["input_ids"], everything["input_ids"][:30])
 
@@ -540,16 +544,16 @@ def test_eval_set_reads_the_validation_source_when_there_is_one(tokenizer):
 def test_open_sources_for_files_and_hub_datasets(tmp_path, corpus_lines):
     args = SimpleNamespace(dataset_name=None, dataset_config_name=None, train_file=CORPUS, text_column=None,
                            validation_file=os.path.join(ROOT, "data", "lm", "validation.txt"), keep_linebreaks=True)
-    opened = stream.open_sources(args, process_index=1, process_count=2)
+    opened = open_sources(args, process_index=1, process_count=2)
     assert opened["train"].describe()["process"] == [1, 2] and opened["validation"].describe()["process"] == [0, 1]
     hub = tmp_path / "hub"  # a dataset directory, as load_dataset finds it on the hub or on disk
     hub.mkdir()
     (hub / "train.txt").write_text("".join(corpus_lines[:30]))
     (hub / "validation.txt").write_text("".join(corpus_lines[30:40]))
     args.dataset_name = str(hub)
-    opened = stream.open_sources(args, process_index=0, process_count=2, cache_dir=str(tmp_path / "cache"))
+    opened = open_sources(args, process_index=0, process_count=2, cache_dir=str(tmp_path / "cache"))
     assert sorted(opened) == ["train", "validation"]
     assert rows_of(opened["train"]) == [line.rstrip("\n") for line in corpus_lines[:30:2]]
     args.dataset_name = "no-such/dataset"  # conftest: offline
     with pytest.raises(UsageError, match=r"could not stream dataset 'no-such/dataset': offline mode is on"):
-        stream.open_sources(args)
+        open_sources(args)

@@ -15,13 +15,17 @@ from typing import Optional
 from transformers import HfArgumentParser
 
 from utils.errors import UsageError
-from utils.tpu_plan import TOPOLOGIES, check_name
 
 SECRET_FIELDS = ("hub_token", "token")
 DTYPES = ("float32", "float16", "bfloat16")
 PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine", "constant")
 LAYOUTS = ("dp", "fsdp")
+# `--compile_only`: the TPU slices of one host (a TPU VM), by the names Cloud TPU rents them under,
+# and the topology (chips per dimension) the TPU compiler knows them by (`utils.tpu_plan`). v2 / v3 /
+# v4 / v5p names count cores, v5e / v6e chips.
+TPU_SLICES = {"v2-8": "v2:2x2", "v3-8": "v3:2x2", "v4-8": "v4:2x2x1", "v5p-8": "v5p:2x2x1", "v5e-4": "v5e:2x2",
+              "v5e-8": "v5e:2x4", "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4"}
 
 
 def _help(text, **kwargs):
@@ -132,7 +136,7 @@ class TrainingArguments:
     compile_only: Optional[str] = _help(
         f"Will it fit? Build the run as it would train, compile its train step (and its eval, predict or "
         f"generate steps) for this TPU slice ("
-        f"{', '.join(TOPOLOGIES)}) with the TPU compiler (libtpu, requirements-tpu.txt; no TPU needed, no weights "
+        f"{', '.join(TPU_SLICES)}) with the TPU compiler (libtpu, requirements-tpu.txt; no TPU needed, no weights "
         "read), report its memory per device against the slice's HBM in all_results.json and metrics.jsonl, "
         "and exit without training (status 1 when it does not fit).", default=None)
     compilation_cache_dir: Optional[str] = _help(
@@ -172,7 +176,9 @@ class TrainingArguments:
         if self.lr_scheduler_type not in SCHEDULES:
             raise UsageError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown: use one of {', '.join(SCHEDULES)}")
         if self.compile_only is not None:
-            check_name(self.compile_only)
+            if self.compile_only not in TPU_SLICES:
+                raise UsageError(f"--compile_only {self.compile_only!r} is not a TPU slice this check knows: use one "
+                                 f"of {', '.join(TPU_SLICES)}")
             if not self.do_train:
                 raise UsageError(f"--compile_only {self.compile_only} plans the train step: pass --do_train")
             if self.push_to_hub:

@@ -11,7 +11,7 @@ import logging
 import jax
 import numpy as np
 
-from utils import data, perf, devices
+from utils import batch_order, devices, perf
 from utils.errors import RunError
 from utils.metrics import token_weighted_means
 from utils.saving import SavePolicy
@@ -52,10 +52,10 @@ def host_train_batches(arrays, num_examples, global_batch_size, seed, steps_per_
 
     The host work per batch is O(batch): the epoch's order is computed once per epoch.
     """
-    order = data.TrainOrder(num_examples, global_batch_size, seed, steps_per_epoch)
+    order = batch_order.TrainOrder(num_examples, global_batch_size, seed, steps_per_epoch)
     row_ids = np.arange(global_batch_size)[rows if rows is not None else slice(None)]
     for step in range(start_step, total_steps):
-        batch = data.gather(arrays, order.batch_indices(step, rows))
+        batch = batch_order.gather(arrays, order.batch_indices(step, rows))
         yield transform(batch, step, row_ids) if transform else batch
 
 
@@ -63,7 +63,7 @@ def example_batch(arrays, global_batch_size, transform=None):
     """This process's rows of one batch shaped as every training batch is (the train step compiles
     ahead of time for it)."""
     row_ids = np.arange(global_batch_size)[devices.process_slice(global_batch_size)]
-    batch = data.gather(arrays, row_ids)
+    batch = batch_order.gather(arrays, row_ids)
     return transform(batch, 0, row_ids) if transform else batch
 
 
@@ -79,8 +79,8 @@ def eval_batches(arrays, num_examples, global_batch_size, layout, transform=None
 def host_eval_batches(arrays, num_examples, global_batch_size, transform=None):
     """`eval_batches` on the host: this process's rows of each batch, and the valid rows."""
     rows = devices.process_slice(global_batch_size)
-    for start, stop in data.eval_batch_ranges(num_examples, global_batch_size):
-        batch = data.gather(arrays, np.arange(start, stop))
+    for start, stop in batch_order.eval_batch_ranges(num_examples, global_batch_size):
+        batch = batch_order.gather(arrays, np.arange(start, stop))
         if transform:
             batch = transform(batch, 0, np.arange(start, stop))  # every evaluation alike: step 0, rows by example
         batch, valid = devices.pad_to(batch, global_batch_size)
@@ -90,8 +90,8 @@ def host_eval_batches(arrays, num_examples, global_batch_size, transform=None):
 
 class InMemoryData:
     """The training examples of a run, in arrays (read in place from the `datasets` cache): batches in
-    a seeded order per epoch (`data.TrainOrder`), so a checkpoint needs only the step to resume.
-    `utils.stream.StreamedData` is the streamed counterpart, with the same methods."""
+    a seeded order per epoch (`batch_order.TrainOrder`), so a checkpoint needs only the step to resume.
+    `utils.streamed_data.StreamedData` is the streamed counterpart, with the same methods."""
 
     def __init__(self, arrays, size):
         self.arrays, self.size = arrays, size

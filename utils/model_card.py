@@ -24,12 +24,12 @@ def example_records(run_args, count):
     none to read here (a hub dataset not in the local cache)."""
     import datasets
 
-    from utils import data
+    from utils import file_formats
 
     path = run_args.get("validation_file") or run_args.get("train_file")
     try:
         if path:
-            dataset = datasets.load_dataset(data.file_builder(path), data_files=path, split="train",
+            dataset = datasets.load_dataset(file_formats.file_builder(path), data_files=path, split="train",
                                             cache_dir=run_args.get("cache_dir"))
         elif run_args.get("dataset_name"):
             splits = datasets.load_dataset(run_args["dataset_name"], run_args.get("dataset_config_name"),

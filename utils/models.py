@@ -12,7 +12,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers import AutoConfig, AutoTokenizer, FlaxPreTrainedModel
 from transformers.models.auto import modeling_flax_auto
 
-from utils import devices, hub, remat, weights
+from utils import devices, hub_access, remat, weights
 from utils.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "roberta-prelayernorm")
 
 
 def _hub_error(what, name, error):
-    offline = hub.offline_reason()
+    offline = hub_access.offline_reason()
     if offline and not os.path.exists(name):
         return UsageError(f"could not load {what} {name!r}: it is neither a local path nor in the local cache, and "
                           f"{offline}; pass a local path or run where the hub is reachable")

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from huggingface_hub import get_token
 
-from utils import compat, data, hub, devices, tpu_plan
+from utils import batch_order, compat, dataset_loading, devices, file_formats, hub, hub_access, tpu_plan
 from utils.args import check_output_dir, check_phases
 from utils.checkpoint import checkpoint_steps, find_checkpoint_dir
 from utils.errors import UsageError
@@ -55,7 +55,7 @@ def check_before_work(training_args, data_args, task, files, allowed, model_args
         if getattr(training_args, phase) and not data_args.dataset_name and not files[split]:
             raise UsageError(f"--{phase} needs {split} data: pass {option} or --dataset_name")
         if files[split]:
-            names = data.check_file(files[split], allowed)
+            names = file_formats.check_file(files[split], allowed)
             if names is not None:
                 columns[split] = names
     names = {"dataset_name": data_args.dataset_name}
@@ -63,9 +63,9 @@ def check_before_work(training_args, data_args, task, files, allowed, model_args
         names.update(model_name_or_path=model_args.model_name_or_path, config_name=model_args.config_name,
                      tokenizer_name=model_args.tokenizer_name)
     for flag, name in names.items():
-        if name and hub.looks_like_path(name) and not os.path.exists(name):
+        if name and hub_access.looks_like_path(name) and not os.path.exists(name):
             raise UsageError(f"--{flag} {name} not found: check the path")
-    offline = hub.check_access(names.values(), need_hub=training_args.push_to_hub)
+    offline = hub_access.check_access(names.values(), need_hub=training_args.push_to_hub)
     if training_args.push_to_hub:
         if offline:
             raise UsageError(f"--push_to_hub needs the hub, but {offline}: run where it is reachable, or drop "
@@ -114,7 +114,7 @@ def phase_datasets(raw, phase_of, data_args):
     """{split: its first --max_*_samples examples} of each split a phase reads (`phase_of`: split ->
     phase), after `check_splits`: every script's phases read their data through here."""
     check_splits(raw, phase_of, data_args.dataset_name)
-    return {split: data.take(raw[split], sample_limit(data_args, phase)) for split, phase in phase_of.items()}
+    return {split: dataset_loading.take(raw[split], sample_limit(data_args, phase)) for split, phase in phase_of.items()}
 
 
 def set_up(training_args):
@@ -174,7 +174,7 @@ def _train_steps(training_args, num_train_examples):
                                        training_args.gradient_accumulation_steps)
     if num_train_examples is None:
         return batch, training_args.max_steps, training_args.max_steps
-    steps_per_epoch = data.steps_per_epoch(num_train_examples, batch)
+    steps_per_epoch = batch_order.steps_per_epoch(num_train_examples, batch)
     if steps_per_epoch == 0:
         raise UsageError(
             f"{num_train_examples} training examples are fewer than one global batch of {batch} "

@@ -1,4 +1,4 @@
-"""Streaming language-modeling data: read, tokenize, group, shuffle and batch on the fly, resumably.
+"""Streamed data: read, tokenize, group, shuffle and batch on the fly, resumably.
 
 For corpora that should not be tokenized into a `datasets` cache first. Per process:
 
@@ -7,22 +7,14 @@ For corpora that should not be tokenized into a `datasets` cache first. Per proc
 
 Interface
 ---------
-Sources (each reads only this process's rows, before tokenization):
-  `FileSource(paths, text_column=None, keep_linebreaks=True, process_index=0, process_count=1)`
-      local txt (a row per line, as `datasets`' text builder), JSON lines (an object per line) or csv
-      files, also .gz / .bz2 / .xz; rows dealt round-robin: process p reads the rows r with
-      r % process_count == p, counted over all files in order.
-  `DatasetSource(dataset, text_column=None, process_index=0, process_count=1)`
-      a `datasets.IterableDataset` (`load_dataset(..., streaming=True)`), split over the processes
-      by `datasets.distributed.split_dataset_by_node`.
-  `open_sources(data_args, process_index, process_count, cache_dir=None)`
-      {"train": source, "validation": source when the data has one} from the scripts' data flags
-      (`dataset_name`, `dataset_config_name`, `train_file`, `validation_file`, `text_column`,
-      `keep_linebreaks`): the training source split over the processes, the validation one whole.
-Encoders (texts -> rows of a fixed length, the same rows as the in-memory path):
-  `Blocks(tokenizer, block_size)`: `lm.tokenize_and_group` (clm; mlm; a T5 span-corruption script
-      would add its noise as the `transform` of the stream).
-  `Lines(tokenizer, max_length)`: `lm.tokenize_lines` (mlm --line_by_line): input_ids + attention_mask.
+Sources (`utils.stream_sources`) give this process's texts; the eval set and the one-batch check
+read a stream's first examples whole (`utils.stream_examples`); `utils.streamed_data` puts it all
+together for the training loop.
+An encoder (the task's: `tasks.lm.Blocks`, `tasks.lm.Lines`) turns texts into rows of one length:
+  `columns` (names), `width` (row length), `group_size` (texts encoded together: rows never span
+  two groups), `keeps(text)` (whether a text is read at all: the others are skipped before grouping),
+  `encoder(texts)` -> {column: int32 [rows, width]}, `copy()` (for another tokenizer thread) and
+  `describe()` (JSON-able; a resume compares it with the checkpoint's).
 `Stream(source, encoder, batch_size, shuffle_buffer_size=10000, seed=0, workers=1, state=None,
         start=None, transform=None, queue_size=8, agree=all_processes_have, max_passes=1)`
   Iterate it for this process's host batches ({column: int32 [batch_size, length]}), batch_size being
@@ -33,11 +25,6 @@ Encoders (texts -> rows of a fixed length, the same rows as the in-memory path):
   Reading starts when the stream is made, so the shuffle pool fills while the model compiles.
   `workers` tokenizer threads (`--preprocessing_num_workers`, default 1), each with its own copy of
   the tokenizer. `close()` (or `with Stream(...) as stream:`) stops the threads.
-`eval_set(train_source, encoder, held_out, validation_source=None, max_examples=None)`
-  -> (arrays for `loop.eval_batches`, `start` for the training Stream or None).
-`check_one_batch(train_source, encoder, local_batch_size, start, global_batch_size)`: UsageError
-  unless every process's part of a pass gives a batch (before a run writes anything).
-`read_examples(source, encoder, limit=None, start=None)` -> (arrays, position after them).
 `all_processes_have(flag)`: True when every process passes True (a host allgather; no-op alone).
 
 How a batch is drawn: fixed-length rows enter a pool of `shuffle_buffer_size + batch_size` rows;
@@ -53,11 +40,8 @@ Passes: a pass ends when one process runs out of its rows (`agree`, below); ever
 starts the next one at the same step, logging "pass N of the training stream starts at step S".
 A pass that gives not one batch is a UsageError (never an endless loop of empty passes).
 
-Grouping: like `lm.tokenize_and_group` (which groups per `datasets.map` batch of `lm.GROUP_ROWS`
-rows of the tokenized, i.e. non-blank, texts), the stream concatenates each run of `lm.GROUP_ROWS`
-non-blank texts of this process and drops each run's tail shorter than a block; on one process and
-without shuffling, the rows equal the in-memory path's (with `--preprocessing_num_workers` the
-in-memory path groups each worker's part alone: its rows then differ at the parts' borders).
+Grouping: the stream encodes each run of `encoder.group_size` texts that `encoder.keeps` on its own
+(this process's texts); for `tasks.lm.Blocks` the rows equal the in-memory path's (see there).
 
 Exact resume
 ------------
@@ -80,26 +64,27 @@ tokens) and nothing else.
   process, or write one item per process) and resumes from its own.
 - What a resume re-reads: local uncompressed files are opened at the saved byte offset (a seek: the
   consumed part is never read again), plus the one group of texts being read at the save (at most
-  `lm.GROUP_ROWS` texts, re-tokenized). Compressed files cannot seek: the file being read is
+  `encoder.group_size` texts, re-tokenized). Compressed files cannot seek: the file being read is
   decompressed from its start up to the offset (not parsed, not tokenized: 0.14 s more for 71 MB of
-  gzipped text in benchmarks/data.py), the files before it are skipped. `DatasetSource` (hub data) resumes with datasets'
-  `IterableDataset.load_state_dict`, which skips the shards (files) already read but regenerates and
-  discards the examples before the saved one inside the current shard (datasets 5.0.1:
-  `ExamplesIterable.__iter__` islices the shard's generator from its start, `ArrowExamplesIterable`
-  reads and drops its tables): the consumed part of the current shard is downloaded and parsed
-  again, not tokenized.
-- The held-out eval rows (`eval_set`) are not in the state: rebuild them on resume (they are the
-  first rows of the stream, cheap to read) and pass the same `start` (every later pass begins there).
+  gzipped text in benchmarks/data.py), the files before it are skipped. `DatasetSource` (hub data)
+  resumes with datasets' `IterableDataset.load_state_dict`, which skips the shards (files) already
+  read but regenerates and discards the examples before the saved one inside the current shard
+  (datasets 5.0.1: `ExamplesIterable.__iter__` islices the shard's generator from its start,
+  `ArrowExamplesIterable` reads and drops its tables): the consumed part of the current shard is
+  downloaded and parsed again, not tokenized.
+- The held-out eval rows (`stream_examples.eval_set`) are not in the state: rebuild them on resume
+  (they are the first rows of the stream, cheap to read) and pass the same `start` (every later
+  pass begins there).
 
 Multi-host
 ----------
-Each process reads its own rows (above) and makes its own batches; every `next()` asks
+Each process reads its own rows (`utils.stream_sources`) and makes its own batches; every `next()` asks
 `agree(has_batch)` (default `all_processes_have`, a tiny allgather in the consumer's thread), so all
 processes end a pass at the same step as soon as one runs dry, dropping the others' last batches of
 it (the next pass, or the end after `max_passes`). When do 2 processes x 4 devices see the same
 global batches (as sets of rows per step) as 1 x 8? (The answers hold for every pass: one process's
 pass has floor(N / B) batches, and so has the process with the fewest rows.)
-- One example per row (`Lines`), `shuffle_buffer_size=0`, no blank rows, a `FileSource` (or a
+- One example per row (`tasks.lm.Lines`), `shuffle_buffer_size=0`, no blank rows, a `FileSource` (or a
   `DatasetSource` whose shard count is not a multiple of the process count, which datasets splits by
   examples too): yes. Process p's i-th row is global row i * P + p, so the P local batches of step s
   hold exactly global rows [s * B, (s + 1) * B) (B the global batch), as one process's batch s does;
@@ -109,19 +94,12 @@ pass has floor(N / B) batches, and so has the process with the fewest rows.)
 - Shuffling: no. Each process has its own pool and RNG (seeded with its index).
 - `DatasetSource` with a shard count that is a multiple of the process count: no (each process
   reads whole shards of its own).
-The held-out eval set is the first ceil(N / P) rows of each process's stream, gathered in process
-order: the same on every process, but it depends on P.
 """
 
 import collections
 import contextlib
 import copy
-import csv
-import io
-import itertools
-import json
 import logging
-import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -130,20 +108,15 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from utils import data, devices
-from tasks import lm
-from utils.errors import UsageError, is_disk_full
+from utils.errors import UsageError
+from utils.stream_sources import groups_of_texts
 
-FORMATS = ("json", "csv", "text")
 STATE_VERSION = 2  # 2: passes (the pass, its first step, the start of every pass)
 # Steps before the last one handed out that `state_after` can still describe: covers a caller's prefetch.
 HISTORY = 16
 logger = logging.getLogger(__name__)
 
 
-# ----------------------------------------------------------------------------------------------
-# Multi-host
-# ----------------------------------------------------------------------------------------------
 def all_processes_have(flag):
     """Whether every process passed a true `flag` (call it on every process at the same point)."""
     if jax.process_count() == 1:
@@ -151,381 +124,6 @@ def all_processes_have(flag):
     return bool(np.all(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
 
-def _gather_processes(rows):
-    """Every process's `rows` concatenated in process order (the identity alone)."""
-    if jax.process_count() == 1:
-        return rows
-    return np.asarray(multihost_utils.process_allgather(rows, tiled=True))
-
-
-# ----------------------------------------------------------------------------------------------
-# Sources
-# ----------------------------------------------------------------------------------------------
-def _decode(raw, path, offset):
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"data file {path} is not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {offset + e.start}; "
-                         "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
-
-
-def _text_lines(text, keep_linebreaks):
-    """A file line as `datasets`' text builder reads it: universal newlines (a lone \\r ends a line too)."""
-    if "\r" in text:
-        lines = io.StringIO(text.replace("\r\n", "\n").replace("\r", "\n")).readlines()
-    else:
-        lines = [text]
-    return lines if keep_linebreaks else [line.rstrip("\n") for line in lines]
-
-
-class FileSource:
-    """Local data files read by byte offset, one row after another, this process's rows only.
-
-    Rows: a line of a txt file (its text), an object of a JSON lines file, a record of a csv file (the
-    text column's value; None where it is missing). Blank JSON and csv lines are not rows.
-    """
-
-    def __init__(self, paths, text_column=None, keep_linebreaks=True, process_index=0, process_count=1):
-        self.paths = [os.path.abspath(path) for path in ([paths] if isinstance(paths, str) else paths)]
-        if not self.paths:
-            raise UsageError("no data files to stream: pass --train_file")
-        formats = {data.file_builder(path, FORMATS) for path in self.paths}
-        if len(formats) > 1:
-            raise UsageError(f"data files must share one format, got {', '.join(sorted(formats))}")
-        self.format = formats.pop()
-        self.keep_linebreaks = keep_linebreaks
-        self.process_index, self.process_count = process_index, process_count
-        self.text_column = self._resolve_column(text_column)
-
-    def _resolve_column(self, requested):
-        """`requested`, else "text" when present, else the first column (of the first file)."""
-        if self.format == "text":
-            if requested not in (None, "text"):
-                raise UsageError(f"--text_column {requested!r}: txt files have one column, 'text'")
-            return "text"
-        columns = self._columns(self.paths[0])
-        name = requested or ("text" if "text" in columns else columns[0])
-        if name not in columns:
-            raise UsageError(f"--text_column {name!r} is not a column of {self.paths[0]}; its columns: "
-                             f"{', '.join(columns)}")
-        return name
-
-    def _columns(self, path):
-        with data.open_content(path) as f:
-            offset = 0
-            for raw in f:
-                if self.format == "csv":
-                    return self._header(path, raw)
-                if raw.strip():
-                    return list(self._json_row(path, raw, offset))
-                offset += len(raw)
-        raise UsageError(f"data file {path} has no rows")
-
-    @staticmethod
-    def _header(path, raw):
-        header = next(csv.reader([_decode(raw, path, 0).removeprefix("\ufeff")]), [])
-        if not any(name.strip() for name in header):
-            raise UsageError(f"data file {path} has no CSV header row: its first line must name the columns")
-        return header
-
-    @staticmethod
-    def _json_row(path, raw, offset):
-        text = _decode(raw, path, offset)
-        try:
-            row = json.loads(text.removeprefix("\ufeff") if offset == 0 else text)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"data file {path} at byte {offset} is not a JSON line ({e.msg}): streaming reads "
-                             "one JSON object per line (JSON lines); convert a JSON document, e.g. "
-                             "jq -c '.[]' in.json > out.jsonl") from None
-        if not isinstance(row, dict):
-            raise UsageError(f"data file {path} at byte {offset} holds a JSON {type(row).__name__}, not an object: "
-                             'streaming reads one JSON object per line, e.g. {"text": "..."}')
-        return row
-
-    def describe(self):
-        """What a resumed stream must read again (compared with the checkpoint's)."""
-        return {"files": self.paths, "text_column": self.text_column, "keep_linebreaks": self.keep_linebreaks,
-                "process": [self.process_index, self.process_count]}
-
-    def start(self):
-        return {"file": 0, "offset": 0, "skip": 0, "row": 0}
-
-    def open(self, position):
-        return _FileReader(self, position)
-
-
-class _FileReader:
-    """This process's row texts from `position` on; `position()` is the one after the last row given.
-
-    A position: the file, the byte offset (of the decompressed content) of the next line, how many
-    rows of that line were already given (a txt line holding lone \\r is several rows), the
-    global row number (for the split over processes).
-    """
-
-    def __init__(self, source, position):
-        self.source = source
-        self.file, self.offset, self.skip, self.row = (position[key] for key in ("file", "offset", "skip", "row"))
-
-    def position(self):
-        return {"file": self.file, "offset": self.offset, "skip": self.skip, "row": self.row}
-
-    def __iter__(self):
-        source = self.source
-        while self.file < len(source.paths):
-            path = source.paths[self.file]
-            rows = {"text": self._text_rows, "json": self._json_rows, "csv": self._csv_rows}[source.format]
-            for text in rows(path):
-                mine = self.row % source.process_count == source.process_index
-                self.row += 1
-                if mine:
-                    yield text
-            self.file, self.offset, self.skip = self.file + 1, 0, 0
-
-    def _text_rows(self, path):
-        with data.open_content(path) as f:
-            f.seek(self.offset)  # compressed: decompresses up to there
-            for raw in f:
-                start = self.offset
-                lines = _text_lines(_decode(raw, path, start), self.source.keep_linebreaks)
-                for index in range(self.skip, len(lines)):
-                    if index + 1 < len(lines):
-                        self.skip = index + 1
-                    else:  # the line's last row: the next one starts after it
-                        self.offset, self.skip = start + len(raw), 0
-                    yield lines[index]
-                self.offset, self.skip = start + len(raw), 0
-
-    def _json_rows(self, path):
-        with data.open_content(path) as f:
-            f.seek(self.offset)
-            for raw in f:
-                start = self.offset
-                self.offset = start + len(raw)
-                if raw.strip():
-                    value = FileSource._json_row(path, raw, start).get(self.source.text_column)
-                    yield self._checked(value, path, start)
-
-    def _csv_rows(self, path):
-        with data.open_content(path) as f:
-            header_line = f.readline()
-            header = FileSource._header(path, header_line)
-            if self.source.text_column not in header:
-                raise UsageError(f"--text_column {self.source.text_column!r} is not a column of {path}; its columns: "
-                                 f"{', '.join(header)}")
-            index = header.index(self.source.text_column)
-            self.offset = max(self.offset, len(header_line))
-            f.seek(self.offset)
-            # csv takes a record's lines (a quoted field may span several) and no more: the offset
-            # after each record is where the next one starts.
-            for record in csv.reader(self._counted_lines(f, path)):
-                if record:  # a blank line is no record
-                    yield record[index] if index < len(record) else None
-
-    def _counted_lines(self, f, path):
-        for raw in f:
-            start = self.offset
-            self.offset = start + len(raw)
-            yield _decode(raw, path, start)
-
-    @staticmethod
-    def _checked(value, path, offset):
-        if value is not None and not isinstance(value, str):
-            raise UsageError(f"data file {path} at byte {offset}: the text column holds {type(value).__name__}, "
-                             "not text: pass --text_column")
-        return value
-
-
-class DatasetSource:
-    """The rows of a `datasets.IterableDataset` (hub streaming), this process's part only."""
-
-    def __init__(self, dataset, text_column=None, process_index=0, process_count=1):
-        from datasets.distributed import split_dataset_by_node
-
-        columns = dataset.column_names  # None when the dataset does not declare its features
-        name = text_column or ("text" if not columns or "text" in columns else columns[0])
-        if columns and name not in columns:
-            raise UsageError(f"--text_column {name!r} is not a column of the data; columns: {', '.join(columns)}")
-        self.text_column = name
-        self.process_index, self.process_count = process_index, process_count
-        self.dataset = split_dataset_by_node(dataset, process_index, process_count) if process_count > 1 else dataset
-        self._description = {"dataset": dataset.info.dataset_name, "config": dataset.info.config_name,
-                             "split": str(dataset.split), "text_column": name,
-                             "process": [process_index, process_count]}
-
-    def describe(self):
-        return self._description
-
-    def start(self):
-        return None  # datasets' own state dicts; None: from the beginning
-
-    def open(self, position):
-        return _DatasetReader(self, position)
-
-
-class _DatasetReader:
-    def __init__(self, source, position):
-        self.source, self.opened_at, self.started = source, position, False
-        source.dataset.load_state_dict(position)
-
-    def position(self):
-        return self.source.dataset.state_dict() if self.started else self.opened_at
-
-    def __iter__(self):
-        for example in self.source.dataset:
-            self.started = True
-            value = example.get(self.source.text_column)
-            if value is not None and not isinstance(value, str):
-                raise UsageError(f"column {self.source.text_column!r} holds {type(value).__name__}, not text: "
-                                 "pass --text_column")
-            yield value
-
-
-def open_sources(data_args, process_index=0, process_count=1, cache_dir=None):
-    """{"train": the training source split over the processes, "validation": the whole validation
-    source, when the data has one} for the scripts' data arguments."""
-    if data_args.dataset_name:
-        splits = _stream_hub_dataset(data_args, cache_dir)
-        if "train" not in splits:
-            raise UsageError(f"the dataset has no 'train' split (it has: {', '.join(splits)})")
-        sources = {"train": DatasetSource(splits["train"], data_args.text_column, process_index, process_count)}
-        if "validation" in splits:
-            sources["validation"] = DatasetSource(splits["validation"], data_args.text_column)
-        return sources
-    if not data_args.train_file:
-        raise UsageError("no data: pass --dataset_name or --train_file")
-    text_column, breaks = data_args.text_column, data_args.keep_linebreaks
-    sources = {"train": FileSource(data_args.train_file, text_column, breaks, process_index, process_count)}
-    if data_args.validation_file:
-        sources["validation"] = FileSource(data_args.validation_file, text_column, breaks)
-    return sources
-
-
-def _stream_hub_dataset(data_args, cache_dir):
-    import datasets
-
-    from utils import hub
-
-    name = data_args.dataset_name
-    try:
-        return datasets.load_dataset(name, data_args.dataset_config_name, cache_dir=cache_dir, streaming=True)
-    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
-        if is_disk_full(e):
-            raise
-        offline = hub.offline_reason(datasets=True)
-        if offline and not os.path.exists(name):
-            raise UsageError(f"could not stream dataset {name!r}: {offline}; pass local files (--train_file, ...) "
-                             "or run where the hub is reachable") from e
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UsageError(f"could not stream dataset {name!r}: {first} (check --dataset_name and "
-                         "--dataset_config_name)") from e
-
-
-# ----------------------------------------------------------------------------------------------
-# Encoders
-# ----------------------------------------------------------------------------------------------
-class Blocks:
-    """Texts -> consecutive blocks of `block_size` tokens, the tail shorter than a block dropped."""
-
-    columns = ("input_ids",)
-
-    def __init__(self, tokenizer, block_size):
-        self.tokenizer, self.width = tokenizer, block_size
-
-    def __call__(self, texts):
-        ids = lm.encode_texts(self.tokenizer, texts)
-        tokens = sum(map(len, ids))
-        flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32, count=tokens)
-        return {"input_ids": flat[: tokens // self.width * self.width].reshape(-1, self.width)}
-
-    def copy(self):
-        return type(self)(copy.deepcopy(self.tokenizer), self.width)
-
-    def describe(self):
-        return {"rows": "blocks", "length": self.width, "vocabulary": len(self.tokenizer)}
-
-
-class Lines:
-    """Texts -> one example per text, truncated and padded to `max_length`, with its attention mask."""
-
-    columns = ("input_ids", "attention_mask")
-
-    def __init__(self, tokenizer, max_length):
-        lm.check_lines_tokenizer(tokenizer)
-        self.tokenizer, self.width = tokenizer, max_length
-
-    def __call__(self, texts):
-        encoded = lm.encode_lines(self.tokenizer, texts, self.width)
-        return {name: np.asarray(encoded[name], np.int32).reshape(-1, self.width) for name in self.columns}
-
-    def copy(self):
-        return type(self)(copy.deepcopy(self.tokenizer), self.width)
-
-    def describe(self):
-        return {"rows": "lines", "length": self.width, "vocabulary": len(self.tokenizer)}
-
-
-def _groups_of_texts(reader):
-    """(position before, texts) of each run of `lm.GROUP_ROWS` non-blank texts."""
-    texts = (text for text in reader if lm.has_text(text))
-    while True:
-        position = reader.position()
-        group = list(itertools.islice(texts, lm.GROUP_ROWS))
-        if not group:
-            return
-        yield position, group
-
-
-# ----------------------------------------------------------------------------------------------
-# Reading whole (eval sets)
-# ----------------------------------------------------------------------------------------------
-def read_examples(source, encoder, limit=None, start=None):
-    """(arrays, position after them) of the first `limit` rows (None: all) from `start` on, in order.
-
-    A position is {"source": the source position of a group of texts, "taken": its rows already
-    read}: what `Stream(start=...)` continues from.
-    """
-    position, taken = (start["source"], start["taken"]) if start else (source.start(), 0)
-    parts, count, skip = {name: [] for name in encoder.columns}, 0, taken
-    for group_position, texts in _groups_of_texts(source.open(position)):
-        rows = encoder(texts)
-        available = len(rows[encoder.columns[0]])
-        stop = available if limit is None else min(available, skip + limit - count)
-        for name in encoder.columns:
-            parts[name].append(rows[name][skip:stop])
-        count += max(stop - skip, 0)
-        position, taken, skip = group_position, stop, 0
-        if limit is not None and count >= limit:
-            break
-    arrays = {name: np.concatenate(parts[name]) if parts[name] else np.zeros((0, encoder.width), np.int32)
-              for name in encoder.columns}
-    return arrays, {"source": position, "taken": taken}
-
-
-def eval_set(train_source, encoder, held_out, validation_source=None, max_examples=None, gather=_gather_processes):
-    """(eval arrays, training start) for a streamed run: the validation source's first `max_examples`
-    rows (None: all) and start None when there is one; else the first `held_out` rows of the training
-    stream, which the training Stream skips when made with `start=` the returned start.
-
-    Every process gets the same eval arrays. Held out: each process takes the first
-    ceil(held_out / processes) rows of its own part, gathered in process order (`gather`).
-    """
-    if validation_source is not None:
-        arrays, _ = read_examples(validation_source, encoder, max_examples)
-        if not len(arrays["input_ids"]):
-            raise UsageError("the validation data gives no examples (no text, or fewer tokens than one block)")
-        return arrays, None
-    local = -(-held_out // train_source.process_count)
-    arrays, start = read_examples(train_source, encoder, local)
-    if len(arrays["input_ids"]) < local:
-        raise UsageError(f"the training data of process {train_source.process_index} gives only "
-                         f"{len(arrays['input_ids'])} examples, fewer than the {local} to hold out for evaluation: "
-                         "hold out fewer, pass --validation_file, or add data")
-    return {name: gather(rows) for name, rows in arrays.items()}, start
-
-
-# ----------------------------------------------------------------------------------------------
-# The stream
-# ----------------------------------------------------------------------------------------------
 class _Batch:
     def __init__(self, pass_, event, batch):
         self.pass_, self.event, self.batch = pass_, event, batch
@@ -666,7 +264,7 @@ class Stream:
         if self._exhausted:
             return
         reader = self.source.open(self._group[0])
-        groups, pending = _groups_of_texts(reader), collections.deque()
+        groups, pending = groups_of_texts(reader, self.encoder), collections.deque()
         with ThreadPoolExecutor(self.workers, thread_name_prefix="stream-tokenizer") as pool:
             for position, texts in groups:
                 pending.append((position, pool.submit(self._encode, texts)))
@@ -825,81 +423,3 @@ class Stream:
 
     def __exit__(self, *exc):
         self.close()
-
-
-# ----------------------------------------------------------------------------------------------
-# A streamed training run's data, as the LM scripts use it
-# ----------------------------------------------------------------------------------------------
-DEFAULT_EVAL_EXAMPLES = 10000
-
-
-class StreamedData:
-    """`--streaming`: the eval set (the validation data's first `--max_eval_samples` examples, else
-    that many of the training stream's first, held out from training on every pass) and the
-    training batches, read, tokenized and shuffled on the fly, pass after pass until `--max_steps`
-    (or `--max_stream_passes`). The methods are those of `utils.loop.InMemoryData`; checkpoints keep
-    the stream's state (`state_after`), a resumed run gets it back (`resume_from`)."""
-
-    def __init__(self, data_args, training_args, encoder, cache_dir=None):
-        self.data_args, self.encoder = data_args, encoder
-        self.size = None  # a stream has no length
-        self.sources = open_sources(data_args, jax.process_index(), jax.process_count(), cache_dir)
-        self.eval_arrays, self._start = None, None
-        if training_args.do_eval:
-            limit = data_args.max_eval_samples or DEFAULT_EVAL_EXAMPLES
-            self.eval_arrays, self._start = eval_set(self.sources["train"], encoder, limit,
-                                                     self.sources.get("validation"), limit)
-        global_batch_size = devices.global_batch_size(training_args.per_device_train_batch_size,
-                                                      training_args.gradient_accumulation_steps)
-        # Process p reads rows p, p + P, ... of the stream (round robin): those are its rows' places in
-        # the global batch, so an example's mask is the same on any number of processes.
-        local = global_batch_size // jax.process_count()
-        self._row_ids = np.arange(local) * jax.process_count() + jax.process_index()
-        if training_args.do_train:
-            check_one_batch(self.sources["train"], encoder, local, self._start, global_batch_size)
-        self._state, self._stream = None, None
-
-    def example_batch(self, global_batch_size, transform=None):
-        batch = {name: np.zeros((len(self._row_ids), self.encoder.width), np.int32) for name in self.encoder.columns}
-        return transform(batch, 0, self._row_ids) if transform else batch
-
-    def batches(self, global_batch_size, seed, steps_per_epoch, start_step, total_steps, layout, transform=None):
-        """This process's rows of each global batch from `start_step` on, placed by `layout`; fewer
-        than `total_steps - start_step` when `--max_stream_passes` ends the stream first (every
-        process stops at the same step)."""
-        masked = None if transform is None else (lambda batch, step: transform(batch, step, self._row_ids))
-        self._stream = Stream(self.sources["train"], self.encoder, len(self._row_ids),
-                              self.data_args.shuffle_buffer_size, seed, self.data_args.preprocessing_num_workers or 1,
-                              state=self._state, start=self._start, transform=masked,
-                              max_passes=self.data_args.max_stream_passes)
-        return layout.prefetch(itertools.islice(self._stream, total_steps - start_step))
-
-    def state_template(self):
-        """{column: (shape, dtype)} of the stream state's arrays (the shuffle pool) for this run."""
-        rows = self.data_args.shuffle_buffer_size + len(self._row_ids)
-        return {name: ((rows, self.encoder.width), np.dtype(np.int32)) for name in self.encoder.columns}
-
-    def state_after(self, step):
-        return self._stream.state_after(step)
-
-    def resume_from(self, state):
-        self._state = state
-
-
-def check_one_batch(train_source, encoder, local_batch_size, start, global_batch_size, gather=_gather_processes):
-    """UsageError, on every process, unless each process's part of a pass (from `start`, after the
-    held-out rows) gives one batch: else no pass could ever give a step (checked before the run
-    writes anything, by reading at most the first group of texts)."""
-    arrays, _ = read_examples(train_source, encoder, local_batch_size, start)
-    counts = gather(np.array([len(arrays["input_ids"])]))
-    if counts.min() >= local_batch_size:
-        return
-    if len(counts) == 1:
-        where, need = "", f"one global batch of {global_batch_size}"
-    else:
-        where = f" in process {int(counts.argmin())}'s part"
-        need = f"its {local_batch_size} rows of a global batch of {global_batch_size}"
-    held_out = " after the rows held out for evaluation" if start else ""
-    raise UsageError(f"the training data gives {int(counts.min())} examples{where}{held_out}, fewer than {need} "
-                     "(per_device_train_batch_size x devices x gradient_accumulation_steps): lower the batch size, "
-                     f"add data{' or hold out fewer (--max_eval_samples)' if start else ''}")

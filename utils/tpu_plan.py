@@ -18,19 +18,15 @@ from typing import NamedTuple
 
 import jax
 
+from utils.args import TPU_SLICES
 from utils.errors import UsageError
 
 GIB = 2**30
-# The slices of one host (a TPU VM), by the names Cloud TPU rents them under, and the topology
-# (chips per dimension) the TPU compiler knows them by. v2 / v3 / v4 / v5p names count cores,
-# v5e / v6e chips.
-TOPOLOGIES = {"v2-8": "v2:2x2", "v3-8": "v3:2x2", "v4-8": "v4:2x2x1", "v5p-8": "v5p:2x2x1", "v5e-4": "v5e:2x2",
-              "v5e-8": "v5e:2x4", "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4"}
 # A v4 chip's two cores run as one JAX device ("megacore"), as on a real v4 VM; the compile-only
 # client splits them unless told.
 TOPOLOGY_OPTIONS = {"v4": {"chip_config_name": "megacore"}}
-# Cloud TPU's accelerator type where it differs from the name above.
-ACCELERATOR_TYPES = {name: name.replace("v5e", "v5litepod") for name in TOPOLOGIES if name.startswith("v5e")}
+# Cloud TPU's accelerator type where it differs from the slice's name (`TPU_SLICES`).
+ACCELERATOR_TYPES = {name: name.replace("v5e", "v5litepod") for name in TPU_SLICES if name.startswith("v5e")}
 # High-bandwidth memory per chip (Cloud TPU's system architecture pages); a chip of two cores that
 # JAX shows as two devices gives each half.
 HBM_PER_CHIP = {"v2": 16 * GIB, "v3": 32 * GIB, "v4": 32 * GIB, "v5p": 95 * GIB, "v5e": 16 * GIB, "v6e": 32 * GIB}
@@ -45,14 +41,6 @@ class Topology(NamedTuple):
     def describe(self):
         return (f"TPU {self.name} ({len(self.devices)} x {self.devices[0].device_kind}, "
                 f"{self.device_bytes / GIB:.0f} GiB HBM each)")
-
-
-def check_name(name):
-    """`name` if it is a slice this module knows (`TOPOLOGIES`), else the usage error listing them."""
-    if name not in TOPOLOGIES:
-        raise UsageError(f"--compile_only {name!r} is not a TPU slice this check knows: use one of "
-                         f"{', '.join(TOPOLOGIES)}")
-    return name
 
 
 def pinned_libtpu():
@@ -100,7 +88,7 @@ _loaded = {}
 
 
 def load(name):
-    """The `Topology` of the TPU slice `name` (`TOPOLOGIES`), compile-only devices from libtpu (it
+    """The `Topology` of the TPU slice `name` (`utils.args.TPU_SLICES`), compile-only devices from libtpu (it
     opens no JAX backend, so `use_cpu_devices` can follow)."""
     if name not in _loaded:
         check_libtpu()
@@ -114,7 +102,7 @@ def load(name):
             os.environ.setdefault(variable, value)
         from jax.experimental import topologies
 
-        topology = TOPOLOGIES[check_name(name)]
+        topology = TPU_SLICES[name]
         generation, dims = topology.split(":")
         try:
             devices = topologies.get_topology_desc(platform="tpu", topology_name=topology,
