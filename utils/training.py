@@ -185,7 +185,7 @@ class TrainingRun:
     `end_training`, the final `report`s, `finish`.
 
     `task` is the script's `tasks.Task` declaration; `plan` the `utils.run.TrainingPlan`; `train_data` the
-    `utils.loop.InMemoryData` or `utils.stream.StreamedData` (None when not training). `step` is the last
+    `utils.loop.InMemoryData` or `utils.streamed_data.StreamedData` (None when not training). `step` is the last
     step finished: the step results are reported at.
     """
 
