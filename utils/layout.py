@@ -126,7 +126,7 @@ class Layout:
     """What both layouts share; see `DataParallel` and `FullySharded`."""
 
     name = None
-    train_step_memory = None  # per-device bytes of the compiled train step (`memory_stats`), once compiled
+    train_step_memory = None  # per-device bytes of the compiled train step (`utils.memory.memory_stats`), once compiled
     train_step_refused = None  # planning for a TPU: why its compiler would not compile the train step
 
     def __init__(self, plan=None):
