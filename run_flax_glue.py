@@ -216,7 +216,7 @@ def main(argv=None):
     if local and all(split in preflight.columns for split in splits):
         resolve_columns(data_args, task, {split: preflight.columns[split] for split in splits})  # fails now
     logger, is_main = set_up(training_args)
-    layout = make_layout(training_args)
+    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
 
     # ------------------------------------------------------------------------------------------
     # Config, tokenizer, data, labels

@@ -280,7 +280,7 @@ def main(argv=None):
         if folder and getattr(training_args, phase):
             (images.scan_images if split == "test" else images.scan_folder)(folder, SPLIT_DIRS[split])  # fails now
     logger, is_main = set_up(training_args)
-    layout = make_layout(training_args)
+    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
 
     # ------------------------------------------------------------------------------------------
     # Config, images, labels, transforms

@@ -271,7 +271,7 @@ def main(argv=None):
     preflight = check_before_work(training_args, data_args, TASK, files, allowed=FILE_FORMATS, model_args=model_args)
     splits = needed_splits(training_args)
     logger, is_main = set_up(training_args)
-    layout = make_layout(training_args)
+    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
 
     # ------------------------------------------------------------------------------------------
     # Config, tokenizer, data, windows

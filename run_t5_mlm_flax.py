@@ -89,7 +89,7 @@ def main(argv=None):
     )
     preflight = lm.check_before_work(training_args, data_args, TASK, model_args)
     logger, is_main = set_up(training_args)
-    layout = make_layout(training_args)
+    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
 
     # ------------------------------------------------------------------------------------------
     # Config, tokenizer, the span-corruption plan

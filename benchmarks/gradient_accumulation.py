@@ -45,7 +45,7 @@ def main():
     if args.variant == "multisteps":
         tx = optax.MultiSteps(tx, every_k_schedule=ACCUMULATION)
     layout = DataParallel()
-    state = layout.create_state(model.__call__, model.params, tx, seed=0)
+    state = layout.create_state(model.__call__, model.params, tx)
 
     def loss_fn(params, batch, rng):
         logits = model(batch["input_ids"], batch["attention_mask"], batch["decoder_input_ids"], params=params,
@@ -56,7 +56,7 @@ def main():
     accumulation = ACCUMULATION if args.variant == "scan" else 1
 
     def train_step(state, batch):
-        rng, state = state.next_dropout_rng()
+        rng = layout.dropout_key(0, state.step)
         grads, sums = token_weighted_grads(loss_fn, state.params, batch, rng, accumulation, layout)
         return state.apply_gradients(grads=grads), sums
 

@@ -48,13 +48,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from flax.training.train_state import TrainState  # noqa: E402
 from transformers import (FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, FlaxT5ForConditionalGeneration,  # noqa: E402
                           GPT2Config, LlamaConfig, T5Config)
 
 from utils import compat, tpu_plan  # noqa: E402
 from utils.layout import DataParallel, FullySharded  # noqa: E402
 from utils.models import cast_floats, enable_gradient_checkpointing  # noqa: E402
-from utils.state import TrainState  # noqa: E402
 from utils.steps import cross_entropy_sums, token_weighted_grads  # noqa: E402
 
 GIB = 2**30
@@ -113,14 +113,13 @@ def train_step_memory(model, layout, optimizer="adamw"):
         return loss, {"loss": loss, "tokens": tokens}
 
     def train_step(state, batch):
-        rng, state = state.next_dropout_rng()
+        rng = layout.dropout_key(0, state.step)
         grads, sums = token_weighted_grads(loss_fn, state.params, batch, rng, 1, layout)
         return state.apply_gradients(grads=grads), sums
 
     tx = optax.adafactor(1e-3) if optimizer == "adafactor" else optax.adamw(1e-4)
     params = jax.eval_shape(lambda: cast_floats(model.init_weights(jax.random.PRNGKey(0), (1, 8)), jnp.float32))
-    shapes = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.__call__, params=p, tx=tx,
-                                                        dropout_rng=jax.random.PRNGKey(0)), params)
+    shapes = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.__call__, params=p, tx=tx), params)
     rows = jax.device_count()
     batch = {"input_ids": np.ones((rows, SEQUENCE), np.int32),
              "labels": np.ones((rows, TARGET if seq2seq else SEQUENCE), np.int32)}

@@ -1,6 +1,6 @@
 """utils/layout.py: the two layouts on 8 virtual devices: placing the state and batches, the sharding
-rule, one step definition giving the same numbers in both, checkpoints that move between them,
-and the train step's memory known (and checked) before it runs."""
+rule, one step definition giving the same numbers in both, the dropout keys, checkpoints that move
+between them, and the train step's memory known (utils/memory.py: and checked) before it runs."""
 
 import contextlib
 
@@ -13,6 +13,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 
 from utils import layout as layouts
+from utils import memory
 from utils.checkpoint import Checkpointer
 from utils.errors import UsageError
 from utils.layout import DataParallel, FullySharded, leaf_spec, make_layout
@@ -38,12 +39,11 @@ def test_leaf_spec_keeps_small_or_indivisible_leaves_whole():
 
 
 def test_make_layout_checks_the_fsdp_size():
-    args = lambda **kw: type("Args", (), {"sharding": "fsdp", "fsdp_size": None, "compile_only": None, **kw})  # noqa: E731
-    assert isinstance(make_layout(args(sharding="dp")), DataParallel)
-    assert make_layout(args()).mesh.shape == {"data": 1, "fsdp": 8}
-    assert make_layout(args(fsdp_size=4)).mesh.shape == {"data": 2, "fsdp": 4}
+    assert isinstance(make_layout("dp"), DataParallel)
+    assert make_layout("fsdp").mesh.shape == {"data": 1, "fsdp": 8}
+    assert make_layout("fsdp", fsdp_size=4).mesh.shape == {"data": 2, "fsdp": 4}
     with pytest.raises(UsageError, match="--fsdp_size 3 does not divide the 8 devices"):
-        make_layout(args(fsdp_size=3))
+        make_layout("fsdp", fsdp_size=3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,6 +56,8 @@ class TinyLM(nn.Module):
     @nn.compact
     def __call__(self, ids, train=False):
         x = nn.Embed(self.vocab, self.width)(ids)
+        # Off: the tests below compare the layouts, which draw different masks by design (a key per
+        # device under "dp", one for the global batch under "fsdp").
         x = nn.Dropout(0.0, deterministic=not train)(nn.relu(nn.Dense(self.width)(x)))
         return nn.Dense(self.vocab)(x)
 
@@ -80,7 +82,7 @@ def init():
 
 
 def make_state(layout):
-    return layout.create_state(MODEL.apply, layout.init_params(init), optax.adamw(1e-2, eps=ADAMW_EPS), seed=0)
+    return layout.create_state(MODEL.apply, layout.init_params(init), optax.adamw(1e-2, eps=ADAMW_EPS))
 
 
 def steps_of(layout, accumulation=1):
@@ -90,7 +92,7 @@ def steps_of(layout, accumulation=1):
         return losses.sum(), {"loss": losses.sum(), "tokens": jnp.float32(losses.size)}
 
     def train_step(state, batch):
-        rng, state = state.next_dropout_rng()
+        rng = layout.dropout_key(0, state.step)
         grads, sums = token_weighted_grads(loss_fn, state.params, batch, rng, accumulation, layout)
         return state.apply_gradients(grads=grads), sums
 
@@ -156,11 +158,25 @@ def test_fsdp_splits_each_large_parameter_and_its_optimizer_state_eight_ways(tra
     assert {shard.data.shape for shard in bias.addressable_shards} == {(256,)}
 
 
-def test_dp_replicates_the_state_with_a_key_per_device(trained):
+def test_dp_replicates_the_state(trained):
     state = trained["dp"][0]
     assert state.params["Dense_0"]["kernel"].shape == (N, 256, 256)
-    keys = np.asarray(state.dropout_rng)
-    assert keys.shape == (N, 2) and len({k.tobytes() for k in keys}) == N
+    assert int(state.step[3]) == 4
+
+
+def test_the_dropout_key_is_the_seed_folded_with_the_step_and_under_dp_the_device():
+    """The keys a step draws, against plain `jax.random`: one per device under "dp" (the device's index
+    among all of the run's), one under "fsdp"; the step counter as the train step sees it (traced)."""
+    def key_of(seed, step):
+        return jax.random.fold_in(jax.random.PRNGKey(seed), step)
+
+    steps = np.full(N, 5, np.int32)
+    dp = DataParallel()
+    dp_keys = np.asarray(jax.pmap(lambda step: dp.dropout_key(3, step), layouts.AXIS)(steps))
+    np.testing.assert_array_equal(dp_keys, [jax.random.fold_in(key_of(3, 5), i) for i in range(N)])
+    assert len({key.tobytes() for key in dp_keys}) == N
+    fsdp = FullySharded(8)
+    np.testing.assert_array_equal(jax.jit(lambda step: fsdp.dropout_key(3, step))(np.int32(5)), key_of(3, 5))
 
 
 def test_the_train_step_memory_is_known_before_it_runs_and_fsdp_needs_less(trained):
@@ -174,7 +190,7 @@ def test_the_train_step_memory_is_known_before_it_runs_and_fsdp_needs_less(train
 
 
 def test_a_step_that_cannot_fit_stops_before_training(monkeypatch):
-    monkeypatch.setattr(layouts, "device_memory_limit", lambda: 100_000)
+    monkeypatch.setattr(memory, "device_memory_limit", lambda: 100_000)
     layout = DataParallel()
     train_step, _ = steps_of(layout)
     with pytest.raises(UsageError, match=r"^the train step needs \d+\.\d MiB per device but a device has 97\.7 KiB: "
@@ -266,11 +282,11 @@ def train_in_layout(layout, optimizer, accumulation):
         return loss, {"loss": loss, "tokens": tokens}
 
     def train_step(state, batch):
-        rng, state = state.next_dropout_rng()
+        rng = layout.dropout_key(0, state.step)
         grads, sums = token_weighted_grads(loss_fn, state.params, batch, rng, accumulation, layout)
         return state.apply_gradients(grads=grads), sums
 
-    state = layout.create_state(MODEL.apply, layout.init_params(init), OPTIMIZERS[optimizer](), seed=0)
+    state = layout.create_state(MODEL.apply, layout.init_params(init), OPTIMIZERS[optimizer]())
     data = weighted_batches(REFERENCE_STEPS)
     step = layout.compile_train_step(train_step, state, data[0], accumulation)
     losses = []
@@ -385,20 +401,11 @@ def test_a_checkpoint_restores_exactly_in_another_layout(tmp_path, trained, savi
     for name in ("params", "opt_state", "step"):
         jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                                getattr(got, name), getattr(expected, name))
-    placed = restoring.from_checkpoint(restored.replace(
-        dropout_rng=layouts.resized_keys(restored.dropout_rng, restoring.dropout_key_count())))
+    placed = restoring.from_checkpoint(restored)
     train_step, _ = steps_of(restoring)
     step = restoring.compile_train_step(train_step, placed, batches(1)[0], 1)
     placed, sums = step(placed, restoring.place_batch(batches(1)[0]))  # it trains on
     assert np.isfinite(np.asarray(sums["loss"])).all()
-
-
-def test_resized_keys_are_distinct_and_derived_from_the_saved_ones():
-    saved = np.asarray(jax.random.split(jax.random.PRNGKey(3), 8))
-    eight = layouts.resized_keys(saved[:1], 8)
-    assert eight.shape == (8, 2) and len({k.tobytes() for k in eight}) == 8
-    np.testing.assert_array_equal(layouts.resized_keys(saved, 1), saved[:1])
-    np.testing.assert_array_equal(layouts.resized_keys(saved[:1], 8), eight)  # deterministic
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -62,7 +62,7 @@ def saver(tmp_path, monkeypatch):
     layout = DataParallel()
     saver = Saver(args, run_dir, layout, InMemoryData({}, 16), {"seed": 42}, steps_per_epoch=2, total_steps=4,
                   start_step=0, is_main=True)
-    yield saver, layout.create_state(model.__call__, model.params, optax.adamw(1e-3), seed=0)
+    yield saver, layout.create_state(model.__call__, model.params, optax.adamw(1e-3))
     saver.close()
     run_dir.close()
 

@@ -90,11 +90,12 @@ def layout_grads(name, params, batch, accumulation):
     and the gradients as the step returns them (every device's copy under "dp")."""
     layout = LAYOUTS[name]
     grads_of = partial(token_weighted_grads, linear_loss, accumulation_steps=accumulation, layout=layout)
-    state = layout.create_state(None, jax.tree_util.tree_map(jnp.array, params), optax.sgd(0.0), seed=0)  # fsdp donates
+    state = layout.create_state(None, jax.tree_util.tree_map(jnp.array, params), optax.sgd(0.0))  # fsdp donates
+    key = jax.random.PRNGKey(0)  # the linear loss draws nothing
     if name == "dp":
-        grads, sums = jax.pmap(grads_of, AXIS)(state.params, layout.place_batch(batch), state.dropout_rng)
+        grads, sums = jax.pmap(grads_of, AXIS, in_axes=(0, 0, None))(state.params, layout.place_batch(batch), key)
         return jax.tree_util.tree_map(lambda x: np.asarray(x[0]), (grads, sums)) + (grads,)
-    grads, sums = jax.jit(grads_of)(state.params, layout.place_batch(batch), state.dropout_rng)
+    grads, sums = jax.jit(grads_of)(state.params, layout.place_batch(batch), key)
     return jax.device_get(grads), jax.device_get(sums), grads
 
 
@@ -134,6 +135,21 @@ def test_accumulation_equals_one_big_batch(layout):
         np.testing.assert_allclose(grads4[name], grads1[name], rtol=0, atol=GRAD_ATOL)
     assert float(sums4["tokens"]) == float(sums1["tokens"]) == batch["mask"].sum()
     assert float(sums4["loss"]) == pytest.approx(float(sums1["loss"]), rel=LOSS_RTOL)
+
+
+def test_each_micro_batch_draws_with_a_key_of_its_own():
+    """Micro-batch i's key is the step's key folded with i (plain `jax.random` here): each draws its own
+    dropout masks, not the first one's again."""
+    key, layout = jax.random.PRNGKey(7), LAYOUTS["fsdp"]
+
+    def drawing_loss(params, batch, rng):
+        return (params["w"] * batch["x"]).sum(), {"loss": jax.random.uniform(rng), "tokens": jnp.float32(1)}
+
+    batch = layout.place_batch({"x": np.ones(32, np.float32)})
+    _, sums = jax.jit(lambda params, batch: token_weighted_grads(drawing_loss, params, batch, key, 4, layout))(
+        {"w": jnp.float32(1)}, batch)
+    expected = sum(float(jax.random.uniform(jax.random.fold_in(key, i))) for i in range(4))
+    assert float(sums["loss"]) == pytest.approx(expected, rel=1e-6)
 
 
 def test_micro_batch_i_takes_the_ith_part_of_every_shard():

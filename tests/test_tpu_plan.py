@@ -66,12 +66,12 @@ def _train_step_memory(layout, rows=8):
         return loss, {"loss": loss, "tokens": tokens}
 
     def train_step(state, batch):
-        rng, state = state.next_dropout_rng()
+        rng = layout.dropout_key(0, state.step)
         grads, sums = token_weighted_grads(loss_fn, state.params, batch, rng, 1, layout)
         return state.apply_gradients(grads=grads), sums
 
     params = layout.init_params(lambda: cast_floats(model.init_weights(jax.random.PRNGKey(0), (1, 8)), jnp.float32))
-    state = layout.create_state(model.__call__, params, optax.adamw(1e-3), 0)
+    state = layout.create_state(model.__call__, params, optax.adamw(1e-3))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state))  # nothing allocated
     batch = {"input_ids": np.broadcast_to(np.int32(1), (rows, SEQUENCE))}  # shapes only: no rows allocated
     assert layout.compile_train_step(train_step, state, batch, 1) is None
@@ -100,7 +100,7 @@ def test_fsdp_splits_the_state_eight_ways_on_the_tpu_plan(v3, fsdp_plan):
     leaves = [math.prod(x.shape) for x in jax.tree_util.tree_leaves(params)]
     split = [math.prod(x.shape) for x in jax.tree_util.tree_leaves(params) if any(leaf_spec(x.shape, 8))]
     whole_state, split_state = 12 * sum(leaves), 12 * (sum(leaves) - sum(split) + sum(split) / 8)
-    # Besides the state, the arguments hold the step counters, dropout keys and the batch, and the TPU
+    # Besides the state, the arguments hold the step counters and the batch, and the TPU
     # pads each leaf to its (8, 128) tiles of float32: up to a 4 KiB tile a leaf (parameters and both
     # moments) beyond the state itself (here 90 KiB under dp, 110 KiB under fsdp).
     slack = 3 * len(leaves) * 4096

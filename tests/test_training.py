@@ -102,6 +102,36 @@ def test_train_step_is_the_hand_written_step(tmp_path, smoothing):
     assert int(np.asarray(state.step)[0]) == 1
 
 
+class DroppingModel(TinyModel):
+    """TinyModel that drops half of its features when training."""
+
+    def __call__(self, features, params, dropout_rng=None, train=False):
+        if train:
+            features = features * jax.random.bernoulli(dropout_rng, 0.5, features.shape) * 2
+        return (features @ params["w"],)
+
+
+def dropping_loss(params, batch, dropout_rng, train, label_smoothing):
+    logits = DroppingModel()(batch["features"], params, dropout_rng, train)[0]
+    loss, tokens = cross_entropy_sums(logits, batch["labels"], jnp.ones(len(logits)))
+    return loss, {"loss": loss, "tokens": tokens}
+
+
+def test_the_seed_picks_the_dropout_masks(tmp_path):
+    """Two train steps with dropout: the same --seed gives the same weights to the bit, another seed others."""
+    def weights_after_two_steps(seed):
+        training_args = args(tmp_path, seed=seed)
+        data, plan, layout = InMemoryData(examples(), EXAMPLES), training_plan(training_args, EXAMPLES), DataParallel()
+        state, steps = make_steps(dropping_loss, DroppingModel(), init_params(), layout, training_args, plan, data)
+        for _ in range(2):
+            state, _ = steps.train(state, layout.place_batch(data.example_batch(plan.batch_size)))
+        return np.asarray(state.params["w"])
+
+    first = weights_after_two_steps(seed=0)
+    assert first.tobytes() == weights_after_two_steps(seed=0).tobytes()
+    assert not np.allclose(first, weights_after_two_steps(seed=1), rtol=1e-3)
+
+
 def test_eval_with_predict_fn_gives_every_real_row_once(tmp_path):
     training_args = args(tmp_path, do_train=False, do_eval=True, label_smoothing_factor=0.2)  # not in evaluation
     layout = DataParallel()

@@ -4,9 +4,9 @@ A checkpoint step directory holds two orbax items:
 - "state": the TrainState as global arrays, whatever the layout that saved it
   (`utils.layout.Layout.checkpoint_tree`): params, opt_state and step at their full shapes (host
   copies of the replicas under "dp"; the sharded arrays as they are under "fsdp", each process
-  writing its shards), and dropout_rng as one row per dropout key of the run (`[keys, 2]`: one per
-  device under "dp", one under "fsdp"). So any layout, on any number of devices, restores any
-  checkpoint: the target says where each leaf goes (a sharding, or the host).
+  writing its shards). So any layout, on any number of devices, restores any checkpoint: the
+  target says where each leaf goes (a sharding, or the host). There are no dropout keys to save:
+  a step derives its own (`utils.layout.Layout.dropout_key`).
 - "meta": a JSON dict chosen by the caller (`utils.saving.Saver` stores the step, the data position
   and a fingerprint of the settings a resume must not change).
 - "data", in streamed runs only: the host arrays of the data stream's state (`utils.stream`), one
@@ -36,7 +36,9 @@ from utils.errors import RunError, UsageError, is_disk_full
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_SUBDIR = "checkpoints"
-KEYS = "dropout_rng"  # the state's leaf of dropout keys, one row per key
+# The dropout keys that checkpoints written before the keys were derived from (seed, step) hold:
+# restoring one ignores them.
+OLD_KEYS = "dropout_rng"
 
 
 def find_checkpoint_dir(output_dir: str) -> str:
@@ -124,14 +126,12 @@ def _shape_dtypes(tree) -> dict:
 
 
 def _check_compatible(step: int, saved: dict, expected: dict):
-    """Raise ValueError at the first entry where the checkpoint and the model disagree (the number of
-    dropout keys may differ: see `utils.resume`)."""
+    """Raise ValueError at the first entry where the checkpoint and the model disagree (an old
+    checkpoint's dropout keys aside)."""
     for path, (shape, dtype) in expected.items():
         if path not in saved:
             raise ValueError(f"checkpoint at step {step} has no {path}, which the model has: the model config changed")
         saved_shape, saved_dtype = saved[path]
-        if path == KEYS:
-            shape = saved_shape[:1] + shape[1:]
         if saved_shape != shape:
             raise ValueError(
                 f"checkpoint at step {step} has shape {saved_shape} for {path}, model has {shape}: "
@@ -142,7 +142,7 @@ def _check_compatible(step: int, saved: dict, expected: dict):
                 f"checkpoint at step {step} has dtype {saved_dtype} for {path}, model has {dtype}: "
                 "the model config or dtype changed"
             )
-    extra = [path for path in saved if path not in expected]
+    extra = [path for path in saved if path not in expected and path != OLD_KEYS]
     if extra:
         raise ValueError(f"checkpoint at step {step} has {extra[0]}, which the model lacks: the model config changed")
 
@@ -218,16 +218,15 @@ class Checkpointer:
 
         Each leaf of `target` (a `jax.ShapeDtypeStruct`) gives the shape and dtype, checked against the
         checkpoint first, and where the value goes: into that sharding when it has one, else the host
-        (numpy). The dropout keys come back as saved, one row per key of the run that saved them.
+        (numpy).
         """
         step = self.check_compatible(step, target)
-        saved_keys = self.saved_shapes(step)[KEYS][0]
-        target = target.replace(dropout_rng=jax.ShapeDtypeStruct(saved_keys, target.dropout_rng.dtype))
         restore_args = jax.tree.map(_restore_args, target)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
+                # Partial: the leaves of `target` only, so an old checkpoint's dropout keys stay on disk.
+                state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
                 meta=ocp.args.JsonRestore(),
             ),
         )

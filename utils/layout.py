@@ -1,8 +1,8 @@
 """Where the train state lives and how a step runs: the two layouts, `--sharding dp|fsdp`.
 
 - `DataParallel` ("dp", the default): `jax.pmap` over this process's devices. Every device holds
-  the whole state and its own dropout key; a batch is `[local devices, rows per device, ...]`; the
-  steps sum loss sums, token counts and gradients over devices with an explicit `psum`.
+  the whole state; a batch is `[local devices, rows per device, ...]`; the steps sum loss sums,
+  token counts and gradients over devices with an explicit `psum`.
 - `FullySharded` ("fsdp"): `jax.jit` over a `Mesh` of all devices of all processes, shaped
   (devices / fsdp_size) x fsdp_size with axes ("data", "fsdp"). Each parameter (and the optimizer
   state that follows it) is split along one dimension over the "fsdp" axis (`leaf_spec`), so a
@@ -13,9 +13,10 @@ The scripts define each step once, for both: `layout.batch_sum` is the one colle
 and `utils.steps.token_weighted_grads` asks the layout how to cut micro-batches. Everything else
 that differs lives here: making and placing the state (fresh weights initialised straight into
 their sharding; pretrained ones placed leaf by leaf from host memory), compiling the steps (the
-train step ahead of time, so its per-device memory is known and checked before any step runs;
-on the CPU backend, at most `CPU_STEPS_IN_FLIGHT` steps dispatched ahead),
-placing batches, gathering outputs, the dropout key, the state as checkpoints store it (global
+train step ahead of time, so its per-device memory (`utils.memory`) is known and checked before
+any step runs; on the CPU backend, at most `CPU_STEPS_IN_FLIGHT` steps dispatched ahead),
+placing batches, gathering outputs, the dropout key of a step (`dropout_key`: no state, a function
+of the seed and the step, and under "dp" of the device), the state as checkpoints store it (global
 arrays, so a run can move between layouts and device counts), and the parameters on the host for
 the Hugging Face export. Given a TPU slice (`utils.tpu_plan`, `--compile_only`), a layout holds
 shapes placed on its compile-only devices instead of values, and compiles the train step without
@@ -27,18 +28,19 @@ import contextlib
 import itertools
 import logging
 import math
+from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from flax.training.train_state import TrainState
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from utils import tpu_plan
 from utils.errors import UsageError
 from utils.layers import each_layer
-from utils.state import TrainState
+from utils.memory import check_fits, compile_or_refuse, memory_line, memory_stats, plan_memory, readable, train_levers
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +62,15 @@ PREFETCH = 2  # batches placed on the devices ahead of the running step
 CPU_STEPS_IN_FLIGHT = 4
 
 
-def make_layout(training_args):
-    """The layout `--sharding` names, for this run's devices (after `utils.run.set_up`); with
-    `--compile_only TPU`, over that slice's compile-only devices (`utils.tpu_plan`)."""
-    plan = tpu_plan.load(training_args.compile_only) if training_args.compile_only else None
-    if training_args.sharding == "dp":
+def make_layout(sharding, fsdp_size=None, compile_only=None):
+    """The layout `--sharding` names (`--fsdp_size`: None for all devices), for this run's devices
+    (after `utils.run.set_up`); with `--compile_only TPU`, over that slice's compile-only devices
+    (`utils.tpu_plan`)."""
+    plan = tpu_plan.load(compile_only) if compile_only else None
+    if sharding == "dp":
         layout = DataParallel(plan)
     else:
-        fsdp_size = training_args.fsdp_size or jax.device_count()
+        fsdp_size = fsdp_size or jax.device_count()
         if jax.device_count() % fsdp_size:
             raise UsageError(f"--fsdp_size {fsdp_size} does not divide the {jax.device_count()} devices: use a "
                              "divisor (the mesh is devices / fsdp_size x fsdp_size)")
@@ -86,90 +89,6 @@ def leaf_spec(shape, fsdp_size):
         if shape[dim] % fsdp_size == 0:
             return PartitionSpec(*(MESH_AXES[1] if d == dim else None for d in range(len(shape))))
     return PartitionSpec()
-
-
-def _memory_line(stats):
-    parts = ", ".join(f"{name} {readable(stats[name])}" for name in ("arguments", "temporaries", "outputs", "aliased"))
-    return f"{readable(stats['total'])} per device ({parts})"
-
-
-def readable(n):
-    """Bytes in the unit that reads best: 512 KiB, 3.4 MiB, 12.25 GiB."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.{2 if unit == 'GiB' else 1}f} {unit}"
-    return f"{n} B"
-
-
-def memory_stats(compiled):
-    """Per-device bytes of a compiled step from XLA's memory analysis; `total` counts an output that
-    reuses a donated input once."""
-    analysis = compiled.memory_analysis()
-    stats = {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
-             "temporaries": analysis.temp_size_in_bytes, "aliased": analysis.alias_size_in_bytes}
-    stats["total"] = stats["arguments"] + stats["outputs"] + stats["temporaries"] - stats["aliased"]
-    return stats
-
-
-def per_device_bytes(tree):
-    """Bytes of one device's share of the placed shapes `tree` (`jax.ShapeDtypeStruct`s with a sharding)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-               for x in jax.tree_util.tree_leaves(tree))
-
-
-def device_memory_limit():
-    """Bytes one device may allocate, where the backend says (TPU, GPU); None on CPUs."""
-    try:
-        stats = jax.local_devices()[0].memory_stats()
-    except Exception:  # backends without memory statistics raise rather than return None
-        return None
-    return (stats or {}).get("bytes_limit")
-
-
-def does_not_fit(stats, limit, gradient_accumulation_steps, layout_name, device="a device", checkpointing=False):
-    """What to say when a train step of `stats` cannot fit `limit` bytes per device: the need, and
-    the levers that lower it (those not pulled yet)."""
-    return (f"the train step needs {readable(stats['total'])} per device but {device} has {readable(limit)}: "
-            f"{train_levers(gradient_accumulation_steps, layout_name, checkpointing)}")
-
-
-def train_levers(gradient_accumulation_steps, layout_name, checkpointing):
-    """"use ...": what lowers a train step's memory, of the levers not pulled yet."""
-    split = "--sharding fsdp, " if layout_name == "dp" else ""
-    last = ", or --gradient_checkpointing" if not checkpointing else " (--gradient_checkpointing is on)"
-    return (f"use {split}a smaller --per_device_train_batch_size with more --gradient_accumulation_steps (now "
-            f"{gradient_accumulation_steps}), --dtype bfloat16{last}")
-
-
-def compile_or_refuse(lowered):
-    """(compiled step, None), or (None, the compiler's reason) when it refuses: the TPU compiler does
-    not compile a step whose temporaries alone exceed the device's HBM (RESOURCE_EXHAUSTED)."""
-    try:
-        return lowered.compile(), None
-    except jax.errors.JaxRuntimeError as error:
-        if "RESOURCE_EXHAUSTED" not in str(error):
-            raise
-        return None, str(error).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0].rstrip(".")
-
-
-def eval_levers(per_device_eval_batch_size, layout_name):
-    """"use ...": what lowers an eval, predict or generate step's memory."""
-    split = "--sharding fsdp, " if layout_name == "dp" else ""
-    return f"use {split}a smaller --per_device_eval_batch_size (now {per_device_eval_batch_size}) or --dtype bfloat16"
-
-
-def plan_memory(lowered):
-    """(`memory_stats`, None) of a step lowered for a TPU plan, or (None, why the compiler refused it)."""
-    compiled, refused = compile_or_refuse(lowered)
-    return (memory_stats(compiled) if compiled else None), refused
-
-
-def check_fits(stats, gradient_accumulation_steps, layout_name, checkpointing=False):
-    """Stop before training when the train step cannot fit the device (where its limit is known)."""
-    limit = device_memory_limit()
-    if limit is not None and stats["total"] > limit:
-        raise UsageError(does_not_fit(stats, limit, gradient_accumulation_steps, layout_name,
-                                      checkpointing=checkpointing))
 
 
 def step_wrapper(name, build, donated=()):
@@ -207,7 +126,7 @@ class Layout:
     """What both layouts share; see `DataParallel` and `FullySharded`."""
 
     name = None
-    train_step_memory = None  # per-device bytes of the compiled train step (`memory_stats`), once compiled
+    train_step_memory = None  # per-device bytes of the compiled train step (`utils.memory.memory_stats`), once compiled
     train_step_refused = None  # planning for a TPU: why its compiler would not compile the train step
 
     def __init__(self, plan=None):
@@ -238,7 +157,7 @@ class Layout:
             self.train_step_memory, self.train_step_refused = plan_memory(
                 self._jit_train_step(train_step, state).lower(state, batch))
             logger.info("train step (%s) on %s: %s", self.name, self.plan.describe(),
-                        self.train_step_refused or _memory_line(self.train_step_memory))
+                        self.train_step_refused or memory_line(self.train_step_memory))
             return None
 
         def build():
@@ -252,7 +171,7 @@ class Layout:
             return self._in_flight.wrap(self._callable(jitted, compiled), done=lambda outputs: outputs[1])
 
         step = step_wrapper("train_step", build, donated=(0,))
-        logger.info("train step (%s): %s", self.name, _memory_line(self.train_step_memory))
+        logger.info("train step (%s): %s", self.name, memory_line(self.train_step_memory))
         check_fits(self.train_step_memory, gradient_accumulation_steps, self.name, checkpointing)
         return step
 
@@ -273,17 +192,19 @@ class Layout:
 
         return jax.tree_util.tree_map(shape, host_rows)
 
-    def _abstract_state(self, apply_fn, params, tx, seed):
+    def _abstract_state(self, apply_fn, params, tx):
         """What `create_state` would make of the parameter shapes `params`, placed (`abstract_state`)."""
+        return self.abstract_state(jax.eval_shape(partial(TrainState.create, apply_fn=apply_fn, tx=tx), params=params))
 
-        def create(params):
-            return TrainState.create(apply_fn=apply_fn, params=params, tx=tx, dropout_rng=jax.random.PRNGKey(seed))
-
-        return self.abstract_state(jax.eval_shape(create, params))
+    def dropout_key(self, seed, step):
+        """The dropout key of the train step that `state.step` is `step` in, traced inside that step: a
+        function of (seed, step) alone, so a resumed run draws the masks the uninterrupted one would
+        have, on any device count; no state carries it."""
+        return jax.random.fold_in(jax.random.PRNGKey(seed), step)
 
 
 class DataParallel(Layout):
-    """`jax.pmap` over this process's devices; the state replicated, one dropout key per device."""
+    """`jax.pmap` over this process's devices; the state replicated, each device its own dropout key."""
 
     name = "dp"
     batch_shards = 1  # a device's micro-batches are cut from its own rows
@@ -309,18 +230,13 @@ class DataParallel(Layout):
     def place_params(self, host_params):
         return host_params
 
-    def create_state(self, apply_fn, params, tx, seed):
-        """The state on every device, with one dropout key per device of the run."""
+    def create_state(self, apply_fn, params, tx):
+        """The state on every device."""
         if self.plan:
-            return self._abstract_state(apply_fn, params, tx, seed)
-        state = TrainState.create(apply_fn=apply_fn, params=params, tx=tx, dropout_rng=jax.random.PRNGKey(seed))
-        return self._replicate(state, _device_keys(state.dropout_rng, jax.device_count())[self._local_rows()])
+            return self._abstract_state(apply_fn, params, tx)
+        return self._replicate(TrainState.create(apply_fn=apply_fn, params=params, tx=tx))
 
-    def _local_rows(self):
-        start = jax.process_index() * jax.local_device_count()
-        return slice(start, start + jax.local_device_count())
-
-    def _replicate(self, state, local_keys):
+    def _replicate(self, state):
         n = jax.local_device_count()
 
         def put(x):
@@ -328,37 +244,33 @@ class DataParallel(Layout):
             x = np.asarray(x)
             return jax.device_put(np.broadcast_to(x, (n,) + x.shape), self._placement)
 
-        placed = jax.tree_util.tree_map(put, state.replace(dropout_rng=None))
-        return placed.replace(dropout_rng=jax.device_put(np.asarray(local_keys), self._placement))
-
-    def dropout_key_count(self):
-        return jax.device_count()
+        return jax.tree_util.tree_map(put, state)
 
     def abstract_state(self, shapes):
         """The state `shapes` (`jax.eval_shape` of a TrainState) as this layout places it, without
         values: what sizes a train step (`compile_train_step`) of a model too big to build here."""
         n = len(self.local_devices)
         return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((n,) + x.shape, x.dtype, sharding=self._placement),
-                                      shapes.replace(dropout_rng=jax.ShapeDtypeStruct((2,), shapes.dropout_rng.dtype)))
+                                      shapes)
+
+    def dropout_key(self, seed, step):
+        """(seed, step)'s key folded with the device's index among all devices of the run (the pmap
+        axis spans every process's devices): each device masks its rows with its own key."""
+        return jax.random.fold_in(super().dropout_key(seed, step), jax.lax.axis_index(AXIS))
 
     def checkpoint_tree(self, state):
-        """The state as a checkpoint stores it: host copies of the (identical) replicas, and the
-        dropout keys of every device of the run, one row each."""
-        # `tiled` concatenates each process's local keys: one row per device of the whole run.
-        keys = multihost_utils.process_allgather(state.dropout_rng, tiled=True)
+        """The state as a checkpoint stores it: host copies of the (identical) replicas."""
         # Copies are made now, not by the background writer: the next step donates the device buffers.
-        return jax.tree_util.tree_map(_first_replica, state.replace(dropout_rng=None)).replace(dropout_rng=keys)
+        return jax.tree_util.tree_map(_first_replica, state)
 
     def checkpoint_target(self, state):
         """What a checkpoint restores into: the global shapes of `state`; no sharding, so every leaf
         comes back as a host array (`from_checkpoint` replicates it)."""
-        target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                                        state.replace(dropout_rng=None))
-        return target.replace(dropout_rng=jax.ShapeDtypeStruct((jax.device_count(), 2), state.dropout_rng.dtype))
+        return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state)
 
     def from_checkpoint(self, restored):
-        """The restored host state on the devices, each with its own saved dropout key."""
-        return self._replicate(restored, np.asarray(restored.dropout_rng)[self._local_rows()])
+        """The restored host state on the devices."""
+        return self._replicate(restored)
 
     def params_to_host(self, params):
         return jax.tree_util.tree_map(_first_replica, params)
@@ -413,7 +325,8 @@ class DataParallel(Layout):
 
 class FullySharded(Layout):
     """`jax.jit` over a (data, fsdp) mesh of all devices: parameters, gradients and optimizer state
-    split over "fsdp", the batch over all devices, one dropout key for the whole global batch."""
+    split over "fsdp", the batch over all devices, one dropout key for the whole global batch
+    (`Layout.dropout_key`)."""
 
     name = "fsdp"
     writes_shards = True  # every process writes its shards of each checkpoint
@@ -448,25 +361,20 @@ class FullySharded(Layout):
         """Pretrained weights from host memory, each leaf sent in shards to the devices that hold them."""
         return jax.tree_util.tree_map(lambda x: jax.device_put(x, self.sharding_of(np.shape(x))), host_params)
 
-    def create_state(self, apply_fn, params, tx, seed):
+    def create_state(self, apply_fn, params, tx):
         """The optimizer state made next to its (sharded) parameter, inside one compiled program."""
         if self.plan:
-            state = self._abstract_state(apply_fn, params, tx, seed)
+            state = self._abstract_state(apply_fn, params, tx)
             self._log_split(state)
             return state
 
         def create(params):
-            return TrainState.create(apply_fn=apply_fn, params=params, tx=tx, dropout_rng=jax.random.PRNGKey(seed))
+            return TrainState.create(apply_fn=apply_fn, params=params, tx=tx)
 
-        shardings = self._state_shardings(jax.eval_shape(create, params))
         # Donated: the parameters move into the state instead of being held twice.
-        state = jax.jit(create, out_shardings=shardings, donate_argnums=0)(params)
+        state = jax.jit(create, out_shardings=self._shardings(jax.eval_shape(create, params)), donate_argnums=0)(params)
         self._log_split(state)
         return state
-
-    def _state_shardings(self, abstract_state):
-        shardings = self._shardings(abstract_state.replace(dropout_rng=None))
-        return shardings.replace(dropout_rng=self._whole)
 
     def _log_split(self, state):
         sharded = replicated = 0
@@ -479,29 +387,22 @@ class FullySharded(Layout):
         logger.info("fsdp: parameters and optimizer state take %s per device split %d ways + %s whole on every device",
                     readable(sharded), self.fsdp_size, readable(replicated))
 
-    def dropout_key_count(self):
-        return 1
-
     def abstract_state(self, shapes):
         """The state `shapes` as this layout places it, without values (see `DataParallel.abstract_state`)."""
         place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding_of(x.shape))  # noqa: E731
-        sharded = jax.tree_util.tree_map(place, shapes.replace(dropout_rng=None))
-        return sharded.replace(dropout_rng=jax.ShapeDtypeStruct(shapes.dropout_rng.shape, shapes.dropout_rng.dtype,
-                                                                sharding=self._whole))
+        return jax.tree_util.tree_map(place, shapes)
 
     def checkpoint_tree(self, state):
-        """The global arrays as they are (each process writes its shards); the one key as one row."""
-        return state.replace(dropout_rng=np.asarray(state.dropout_rng.addressable_data(0))[None])
+        """The global arrays as they are (each process writes its shards)."""
+        return state
 
     def checkpoint_target(self, state):
         """What a checkpoint restores into: every leaf straight into its shards (no host copy of the
-        whole state), the key as a host row."""
-        target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                        state.replace(dropout_rng=None))
-        return target.replace(dropout_rng=jax.ShapeDtypeStruct((1, 2), state.dropout_rng.dtype))
+        whole state)."""
+        return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
     def from_checkpoint(self, restored):
-        return restored.replace(dropout_rng=jax.device_put(np.asarray(restored.dropout_rng)[0], self._whole))
+        return restored
 
     def params_to_host(self, params):
         """Leaf by leaf, so host memory holds one full copy of the parameters, never a device."""
@@ -598,13 +499,3 @@ def _first_replica(x):
         return np.asarray(x.addressable_data(0)).reshape(x.shape[1:])
     return np.asarray(x)
 
-
-def _device_keys(key, count):
-    """`count` distinct dropout keys from one: all devices of the run, so a process takes its own rows
-    and the run's randomness does not depend on how devices are spread over hosts."""
-    return np.asarray(jax.random.split(key, count))
-
-
-def resized_keys(saved_keys, count):
-    """Dropout keys for `count` devices from a checkpoint saved with another number of them."""
-    return _device_keys(jnp.asarray(saved_keys[0]), count) if count > 1 else np.asarray(saved_keys[:1])

@@ -13,10 +13,8 @@ from typing import NamedTuple
 
 import jax
 
-from utils import devices
 from utils.checkpoint import Checkpointer, checkpoint_steps, locate_checkpoint
 from utils.errors import UsageError
-from utils.layout import resized_keys
 
 logger = logging.getLogger(__name__)
 
@@ -26,13 +24,13 @@ class ResumePoint(NamedTuple):
     step: int
 
 
-def find_checkpoint(training_args):
-    """The checkpoint `--resume_from_checkpoint` names, or None to start afresh (no flag, or `latest`
-    before the first checkpoint: one command both starts a job and restarts it)."""
-    resume = training_args.resume_from_checkpoint
+def find_checkpoint(resume, output_dir):
+    """The checkpoint `--resume_from_checkpoint resume` names (in `--output_dir output_dir` for `latest` or a
+    step), or None to start afresh (no flag, or `latest` before the first checkpoint: one command both
+    starts a job and restarts it)."""
     if not resume:
         return None
-    directory, step = locate_checkpoint(resume, training_args.output_dir)
+    directory, step = locate_checkpoint(resume, output_dir)
     steps = checkpoint_steps(directory)  # a listing: nothing is opened, nothing created
     if step is None:
         if not steps:
@@ -55,41 +53,35 @@ _FINGERPRINT_HINTS = {
     "seed": "--seed",
     "optimizer": "--adafactor",
 }
-# Entries a resumed run may change: its weights and optimizer state continue exactly, but the
-# dropout keys (one per device under "dp", one under "fsdp") are derived anew, so the continuation
-# is not bitwise the one the saving run would have computed.
-_LAYOUT_ENTRIES = ("layout", "devices")
 
 
-def run_fingerprint(config, training_args, layout, train_examples=None):
+def run_fingerprint(config, train_examples=None, global_batch_size=None, seed=None, adafactor=False):
     """The settings a resumed run must share with the checkpoint it continues, by name.
 
-    The model config (shapes and everything the model computes with); when training also the
-    global batch size, the number of training examples and the seed (together they fix the examples
-    of every step) and the optimizer (the structure of its state). The layout and the number of
-    devices are recorded too: changing them is allowed (see `resume_or_start`). Anything else may
-    change.
+    The model config (shapes and everything the model computes with); when training
+    (`train_examples`: their number, or "streamed") also the global batch size (accumulation
+    included), the number of training examples and the seed (together they fix the examples and
+    dropout masks of every step) and the optimizer (`--adafactor`: the structure of its state).
+    Anything else may change, the layout and the number of devices included: a resumed run
+    continues exactly what its own layout and devices would have done from that step.
     """
     config = json.loads(config.to_json_string(use_diff=False))
     fingerprint = {"model config": {k: v for k, v in config.items() if k not in _CONFIG_METADATA}}
     if train_examples is not None:
         fingerprint.update({
-            "global batch size": devices.global_batch_size(training_args.per_device_train_batch_size,
-                                                            training_args.gradient_accumulation_steps),
+            "global batch size": global_batch_size,
             "training examples": train_examples,
-            "seed": training_args.seed,
-            "optimizer": "adafactor" if training_args.adafactor else "adamw",
-            "layout": layout.name,
-            "devices": jax.device_count(),
+            "seed": seed,
+            "optimizer": "adafactor" if adafactor else "adamw",
         })
     return fingerprint
 
 
 def fingerprint_difference(saved, current):
     """The first difference between two fingerprints that forbids a resume, as a phrase, or None
-    (entries only one has are skipped, and so are the layout and the device count)."""
+    (entries only one has are skipped: older checkpoints also recorded their layout and devices)."""
     for name, value in current.items():
-        if name in _LAYOUT_ENTRIES or name not in saved or saved[name] == value:
+        if name not in saved or saved[name] == value:
             continue
         what, saved_value = name, saved[name]
         if name == "model config":
@@ -108,8 +100,9 @@ def resume_or_start(resume, fingerprint, state, total_steps, layout, train_data=
     `fingerprint`, parameter shapes and dtypes (those of `state`), and, when training
     (`total_steps`, the run's last step; 0 when not training), a step that is not past the last one.
     It may come from another layout or device count: the weights and optimizer state restore
-    exactly, the dropout keys are derived anew (a warning says so). A streamed `train_data` gets its
-    stream's state back (`resume_from`).
+    exactly, and the run goes on as one started on this layout and these devices would have from
+    that step (dropout keys are derived from the seed and the step, `Layout.dropout_key`). A
+    streamed `train_data` gets its stream's state back (`resume_from`).
     """
     if resume is None:
         return state, 0
@@ -135,14 +128,6 @@ def resume_or_start(resume, fingerprint, state, total_steps, layout, train_data=
         _restore_stream(reader, resume, meta, train_data)
     finally:
         reader.close()
-    keys = restored.dropout_rng
-    if len(keys) != layout.dropout_key_count():
-        restored = restored.replace(dropout_rng=resized_keys(keys, layout.dropout_key_count()))
-        if total_steps:  # evaluation draws no dropout
-            logger.warning("the checkpoint was saved by a %s run on %s devices, this is a %s run on %d: the weights "
-                           "and optimizer state continue exactly, the dropout keys are derived anew, so training is "
-                           "no longer bitwise what the saving run would have done", saved.get("layout", "dp"),
-                           saved.get("devices", len(keys)), layout.name, jax.device_count())
     logger.info("resumed from the checkpoint of step %d in %s", resume.step, resume.directory)
     return layout.from_checkpoint(restored), int(meta["step"])
 

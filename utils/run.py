@@ -40,7 +40,7 @@ def check_before_work(training_args, data_args, task, files, allowed, model_args
     check_phases(training_args)
     out = training_args.output_dir
     check_output_dir(training_args, has_checkpoint=bool(checkpoint_steps(find_checkpoint_dir(out))))
-    resume = find_checkpoint(training_args)
+    resume = find_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     if training_args.compile_only:
         check_plan_dir(out)
     elif training_args.do_train and resume is None:

@@ -17,8 +17,8 @@ import jax
 
 from utils import devices
 from utils.errors import Done, RunError
-from utils.layout import does_not_fit, eval_levers, per_device_bytes, plan_memory, readable, train_levers
 from utils.logging import MetricsLogger, throughput_meter
+from utils.memory import does_not_fit, eval_levers, per_device_bytes, plan_memory, readable, train_levers
 from utils.models import enable_gradient_checkpointing
 from utils.loop import TrainLoop, eval_batches, host_eval_batches, host_means
 from utils.optim import create_optimizer
@@ -76,8 +76,9 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     `loss_fn(params, batch, dropout_rng, train, label_smoothing) -> (loss sum, sums)` with at least
     "loss" and "tokens" in `sums` (`utils.steps.token_weighted_grads`). What every script's steps
     need is applied here, so none can forget it: the train step gets `--label_smoothing_factor`
-    (evaluation 0), and `--gradient_checkpointing` makes `model` recompute its layers' activations. The optimizer follows `plan`'s
-    learning-rate schedule. When training, the train step is compiled now, for batches like
+    (evaluation 0) and the dropout key of (`--seed`, its step) (`Layout.dropout_key`), and
+    `--gradient_checkpointing` makes `model` recompute its layers' activations. The optimizer follows
+    `plan`'s learning-rate schedule. When training, the train step is compiled now, for batches like
     `train_data`'s (after `transform`): its device memory is known, and checked, before anything is
     written. `predict_fn(params, batch) -> [rows, ...]` (class ids, logits, tags) makes the eval
     step return its per-row outputs beside the sums, in the same compiled step. With
@@ -85,15 +86,14 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     """
     if training_args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    state = layout.create_state(model.__call__, params, create_optimizer(training_args, plan.schedule),
-                                training_args.seed)
-    label_smoothing = training_args.label_smoothing_factor
+    state = layout.create_state(model.__call__, params, create_optimizer(training_args, plan.schedule))
+    label_smoothing, seed = training_args.label_smoothing_factor, training_args.seed
     accumulation = training_args.gradient_accumulation_steps
 
     train_loss = partial(loss_fn, train=True, label_smoothing=label_smoothing)
 
     def train_step(state, batch):
-        dropout_rng, state = state.next_dropout_rng()
+        dropout_rng = layout.dropout_key(seed, state.step)
         grads, sums = token_weighted_grads(train_loss, state.params, batch, dropout_rng, accumulation, layout)
         return state.apply_gradients(grads=grads), sums
 
@@ -122,7 +122,7 @@ def report_plan(training_args, layout, state=None, batches=None):
     the HBM) does not fit: its reason is written instead of its bytes.
 
     While another step runs, the training state beyond the parameters (optimizer moments, step
-    counter, dropout keys) stays on the device: its bytes count in that step's need.
+    counter) stays on the device: its bytes count in that step's need.
     """
     plan = layout.plan
     plans = {"train_step": (layout.train_step_memory, layout.train_step_refused)}
@@ -202,7 +202,8 @@ class TrainingRun:
         was."""
         args, plan, train_data = self.args, self.plan, self.train_data
         self.config = config
-        fingerprint = run_fingerprint(config, args, self.layout, train_data and (train_data.size or "streamed"))
+        fingerprint = run_fingerprint(config, train_data and (train_data.size or "streamed"), plan.batch_size,
+                                      args.seed, args.adafactor)
         state, self.start_step = resume_or_start(resume, fingerprint, state, plan.total_steps, self.layout, train_data)
         self.step = self.start_step
         self.dir = RunDirectory(args, self.all_args, self.task, model, tokenizer, self.is_main, plan.total_steps,
