@@ -25,14 +25,14 @@ from transformers import FlaxAutoModelForSeq2SeqLM
 from tasks import lm
 from tasks.span_corruption import TASK
 from tasks.span_corruption import plan_span_corruption, span_corruption, span_corruption_lengths
-from utils import devices, streamed_data
+from utils import streamed_data
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.metrics import perplexity
 from utils.models import (fit_config_to_tokenizer, fit_length, load_config,
                           load_model, load_tokenizer, max_positions)
-from utils.run import set_up, training_plan
+from utils.run import set_up, train_batch_size, training_plan
 from utils.steps import cross_entropy_sums
 from utils.training import TrainingRun, make_steps
 
@@ -112,8 +112,7 @@ def main(argv=None):
     # little data fails first
     # ------------------------------------------------------------------------------------------
     if data_args.streaming:
-        batch_size = devices.global_batch_size(training_args.per_device_train_batch_size,
-                                               training_args.gradient_accumulation_steps)
+        batch_size = train_batch_size(training_args)
         train_data = streamed_data.StreamedData(data_args, lm.Blocks(tokenizer, raw_length), batch_size,
                                                 training_args.do_train, training_args.do_eval, model_args.cache_dir)
         eval_arrays = train_data.eval_arrays

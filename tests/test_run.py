@@ -104,3 +104,23 @@ def test_phase_datasets_cut_each_phase_and_name_the_missing_split():
     with pytest.raises(UsageError, match=r"^--do_eval needs a 'validation_matched' split, but dataset 'some/set' "
                                          r"has only train, validation, test: drop --do_eval, or pass local files"):
         phase_datasets(raw, {"train": "train", "validation_matched": "validation"}, data_args)
+
+
+def test_train_batch_size_reads_the_arguments_and_leaves_them_as_parsed():
+    """--total_train_batch_size fixes the global batch without rewriting --per_device_train_batch_size
+    (run_args.json keeps what the user passed)."""
+    import jax
+
+    from utils.run import train_batch_size
+
+    devices = jax.device_count()
+    args = TrainingArguments(output_dir="x", total_train_batch_size=4 * devices, gradient_accumulation_steps=2)
+    assert train_batch_size(args) == 4 * devices
+    assert args.per_device_train_batch_size == TrainingArguments(output_dir="x").per_device_train_batch_size
+    args = TrainingArguments(output_dir="x", per_device_train_batch_size=3, gradient_accumulation_steps=2)
+    assert train_batch_size(args) == 3 * devices * 2
+    with pytest.raises(UsageError, match=rf"--total_train_batch_size {4 * devices + 2} does not split over "
+                                         rf"{devices} devices x 2 gradient_accumulation_steps: use a multiple of "
+                                         rf"{2 * devices}"):
+        train_batch_size(TrainingArguments(output_dir="x", total_train_batch_size=4 * devices + 2,
+                                           gradient_accumulation_steps=2))

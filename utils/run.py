@@ -114,7 +114,8 @@ def phase_datasets(raw, phase_of, data_args):
     """{split: its first --max_*_samples examples} of each split a phase reads (`phase_of`: split ->
     phase), after `check_splits`: every script's phases read their data through here."""
     check_splits(raw, phase_of, data_args.dataset_name)
-    return {split: dataset_loading.take(raw[split], sample_limit(data_args, phase)) for split, phase in phase_of.items()}
+    return {split: dataset_loading.take(raw[split], sample_limit(data_args, phase))
+            for split, phase in phase_of.items()}
 
 
 def set_up(training_args):
@@ -129,7 +130,8 @@ def set_up(training_args):
     devices.check_tpu_backend()
     compat.apply()
     devices.enable_compilation_cache(training_args.compilation_cache_dir)
-    fit_batch_to_devices(training_args)
+    if training_args.do_train:
+        train_batch_size(training_args)  # --total_train_batch_size must split over the devices: checked now
     is_main = jax.process_index() == 0
     logger = setup_logging(is_main, debug=training_args.debug)
     logger.info("devices: %d local of %d in all (%s), process %d of %d", jax.local_device_count(),
@@ -137,16 +139,18 @@ def set_up(training_args):
     return logger, is_main
 
 
-def fit_batch_to_devices(training_args):
-    """`--total_train_batch_size`, when given, sets the per-device batch for this run's devices."""
+def train_batch_size(training_args):
+    """The global train batch over this run's devices, gradient accumulation included:
+    `--total_train_batch_size` when given (it must split over the devices and accumulation steps),
+    else `--per_device_train_batch_size` x devices x `--gradient_accumulation_steps`."""
+    devices_, accumulation = jax.device_count(), training_args.gradient_accumulation_steps
     total = training_args.total_train_batch_size
     if total is None:
-        return
-    devices, accumulation = jax.device_count(), training_args.gradient_accumulation_steps
-    if total % (devices * accumulation):
-        raise UsageError(f"--total_train_batch_size {total} does not split over {devices} devices x "
-                         f"{accumulation} gradient_accumulation_steps: use a multiple of {devices * accumulation}")
-    training_args.per_device_train_batch_size = total // (devices * accumulation)
+        return devices.global_batch_size(training_args.per_device_train_batch_size, accumulation)
+    if total % (devices_ * accumulation):
+        raise UsageError(f"--total_train_batch_size {total} does not split over {devices_} devices x "
+                         f"{accumulation} gradient_accumulation_steps: use a multiple of {devices_ * accumulation}")
+    return total
 
 
 class TrainingPlan(NamedTuple):
@@ -170,8 +174,7 @@ def training_plan(training_args, num_train_examples):
 
 def _train_steps(training_args, num_train_examples):
     """(global train batch, steps per epoch, total optimizer steps)."""
-    batch = devices.global_batch_size(training_args.per_device_train_batch_size,
-                                       training_args.gradient_accumulation_steps)
+    batch = train_batch_size(training_args)
     if num_train_examples is None:
         return batch, training_args.max_steps, training_args.max_steps
     steps_per_epoch = batch_order.steps_per_epoch(num_train_examples, batch)

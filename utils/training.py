@@ -218,9 +218,10 @@ class TrainingRun:
         step, row_ids)` runs on the host first (e.g. masking). Throughput counts `seq_length` tokens
         per example; FLOPs also the decoder's `decoder_seq_length`."""
         args, plan = self.args, self.plan
+        accumulation = args.gradient_accumulation_steps
         logger.info("training: %d steps (%d per epoch), global batch %d = %d per device x %d devices x %d",
-                    plan.total_steps, plan.steps_per_epoch, plan.batch_size, args.per_device_train_batch_size,
-                    jax.device_count(), args.gradient_accumulation_steps)
+                    plan.total_steps, plan.steps_per_epoch, plan.batch_size,
+                    plan.batch_size // (jax.device_count() * accumulation), jax.device_count(), accumulation)
         self.loop = TrainLoop(args, plan.steps_per_epoch, plan.total_steps, self.start_step, plan.schedule, self.dir,
                               throughput_meter(self.config, seq_length, decoder_seq_length),
                               tokens_per_step=plan.batch_size * seq_length, examples_per_step=plan.batch_size)
