@@ -549,8 +549,8 @@ def saver(tmp_path, monkeypatch):
         monkeypatch.setattr(module, "at_exit", lambda callback: None)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
     run_dir = RunDirectory(args, (args,), TASK, FakeModel(), None, is_main=True, total_steps=10)
-    saver = Saver(args, run_dir, DP, InMemoryData({}, 640), {}, steps_per_epoch=10, total_steps=10, start_step=0,
-                  is_main=True)
+    saver = Saver(args.output_dir, args.save_total_limit, run_dir, DP, InMemoryData({}, 640), {}, steps_per_epoch=10,
+                  total_steps=10, start_step=0, is_main=True)
     state = fresh_state()
     saver.save(1, state, "save_steps")
     saver.checkpointer.wait()

@@ -1,6 +1,5 @@
 """utils/loop.py: when to evaluate / save, token-weighted host means, non-finite loss, eval batches."""
 
-from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -11,6 +10,7 @@ from utils.errors import RunError
 from utils.logging import Throughput
 from utils.loop import TrainLoop, eval_batches, host_means, train_batches
 from utils.optim import learning_rate_schedule
+from utils.saving import SavePolicy
 
 N = 8
 DP = DataParallel()
@@ -29,9 +29,11 @@ class Writer:
 
 def make_loop(total=10, per_epoch=4, start=0, schedule=lambda step: 0.1 * step, **args):
     defaults = dict(do_eval=True, eval_steps=None, save_steps=3, logging_steps=2, save_on_epoch_end=False)
-    training_args = SimpleNamespace(**{**defaults, **args})
-    return TrainLoop(training_args, per_epoch, total, start, schedule=schedule, writer=Writer(),
-                     throughput=Throughput(), tokens_per_step=100, examples_per_step=4)
+    args = {**defaults, **args}
+    return TrainLoop(per_epoch, total, start, schedule=schedule, writer=Writer(), throughput=Throughput(),
+                     tokens_per_step=100, examples_per_step=4, logging_steps=args["logging_steps"],
+                     save_policy=SavePolicy(args["save_steps"], args["save_on_epoch_end"], per_epoch, total),
+                     evaluates=args["do_eval"], eval_steps=args["eval_steps"])
 
 
 def test_a_constant_schedule_gives_every_step_its_rate():

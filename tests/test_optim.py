@@ -13,7 +13,6 @@ from transformers import (BartConfig, BeitConfig, BertConfig, Dinov2Config, Flax
                           ResNetConfig, T5Config, ViTConfig)
 
 from utils import compat
-from utils.args import TrainingArguments
 from utils.errors import UsageError
 from utils.optim import create_optimizer, decay_mask, learning_rate_schedule
 
@@ -127,8 +126,7 @@ def _state_types(tree):
 def test_adamw_applies_masked_weight_decay():
     params = {"dense": {"kernel": jnp.full((2, 2), 2.0), "bias": jnp.full((2,), 2.0)},
               "LayerNorm": {"scale": jnp.full((2,), 2.0)}}
-    args = TrainingArguments(output_dir="x", weight_decay=0.1)
-    tx = create_optimizer(args, optax.constant_schedule(1.0))
+    tx = create_optimizer(optax.constant_schedule(1.0), False, 0.9, 0.999, 1e-8, weight_decay=0.1)
     zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
     updates, _ = tx.update(zeros, tx.init(params), params)
     # -lr * wd * param; float32 0.1 x 2 is within 1.5e-8 relative of 0.2: the default rtol 1e-7 holds.
@@ -139,9 +137,8 @@ def test_adamw_applies_masked_weight_decay():
 
 def test_adafactor_flag_selects_adafactor():
     params = {"dense": {"kernel": jnp.ones((4, 3)), "bias": jnp.ones((3,))}}
-    adamw = create_optimizer(TrainingArguments(output_dir="x"), optax.constant_schedule(1e-3)).init(params)
-    adafactor = create_optimizer(TrainingArguments(output_dir="x", adafactor=True),
-                                 optax.constant_schedule(1e-3)).init(params)
+    adamw = create_optimizer(optax.constant_schedule(1e-3), False, 0.9, 0.999, 1e-8, 0.0).init(params)
+    adafactor = create_optimizer(optax.constant_schedule(1e-3), True, 0.9, 0.999, 1e-8, 0.0).init(params)
     adamw_types, adafactor_types = _state_types(adamw), _state_types(adafactor)
     assert optax.ScaleByAdamState in adamw_types and optax.ScaleByAdamState not in adafactor_types
     assert any("Factored" in t.__name__ for t in adafactor_types)

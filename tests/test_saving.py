@@ -3,7 +3,6 @@
 import os
 import signal
 import sys
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ import pytest
 from transformers import T5Config
 
 from tasks.summarization import TASK
-from utils import compat, preemption, devices
+from utils import compat, preemption
 from utils.args import TrainingArguments
 from utils.errors import RunError, Stopped
 from utils.layout import DataParallel
@@ -22,7 +21,8 @@ from utils.saving import STOP, SavePolicy, Saver
 
 
 def policy(total=10, per_epoch=4, **args):
-    return SavePolicy(SimpleNamespace(**{"save_steps": 3, "save_on_epoch_end": False, **args}), per_epoch, total)
+    args = {"save_steps": 3, "save_on_epoch_end": False, **args}
+    return SavePolicy(args["save_steps"], args["save_on_epoch_end"], per_epoch, total)
 
 
 def test_policy_reasons():
@@ -60,8 +60,8 @@ def saver(tmp_path, monkeypatch):
     args = TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True, per_device_train_batch_size=1)
     run_dir = RunDirectory(args, (args,), TASK, model, None, is_main=True, total_steps=4)
     layout = DataParallel()
-    saver = Saver(args, run_dir, layout, InMemoryData({}, 16), {"seed": 42}, steps_per_epoch=2, total_steps=4,
-                  start_step=0, is_main=True)
+    saver = Saver(args.output_dir, args.save_total_limit, run_dir, layout, InMemoryData({}, 16), {"seed": 42},
+                  steps_per_epoch=2, total_steps=4, start_step=0, is_main=True)
     yield saver, layout.create_state(model.__call__, model.params, optax.adamw(1e-3))
     saver.close()
     run_dir.close()
@@ -104,8 +104,7 @@ def test_resumed_saver_drops_the_later_checkpoints(saver, tmp_path):
     for step in (2, 4):
         saver.save(step, state, "save_steps")
     saver.close()
-    args = TrainingArguments(output_dir=saver.output_dir, do_train=True, resume_from_checkpoint="2")
-    again = Saver(args, saver.run_dir, saver.layout, saver.train_data, {}, steps_per_epoch=2, total_steps=4,
-                  start_step=2, is_main=True)
+    again = Saver(saver.output_dir, 2, saver.run_dir, saver.layout, saver.train_data, {}, steps_per_epoch=2,
+                  total_steps=4, start_step=2, is_main=True)
     assert again.checkpointer.all_steps() == [2]
     again.close()

@@ -14,7 +14,6 @@ import numpy as np
 from utils import batch_order, devices, perf
 from utils.errors import RunError
 from utils.metrics import token_weighted_means
-from utils.saving import SavePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -114,12 +113,13 @@ class TrainLoop:
     """When to log / evaluate / save, plus the metrics window and throughput between logs.
 
     `writer` takes the logged metrics (`log(step, metrics)`) and moves the progress bar
-    (`advance(step)`): a `RunDirectory`.
+    (`advance(step)`): a `RunDirectory`. It logs every `logging_steps`, evaluates (`evaluates`) every
+    `eval_steps` or, when that is None, at each epoch's end, and saves as `save_policy` says.
     """
 
-    def __init__(self, training_args, steps_per_epoch, total_steps, start_step, schedule, writer, throughput,
-                 tokens_per_step, examples_per_step):
-        self.args = training_args
+    def __init__(self, steps_per_epoch, total_steps, start_step, schedule, writer, throughput, tokens_per_step,
+                 examples_per_step, logging_steps, save_policy, evaluates=False, eval_steps=None):
+        self.logging_steps, self.evaluates, self.eval_steps = logging_steps, evaluates, eval_steps
         self.steps_per_epoch, self.total_steps, self.start_step = steps_per_epoch, total_steps, start_step
         self.writer, self.throughput = writer, throughput
         # All learning rates at once: calling the schedule at each log would compile its ops mid-run.
@@ -129,7 +129,7 @@ class TrainLoop:
         self.tokens_per_step, self.examples_per_step = tokens_per_step, examples_per_step
         self.window = []
         self.step = start_step  # the last step finished
-        self.save_policy = SavePolicy(training_args, steps_per_epoch, total_steps)
+        self.save_policy = save_policy
 
     @property
     def examples_trained(self):
@@ -148,7 +148,7 @@ class TrainLoop:
         else:
             self.throughput.update(self.tokens_per_step, self.examples_per_step)
         self.writer.advance(step)
-        if step % self.args.logging_steps == 0 or step == self.total_steps:
+        if step % self.logging_steps == 0 or step == self.total_steps:
             self.log(step)
 
     def _finite_window(self, step):
@@ -178,9 +178,9 @@ class TrainLoop:
         return step % self.steps_per_epoch == 0
 
     def eval_due(self, step):
-        if not self.args.do_eval:
+        if not self.evaluates:
             return False
-        due = step % self.args.eval_steps == 0 if self.args.eval_steps else self.epoch_end(step)
+        due = step % self.eval_steps == 0 if self.eval_steps else self.epoch_end(step)
         return due or step == self.total_steps
 
     def save_reason(self, step):

@@ -56,15 +56,9 @@ def decay_mask(params):
     return traverse_util.unflatten_dict({path: decays(path) for path in flat})
 
 
-def create_optimizer(training_args, schedule):
-    """AdamW with the decay mask, or Adafactor when `--adafactor` is set."""
-    if training_args.adafactor:
+def create_optimizer(schedule, adafactor, adam_beta1, adam_beta2, adam_epsilon, weight_decay):
+    """AdamW with the decay mask, or Adafactor (`--adafactor`)."""
+    if adafactor:
         return optax.adafactor(learning_rate=schedule)
-    return optax.adamw(
-        learning_rate=schedule,
-        b1=training_args.adam_beta1,
-        b2=training_args.adam_beta2,
-        eps=training_args.adam_epsilon,
-        weight_decay=training_args.weight_decay,
-        mask=decay_mask,
-    )
+    return optax.adamw(learning_rate=schedule, b1=adam_beta1, b2=adam_beta2, eps=adam_epsilon,
+                       weight_decay=weight_decay, mask=decay_mask)

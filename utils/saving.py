@@ -50,8 +50,8 @@ class SavePolicy:
     """Every `save_steps`, at the last step, at epoch ends with `save_on_epoch_end`, and when a stop
     was requested."""
 
-    def __init__(self, training_args, steps_per_epoch, total_steps):
-        self.save_steps, self.save_on_epoch_end = training_args.save_steps, training_args.save_on_epoch_end
+    def __init__(self, save_steps, save_on_epoch_end, steps_per_epoch, total_steps):
+        self.save_steps, self.save_on_epoch_end = save_steps, save_on_epoch_end
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
 
     def reason(self, step):
@@ -78,13 +78,13 @@ class Saver:
     the checkpoints, under fsdp every process writes its shards; the export is process 0's alone.
     """
 
-    def __init__(self, training_args, run_dir, layout, train_data, fingerprint, steps_per_epoch, total_steps, start_step,
-                 is_main):
-        self.output_dir, self.run_dir, self.layout = training_args.output_dir, run_dir, layout
+    def __init__(self, output_dir, save_total_limit, run_dir, layout, train_data, fingerprint, steps_per_epoch,
+                 total_steps, start_step, is_main):
+        self.output_dir, self.run_dir, self.layout = output_dir, run_dir, layout
         self.train_data, self.fingerprint = train_data, fingerprint
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.checkpointer = Checkpointer(find_checkpoint_dir(self.output_dir),
-                                         max_to_keep=training_args.save_total_limit, is_main_process=is_main)
+                                         max_to_keep=save_total_limit, is_main_process=is_main)
         self._closed = False
         if layout.writes_shards and jax.process_count() > 1:
             check_shared(self.checkpointer.directory, "--sharding fsdp: every process writes its shards of each "

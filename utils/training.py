@@ -24,7 +24,7 @@ from utils.loop import TrainLoop, eval_batches, host_eval_batches, host_means
 from utils.optim import create_optimizer
 from utils.resume import resume_or_start, run_fingerprint
 from utils.rundir import RunDirectory
-from utils.saving import Saver
+from utils.saving import SavePolicy, Saver
 from utils.steps import token_weighted_grads
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,9 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     """
     if training_args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    state = layout.create_state(model.__call__, params, create_optimizer(training_args, plan.schedule))
+    optimizer = create_optimizer(plan.schedule, training_args.adafactor, training_args.adam_beta1,
+                                 training_args.adam_beta2, training_args.adam_epsilon, training_args.weight_decay)
+    state = layout.create_state(model.__call__, params, optimizer)
     label_smoothing, seed = training_args.label_smoothing_factor, training_args.seed
     accumulation = training_args.gradient_accumulation_steps
 
@@ -209,8 +211,8 @@ class TrainingRun:
         self.dir = RunDirectory(args, self.all_args, self.task, model, tokenizer, self.is_main, plan.total_steps,
                                 resume, self.layout.train_step_memory)
         if args.do_train:
-            self.saver = Saver(args, self.dir, self.layout, train_data, fingerprint, plan.steps_per_epoch,
-                               plan.total_steps, self.start_step, self.is_main)
+            self.saver = Saver(args.output_dir, args.save_total_limit, self.dir, self.layout, train_data, fingerprint,
+                               plan.steps_per_epoch, plan.total_steps, self.start_step, self.is_main)
         return state
 
     def train_batches(self, seq_length, decoder_seq_length=None, transform=None):
@@ -222,9 +224,12 @@ class TrainingRun:
         logger.info("training: %d steps (%d per epoch), global batch %d = %d per device x %d devices x %d",
                     plan.total_steps, plan.steps_per_epoch, plan.batch_size,
                     plan.batch_size // (jax.device_count() * accumulation), jax.device_count(), accumulation)
-        self.loop = TrainLoop(args, plan.steps_per_epoch, plan.total_steps, self.start_step, plan.schedule, self.dir,
+        save_policy = SavePolicy(args.save_steps, args.save_on_epoch_end, plan.steps_per_epoch, plan.total_steps)
+        self.loop = TrainLoop(plan.steps_per_epoch, plan.total_steps, self.start_step, plan.schedule, self.dir,
                               throughput_meter(self.config, seq_length, decoder_seq_length),
-                              tokens_per_step=plan.batch_size * seq_length, examples_per_step=plan.batch_size)
+                              tokens_per_step=plan.batch_size * seq_length, examples_per_step=plan.batch_size,
+                              logging_steps=args.logging_steps, save_policy=save_policy, evaluates=args.do_eval,
+                              eval_steps=args.eval_steps)
         batches = self.train_data.batches(plan.batch_size, args.seed, plan.steps_per_epoch, self.start_step,
                                           plan.total_steps, self.layout, transform=transform)
         self._train_start = time.time()
