@@ -91,7 +91,8 @@ class TrainingArguments:
     do_eval: bool = _help("Evaluate on the validation set.", default=False)
     do_predict: bool = _help("Predict on the test set.", default=False)
     per_device_train_batch_size: int = _help(
-        "Batch size per device (core) for training (derived from --total_train_batch_size when that is set).",
+        "Batch size per device (core) for training (--total_train_batch_size, when set, fixes the global batch "
+        "instead).",
         default=8)
     total_train_batch_size: Optional[int] = _help(
         "Examples per optimizer step over all devices of all hosts; when set, the per-device batch is this / "
