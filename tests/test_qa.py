@@ -437,13 +437,16 @@ def test_window_length_is_cut_to_the_tokenizer_and_the_model(caplog):
     import logging
     from types import SimpleNamespace
 
+    from transformers import BertConfig
+
     logger = logging.getLogger("test_qa")
-    tokenizer = SimpleNamespace(model_max_length=48)
-    assert qa.window_length(64, 16, tokenizer, SimpleNamespace(max_position_embeddings=40), logger) == 40
+    tokenizer, config = SimpleNamespace(model_max_length=48), BertConfig(max_position_embeddings=40)
+    assert qa.window_length(64, 16, tokenizer, config, logger) == 40
     assert "more than the tokenizer's 48" in caplog.text and "more than the model's 40 positions" in caplog.text
-    assert qa.window_length(32, 16, tokenizer, SimpleNamespace(max_position_embeddings=40), logger) == 32
+    assert qa.window_length(64, 16, SimpleNamespace(model_max_length=36), config, logger) == 36
+    assert qa.window_length(32, 16, tokenizer, config, logger) == 32
     with pytest.raises(UsageError, match=r"--doc_stride 40 must be less than the window of 40 tokens"):
-        qa.window_length(64, 40, tokenizer, SimpleNamespace(max_position_embeddings=40), logger)
+        qa.window_length(64, 40, tokenizer, config, logger)
 
 
 def test_span_loss_is_the_mean_of_start_and_end_cross_entropy_over_real_windows():
