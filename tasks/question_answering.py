@@ -2,7 +2,7 @@
 the SQuAD scores and the prediction files.
 
 What run_qa.py does with a split, in order: `load_splits` reads it (SQuAD documents here, other files
-and hub datasets through `utils.data`), `check_columns` finds its columns, `prepare_split` reads its
+and hub datasets through `utils.data`), `check_columns` checks its columns, `prepare_split` reads its
 examples (`read_examples`, answers checked against their contexts) and cuts each context into
 overlapping windows (features, `cut_windows`: what the model trains and predicts on, and what the
 demo feeds it), labelled with the answer's first and last tokens (`span_loss` trains on them).
@@ -29,9 +29,8 @@ import numpy as np
 from tasks import Task
 from tasks.demo import (Answer, BadInput, Predictor, bucket_for, buckets, escape_markdown, require_text,
                         show_answer)
-from utils import data
+from utils import data, models
 from utils.errors import UsageError
-from utils.models import fit_length, load_tokenizer as load_any_tokenizer, max_positions
 from utils.steps import cross_entropy_sums
 
 TASK = Task("question-answering", "question-answering",
@@ -178,7 +177,7 @@ def read_examples(dataset, split, data_args, tokenizer, has_answers):
 
 def load_tokenizer(model_args):
     """The tokenizer of the run, which must be a fast one (it gives the character offsets)."""
-    tokenizer = load_any_tokenizer(model_args)
+    tokenizer = models.load_tokenizer(model_args)
     if not tokenizer.is_fast:
         raise UsageError(f"{type(tokenizer).__name__} is not a fast tokenizer: question answering maps tokens back "
                          "to the context by character offsets, which only fast tokenizers give; use a tokenizer "
@@ -193,7 +192,7 @@ def window_length(max_seq_length, doc_stride, tokenizer, config, logger):
         logger.warning("--max_seq_length %d is more than the tokenizer's %d: using %d", max_seq_length,
                        tokenizer.model_max_length, tokenizer.model_max_length)
         max_seq_length = tokenizer.model_max_length
-    seq_length = fit_length(max_seq_length, max_positions(config), "max_seq_length", logger)
+    seq_length = models.fit_length(max_seq_length, models.max_positions(config), "max_seq_length", logger)
     if doc_stride >= seq_length:
         raise UsageError(f"--doc_stride {doc_stride} must be less than the window of {seq_length} tokens "
                          "(--max_seq_length, lowered to the model's positions)")
