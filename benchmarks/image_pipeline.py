@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Images/s of the image pipeline (decode + transform, `utils/images.py`) vs what a train step consumes.
+"""Images/s of the image pipeline (decode + transform, `tasks/image_classification.py`) vs what a train step consumes.
 
     python benchmarks/image_pipeline.py                          # ~2 min on 2 CPU cores
     python benchmarks/image_pipeline.py --workers 1 2 4 --steps 20
@@ -32,7 +32,7 @@ if ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from utils import images  # noqa: E402
+from tasks import image_classification as images  # noqa: E402
 
 
 def photo_folder(root, count):

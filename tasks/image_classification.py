@@ -1,11 +1,15 @@
-"""Images for classification: find them, check them, decode them, transform them, batch them.
+"""Image classification: find the images, check, decode and transform them, batch them; labels, the
+loss and its top-k accuracy, the prediction file.
 
-Pure NumPy and Pillow (no torch, no torchvision). What a run does with an image:
+Pure NumPy and Pillow (no torch, no torchvision). What a run does with its images:
 
-- find: `scan_folder` reads the ImageFolder layout (`root/<class>/<image>`, class folders sorted by
-  name give the label ids); `scan_images` takes every image under a folder, classes or not
-  (prediction needs no labels). Bad layouts (no class folders, an empty class folder) are
-  UsageErrors naming the folder.
+- find: `load_splits` gives each phase's `ImageSplit` from a folder or a `datasets` split (a data
+  file or a hub dataset, `DatasetImages`); `take_subset` draws --max_*_samples of them at random.
+  `scan_folder` reads the ImageFolder layout (`root/<class>/<image>`, the class folders name the
+  labels); `scan_images` takes every image under a folder, classes or not (prediction needs no
+  labels). Bad layouts (no class folders, an empty class folder) are UsageErrors naming the folder.
+- label: `choose_labels` names the classes (the training ones, in the checkpoint's order when it
+  names exactly those), `label_ids` maps each image's class to its id.
 - check: `check_readable` decodes every image once, before anything is written, so a corrupt file
   stops the run at its start with its name, not at step 5,000.
 - decode: `open_rgb` gives RGB whatever the file holds (grey, grey + alpha, palette, RGBA, CMYK).
@@ -16,28 +20,44 @@ Pure NumPy and Pillow (no torch, no torchvision). What a run does with an image:
   index) only: a resumed run crops every example exactly as the uninterrupted run did, whichever
   thread or process decodes it. Pixels are then normalised as the image processor does it
   (`(x * rescale_factor - mean) / std`), channels first: what transformers' Flax vision models take.
+  `fit_image_size` chooses `size`, one the model can take.
 - batch: `ImageData` is the training data (the methods of `utils.loop.InMemoryData`): each step's
   batch is decoded and transformed by a pool of threads several steps ahead of the step that needs
   it (Pillow and NumPy release the GIL while they work); `ImageColumn` is a column of transformed
   images for `utils.loop.eval_batches`, each batch decoded by the same kind of pool.
+- score and predict: `classification_sums` (loss, accuracy and top-5 accuracy summed over the real
+  images), `eval_metrics`, and `prediction_lines`, the lines of predict_results.txt.
 """
 
 import collections
+import inspect
 import io
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from tasks import Task
+from tasks import Task, classification
 from tasks.demo import Answer, BadInput, Predictor, escape_markdown, show_answer
-from utils import batch_order, devices
+from utils import batch_order, dataset_loading, devices, file_formats
 from utils.errors import UsageError
+from utils.run import SPLIT_FLAGS, check_splits, needed_splits
+from utils.steps import cross_entropy_sums
 
 TASK = Task("image-classification", "image-classification", outputs=("predict_results.txt",))
+
+FILE_FORMATS = ("json", "csv")
+SPLIT_DIRS = {"train": "train_dir", "validation": "validation_dir", "test": "test_dir"}  # split -> its folder flag
+# Normalisation of a model trained from scratch: transformers' IMAGENET_STANDARD_MEAN / _STD (ViT's).
+DEFAULT_MEAN, DEFAULT_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+DEFAULT_IMAGE_SIZE = 224
+# Families whose position embeddings are interpolated to any input size (the others need their config's).
+RESIZABLE_POSITIONS = ("dinov2",)
+TOP_K = 5  # the top-k accuracy reported beside the accuracy, with more classes than this
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm", ".jfif")
 CROP_RATIO = (3 / 4, 4 / 3)  # aspect ratios of the random crop, as the classic (torchvision's defaults)
@@ -101,6 +121,163 @@ def scan_images(root, flag):
     if not paths:
         raise UsageError(f"--{flag} {root} holds no images (looked for {', '.join(IMAGE_EXTENSIONS)})")
     return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# Splits: the images of each phase, from folders or datasets
+# ---------------------------------------------------------------------------------------------
+
+
+class ImageSplit(NamedTuple):
+    """The images of a split: `sources` (paths, or `DatasetImages`), the class name of each (None
+    for unlabelled images) and the name each is shown by (predictions, errors)."""
+    sources: object
+    label_names: list
+    shown: list
+
+
+def check_data_given(training_args, data_args):
+    """Each phase asked for has its images: a folder, a file or a dataset (not a folder and a file)."""
+    for split, (phase, file_flag) in SPLIT_FLAGS.items():
+        folder, file = getattr(data_args, SPLIT_DIRS[split]), getattr(data_args, file_flag[2:])
+        if folder and file:
+            raise UsageError(f"--{SPLIT_DIRS[split]} and {file_flag} both give {split} images: pass one")
+        if getattr(training_args, phase) and not (folder or file or data_args.dataset_name):
+            raise UsageError(f"--{phase} needs {split} images: pass --{SPLIT_DIRS[split]} (root/<class>/<image>), "
+                             f"{file_flag} or --dataset_name")
+
+
+def data_files(data_args):
+    """{split: data file or None} of the splits that come from no folder (a file or a dataset)."""
+    return {split: getattr(data_args, flag[2:]) for split, (_, flag) in SPLIT_FLAGS.items()
+            if not getattr(data_args, SPLIT_DIRS[split])}
+
+
+def check_folders(training_args, data_args):
+    """Scan the folder of each phase asked for: a bad layout fails before any work."""
+    for split in needed_splits(training_args):
+        folder = getattr(data_args, SPLIT_DIRS[split])
+        if folder:
+            (scan_images if split == "test" else scan_folder)(folder, SPLIT_DIRS[split])
+
+
+def folder_split(data_args, split):
+    """The `ImageSplit` of a split's folder, its images shown by their paths under the folder."""
+    root = getattr(data_args, SPLIT_DIRS[split])
+    if split == "test":
+        paths = scan_images(root, SPLIT_DIRS[split])
+        names = None
+    else:
+        paths, names, _ = scan_folder(root, SPLIT_DIRS[split])
+    return ImageSplit(paths, names, [os.path.relpath(path, root) for path in paths])
+
+
+def dataset_columns(data_args, columns, split):
+    """(image column, label column or None) of a dataset split's `columns`."""
+    image = data_args.image_column_name or next((c for c in ("image", "img") if c in columns), None)
+    if image is None:
+        raise UsageError(f"the {split} data has no 'image' or 'img' column (its columns: {', '.join(columns)}): "
+                         "name it with --image_column_name")
+    file_formats.require_columns({split: columns}, [("image_column_name", image)])
+    if split == "test":
+        return image, None
+    label = data_args.label_column_name or next((c for c in ("label", "labels") if c in columns), None)
+    if label is None:
+        raise UsageError(f"the {split} data has no 'label' or 'labels' column (its columns: {', '.join(columns)}): "
+                         "name it with --label_column_name")
+    file_formats.require_columns({split: columns}, [("label_column_name", label)])
+    return image, label
+
+
+def dataset_split(data_args, dataset, split, file):
+    """The `ImageSplit` of a `datasets` split (read from `file`, or a hub dataset when None)."""
+    image_column, label_column = dataset_columns(data_args, dataset.column_names, split)
+    base = os.path.dirname(os.path.abspath(file)) if file else None
+    sources = DatasetImages(dataset, image_column, base)
+    names = None
+    if label_column is not None:
+        feature = dataset.features[label_column]
+        values = list(dataset[label_column])
+        if hasattr(feature, "int2str"):
+            names = [feature.int2str(int(v)) for v in values]
+        else:
+            classification.label_list(values)  # missing or mixed labels fail here
+            names = [str(v) for v in values]
+    return ImageSplit(sources, names, [sources.name(i) for i in range(len(sources))])
+
+
+def load_splits(data_args, training_args, cache_dir):
+    """{split: ImageSplit} of the phases asked for, each from its folder, data file or the dataset."""
+    splits = needed_splits(training_args)
+    files = data_files(data_args)
+    from_datasets = [split for split in splits if split in files]
+    raw = {}
+    if from_datasets:
+        raw = dataset_loading.load_splits(data_args, {s: files[s] for s in from_datasets}, cache_dir,
+                                          allowed=FILE_FORMATS)
+    loaded = {}
+    for split in splits:
+        if split not in from_datasets:
+            loaded[split] = folder_split(data_args, split)
+            continue
+        check_splits(raw, {split: split}, data_args.dataset_name, fix=f"pass --{SPLIT_DIRS[split]}")
+        loaded[split] = dataset_split(data_args, raw[split], split, files[split])
+    return loaded
+
+
+def take_subset(images, max_samples, seed):
+    """The `ImageSplit` of `max_samples` of `images` drawn at random (seeded), in their order: a
+    folder's first images would all be of its first class."""
+    if max_samples is None or max_samples >= len(images.sources):
+        return images
+    keep = np.sort(np.random.default_rng(seed).permutation(len(images.sources))[:max_samples])
+    pick = (lambda values: None if values is None else [values[i] for i in keep])
+    sources = images.sources.select(keep) if hasattr(images.sources, "select") else pick(images.sources)
+    return ImageSplit(sources, pick(images.label_names), pick(images.shown))
+
+
+# ---------------------------------------------------------------------------------------------
+# Labels
+# ---------------------------------------------------------------------------------------------
+
+
+def class_order(name):
+    """Sort key of class names: integers by value (2 before 10), then the others as strings."""
+    return (0, int(name), "") if name.lstrip("-").isdigit() else (1, 0, name)
+
+
+def choose_labels(splits, config, pretrained, training):
+    """The label names, by id. Training: the training classes, in the checkpoint's order when it names
+    exactly those (its head keeps its meaning). Else the checkpoint's, which must name every class of
+    the data."""
+    saved = classification.saved_label_names(config) if pretrained else None
+    if training:
+        classes = sorted(set(splits["train"].label_names), key=class_order)
+        if len(classes) < 2:
+            raise UsageError(f"the training images have one class only ({classes[0]!r}): classification needs two "
+                             "or more (one folder per class)")
+        return saved if saved and sorted(saved, key=class_order) == classes else classes
+    if saved is None:
+        raise UsageError("evaluation or prediction alone needs the label names: use a model fine-tuned by this "
+                         "script (its config names them), or train it here (--do_train)")
+    return saved
+
+
+def label_ids(split, label_names, names):
+    """The ids of a split's class names `label_names` among the model's `names`; unknown ones fail."""
+    index = {name: i for i, name in enumerate(names)}
+    unknown = sorted(set(label_names) - set(index))
+    if unknown:
+        raise UsageError(f"the {split} images have classes the model does not know: "
+                         f"{', '.join(map(repr, unknown[:5]))} (its classes: {', '.join(map(repr, names[:20]))})")
+    return np.array([index[name] for name in label_names], np.int32)
+
+
+def set_labels(config, names):
+    """The model config's head: one logit per class, named `names` (saved with the model)."""
+    config.num_labels = len(names)
+    config.label2id, config.id2label = classification.config_label_maps(names)
+    config.problem_type = "single_label_classification"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +465,7 @@ def processor_size(processor):
     return None
 
 
-def eval_processor(size, mean, std):
+def eval_processor(size, mean=DEFAULT_MEAN, std=DEFAULT_STD):
     """An image processor (transformers' `BitImageProcessor`) that does exactly what the eval
     transform does (shorter side to `size`, bilinear; center `size` crop; x / 255; `mean`, `std`):
     saved with a model trained from scratch, so `AutoImageProcessor` reproduces its inputs."""
@@ -299,6 +476,48 @@ def eval_processor(size, mean, std):
                              do_center_crop=True, crop_size={"height": size, "width": size}, do_rescale=True,
                              rescale_factor=1 / 255, do_normalize=True, image_mean=list(mean), image_std=list(std),
                              do_convert_rgb=True)
+
+
+def load_image_processor(model_args):
+    """The image processor of --image_processor_name or the pretrained model, or None (from scratch)."""
+    name = model_args.image_processor_name or model_args.model_name_or_path
+    if not name:
+        return None
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token)
+    except (OSError, ValueError) as e:
+        if model_args.image_processor_name:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UsageError(f"could not load image processor {name!r}: {first}") from e
+        return None  # a checkpoint without one: the default normalisation
+
+
+def fit_image_size(data_args, config, processor, pretrained):
+    """The side of the model's square inputs, written into a new model's config; a size the model
+    cannot take (a patch grid that does not divide it, position embeddings for another) is a UsageError."""
+    config_size = getattr(config, "image_size", None)
+    size = data_args.image_size or config_size or processor_size(processor) or DEFAULT_IMAGE_SIZE
+    if config_size is not None and size != config_size:
+        if pretrained and config.model_type not in RESIZABLE_POSITIONS:
+            raise UsageError(f"--image_size {size} differs from the {config_size} the pretrained "
+                             f"{config.model_type} model's position embeddings are for: use --image_size {config_size}")
+        config.image_size = size
+    patch = getattr(config, "patch_size", None)
+    if isinstance(patch, int) and size % patch:
+        raise UsageError(f"--image_size {size} is not a multiple of the model's patch_size {patch}: use "
+                         f"{max(patch, size // patch * patch)} or {(size // patch + 1) * patch}")
+    if getattr(config, "num_channels", 3) != 3:
+        raise UsageError(f"the model takes {config.num_channels}-channel images; this script feeds RGB: set "
+                         "num_channels=3")
+    return size
+
+
+def patch_tokens(config, size):
+    """Positions a transformer attends over (patches + [CLS]); 1 for a convolutional network."""
+    patch = getattr(config, "patch_size", None)
+    return (size // patch) ** 2 + 1 if isinstance(patch, int) else 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,6 +612,68 @@ class ImageData:
         return None
 
 
+def eval_columns(splits, labels, transforms, workers=None):
+    """{split: {"pixel_values": ImageColumn, ["labels"]}} of the splits evaluated or predicted (all but
+    "train"): what `utils.loop.eval_batches` reads; "labels" where `labels` has the split's ids."""
+    return {split: {"pixel_values": ImageColumn(images.sources, transforms, workers),
+                    **({"labels": labels[split]} if split in labels else {})}
+            for split, images in splits.items() if split != "train"}
+
+
+# ----------------------------------------------------------------------------------------------
+# The model's logits, the loss and the metrics
+# ----------------------------------------------------------------------------------------------
+def logits_fn(model):
+    """`logits_of(params, batch, dropout_rng=None, train=False)` of a vision model on batch["pixel_values"].
+
+    ResNet / RegNet take no dropout key; their batch norm always runs on its saved statistics
+    (train=False), which training leaves as they are (no gradient: the statistics are used, hence
+    differentiable): frozen batch norm, the same in train and eval."""
+    takes_dropout = "dropout_rng" in inspect.signature(model.__call__).parameters
+
+    def logits_of(params, batch, dropout_rng=None, train=False):
+        if takes_dropout:
+            return model(batch["pixel_values"], params=params, dropout_rng=dropout_rng, train=train)[0]
+        frozen = {**params, "batch_stats": jax.lax.stop_gradient(params["batch_stats"])}
+        return model(batch["pixel_values"], params=frozen, train=False)[0]
+
+    return logits_of
+
+
+def top_k_for(num_labels):
+    """The k of the top-k accuracy a run reports with `num_labels` classes (None: accuracy alone)."""
+    return TOP_K if num_labels > TOP_K else None
+
+
+def classification_sums(logits, labels, example_weight=None, label_smoothing=0.0, top_k=None):
+    """(loss sum, {"loss", "accuracy", ["top5_accuracy"], "tokens"}): cross-entropy and correct
+    predictions summed over the images, "tokens" counting them (each weighted by `example_weight`:
+    0 for padded rows), so their means are exact over every image."""
+    weights = jnp.ones(labels.shape, jnp.float32) if example_weight is None else example_weight
+    loss, count = cross_entropy_sums(logits, labels, weights, label_smoothing)
+    sums = {"loss": loss, "accuracy": ((logits.argmax(-1) == labels) * weights).sum(), "tokens": count}
+    if top_k:
+        # Ranks by logit: a label is in the top k when fewer than k classes score above it.
+        label_logit = jnp.take_along_axis(logits, labels[:, None], axis=-1)
+        in_top = (logits > label_logit).sum(-1) < top_k
+        sums[f"top{top_k}_accuracy"] = (in_top * weights).sum()
+    return loss, sums
+
+
+def eval_metrics(means):
+    """A split's results from the eval step's means: loss, accuracy, [top5_accuracy], and "samples",
+    the images counted."""
+    return {**{name: value for name, value in means.items() if name != "tokens"}, "samples": means["tokens"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Prediction file
+# ----------------------------------------------------------------------------------------------
+def prediction_lines(shown, class_ids, names):
+    """The lines of predict_results.txt: a header, then "<image>\t<predicted class>" per image, in order."""
+    return ["image\tprediction", *(f"{image}\t{names[class_id]}" for image, class_id in zip(shown, class_ids))]
+
+
 # ----------------------------------------------------------------------------------------------
 # The demo page (demo.py): the predictor and the form asking for its input
 # ----------------------------------------------------------------------------------------------
@@ -409,7 +690,7 @@ class ImageClassifier(Predictor):
 
         super().__init__(output_dir, run_args)
         processor = AutoImageProcessor.from_pretrained(output_dir)
-        # The size the run trained at, found as run_image_classification.py finds it.
+        # The size the run trained at, as `fit_image_size` found it (and wrote into the config).
         size = run_args.get("image_size") or getattr(self.config, "image_size", None) or processor_size(
             processor)
         self.transforms = Transforms(size, Normalisation(processor))

@@ -1,18 +1,26 @@
-"""Extractive question answering: context windows, from their start / end logits to answers, and the SQuAD scores.
+"""Extractive question answering: SQuAD data, context windows, the span loss, from start / end logits to answers,
+the SQuAD scores and the prediction files.
 
-A long context is cut into overlapping windows (features, `cut_windows`: what run_qa.py trains and
-predicts on, and what the demo feeds the model); `best_answers` gathers the best spans
-of every window of an example and picks its answer, as the classic `utils_qa.py` of Hugging Face's
-examples does, without its failure modes (no index past the candidates, no "empty" placeholder
-text). The metrics are the official SQuAD v1.1 and v2.0 evaluation scripts' definitions, offline
-and in their scale: percentages, 0 to 100.
+What run_qa.py does with a split, in order: `load_splits` reads it (SQuAD documents here, other
+files and hub datasets through `utils.dataset_loading`), `check_columns` checks its columns,
+`prepare_split` reads its examples (`read_examples`, answers checked against their contexts) and cuts each context into
+overlapping windows (features, `cut_windows`: what the model trains and predicts on, and what the
+demo feeds it), labelled with the answer's first and last tokens (`span_loss` trains on them).
+`predicted_answers` gathers the best spans of every window of an example and picks its answer
+(`best_answers`), as the classic `utils_qa.py` of Hugging Face's examples does, without its failure
+modes (no index past the candidates, no "empty" placeholder text); `eval_metrics` scores them with
+the official SQuAD v1.1 and v2.0 evaluation scripts' definitions, offline and in their scale
+(percentages, 0 to 100); `write_predictions` writes the answers, n-best lists and null odds.
 """
 
+import ast
 import collections
 import inspect
+import json
+import logging
 import re
 import string
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +29,174 @@ import numpy as np
 from tasks import Task
 from tasks.demo import (Answer, BadInput, Predictor, bucket_for, buckets, escape_markdown, require_text,
                         show_answer)
-from utils.models import max_positions
+from utils import arrow_columns, dataset_loading, file_formats, models
+from utils.errors import UsageError
+from utils.steps import cross_entropy_sums
 
 TASK = Task("question-answering", "question-answering",
             outputs=("*_predictions.json", "*_nbest_predictions.json", "*_null_odds.json"))
 
+FILE_FORMATS = ("json", "csv")
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # those a tokenizer makes and a model may take
+PREFIXES = {"validation": "eval", "test": "predict"}  # of a split's result keys and prediction files
 NO_CONTEXT = -1  # the offsets of a token outside the context (question, special tokens, padding)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: SQuAD files, columns, answers, examples
+# ----------------------------------------------------------------------------------------------
+def is_squad_document(path):
+    """Whether a local .json file is one SQuAD document, {"version": ..., "data": [...]} (or the
+    classic scripts' {"data": [rows]}), rather than JSON lines."""
+    if file_formats.EXTENSIONS.get(file_formats._extensions(path)[0]) != "json":
+        return False
+    with file_formats.open_content(path) as f:
+        head = f.read(4096).decode("utf-8", errors="ignore").lstrip("\ufeff")
+    return re.match(r'\s*\{\s*"(version|data)"\s*:', head) is not None
+
+
+def read_squad_document(path):
+    """The rows of a SQuAD document: the official layout's articles / paragraphs / qas flattened
+    (id, title, context, question, answers {text, answer_start}), or the classic scripts' rows."""
+    with file_formats.open_content(path) as f:
+        try:
+            document = json.load(f)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"data file {path} is not valid JSON: {e.msg} at line {e.lineno} column "
+                             f"{e.colno}") from None
+    items = document.get("data")
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise UsageError(f"data file {path}: its \"data\" must be a list of SQuAD articles or rows")
+    rows = []
+    for item in items:
+        if "paragraphs" not in item:
+            rows.append(item)
+            continue
+        for paragraph in item["paragraphs"]:
+            for question in paragraph.get("qas", []):
+                answers = question.get("answers", [])
+                rows.append({"id": str(question.get("id", len(rows))), "title": item.get("title", ""),
+                             "context": paragraph["context"], "question": question["question"],
+                             "answers": {"text": [a["text"] for a in answers],
+                                         "answer_start": [a["answer_start"] for a in answers]}})
+    if not rows:
+        raise UsageError(f"data file {path} holds no questions")
+    return rows
+
+
+def load_splits(data_args, files, cache_dir):
+    """{split: Dataset}: a hub dataset, or local files (SQuAD documents read here, the rest by `datasets`)."""
+    import datasets
+
+    if data_args.dataset_name:
+        return dataset_loading.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS)
+    documents = {split: path for split, path in files.items() if path and is_squad_document(path)}
+    others = {split: path for split, path in files.items() if path and split not in documents}
+    loaded = dict(dataset_loading.load_splits(data_args, others, cache_dir, allowed=FILE_FORMATS)) if others else {}
+    for split, path in documents.items():
+        loaded[split] = datasets.Dataset.from_list(read_squad_document(path))
+    return loaded
+
+
+def check_columns(splits, data_args):
+    """{split: whether it has answers} of `splits` ({split: Dataset}), once every split has the
+    question and context columns, and the training and validation splits the answer column (a test
+    set may come without answers)."""
+    columns = {split: dataset.column_names for split, dataset in splits.items()}
+    file_formats.require_columns(columns, (("question_column_name", data_args.question_column_name),
+                                   ("context_column_name", data_args.context_column_name)))
+    file_formats.require_columns({split: names for split, names in columns.items() if split in ("train", "validation")},
+                         (("answer_column_name", data_args.answer_column_name),))
+    return {split: data_args.answer_column_name in names for split, names in columns.items()}
+
+
+def parse_answers(value, split, row):
+    """(texts, starts) of a row's answers: {text: [...], answer_start: [...]}, a list of {text,
+    answer_start}, or either written as JSON / a Python literal (csv); empty or missing: none."""
+    if isinstance(value, str):
+        if not value.strip():
+            return [], []
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            try:
+                value = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                raise UsageError(f"row {row} of the {split} data: the answers {value[:60]!r} are not JSON such as "
+                                 '{"text": ["..."], "answer_start": [0]}') from None
+    if value is None:
+        return [], []
+    if isinstance(value, list):
+        value = {"text": [a.get("text") for a in value], "answer_start": [a.get("answer_start") for a in value]}
+    if not isinstance(value, dict) or "text" not in value or "answer_start" not in value:
+        raise UsageError(f"row {row} of the {split} data: the answers must have 'text' and 'answer_start' "
+                         '(e.g. {"text": ["Lyon"], "answer_start": [12]})')
+    texts, starts = list(value["text"] or []), list(value["answer_start"] or [])
+    if len(texts) != len(starts):
+        raise UsageError(f"row {row} of the {split} data has {len(texts)} answer texts but {len(starts)} "
+                         "answer_start values: give each answer its start")
+    return texts, starts
+
+
+def read_examples(dataset, split, data_args, tokenizer, has_answers):
+    """The rows as id, question (left-stripped: some SQuAD questions start with spaces the window
+    would waste), context, answer_texts, answer_starts, question_tokens; the first answer of each
+    row checked against its context (the one trained on)."""
+    question_col, context_col, answer_col = (data_args.question_column_name, data_args.context_column_name,
+                                             data_args.answer_column_name)
+
+    def read(examples, indices):
+        out = {"id": [], "question": [], "context": [], "answer_texts": [], "answer_starts": []}
+        for i, row in enumerate(indices):
+            question, context = examples[question_col][i], examples[context_col][i]
+            if not isinstance(question, str) or not isinstance(context, str):
+                raise UsageError(f"row {row} of the {split} data: the question and the context must be text")
+            texts, starts = parse_answers(examples[answer_col][i], split, row) if has_answers else ([], [])
+            if texts:
+                start, text = starts[0], texts[0]
+                if not isinstance(start, int) or not 0 <= start < len(context):
+                    raise UsageError(f"row {row} of the {split} data: answer_start {start} is outside its context "
+                                     f"of {len(context)} characters: it must be the answer's character offset")
+                if context[start:start + len(text)] != text:
+                    raise UsageError(f"row {row} of the {split} data: the answer {text!r} is not at answer_start "
+                                     f"{start} of the context (which reads {context[start:start + len(text)]!r} "
+                                     "there): fix the offset or the text")
+            ids = examples["id"][i] if "id" in examples else row
+            out["id"].append(str(ids))
+            out["question"].append(question.lstrip())
+            out["context"].append(context)
+            out["answer_texts"].append([str(t) for t in texts])
+            out["answer_starts"].append([int(s) for s in starts])
+        out["question_tokens"] = [len(ids) for ids in tokenizer(out["question"], add_special_tokens=False)["input_ids"]]
+        return out
+
+    return dataset.map(read, batched=True, with_indices=True, num_proc=data_args.preprocessing_num_workers,
+                       remove_columns=dataset.column_names, load_from_cache_file=not data_args.overwrite_cache,
+                       desc=f"reading the {split} questions")
+
+
+def load_tokenizer(model_args):
+    """The tokenizer of the run, which must be a fast one (it gives the character offsets)."""
+    tokenizer = models.load_tokenizer(model_args)
+    if not tokenizer.is_fast:
+        raise UsageError(f"{type(tokenizer).__name__} is not a fast tokenizer: question answering maps tokens back "
+                         "to the context by character offsets, which only fast tokenizers give; use a tokenizer "
+                         "with a tokenizer.json (and drop --use_fast_tokenizer false)")
+    return tokenizer
+
+
+def window_length(max_seq_length, doc_stride, tokenizer, config, logger):
+    """Tokens per window: `max_seq_length`, lowered (with a warning) to the tokenizer's max length
+    and the model's positions; more than `doc_stride`, the tokens two windows share."""
+    if max_seq_length > tokenizer.model_max_length:
+        logger.warning("--max_seq_length %d is more than the tokenizer's %d: using %d", max_seq_length,
+                       tokenizer.model_max_length, tokenizer.model_max_length)
+        max_seq_length = tokenizer.model_max_length
+    seq_length = models.fit_length(max_seq_length, models.max_positions(config), "max_seq_length", logger)
+    if doc_stride >= seq_length:
+        raise UsageError(f"--doc_stride {doc_stride} must be less than the window of {seq_length} tokens "
+                         "(--max_seq_length, lowered to the model's positions)")
+    return seq_length
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,6 +242,112 @@ def cut_windows(tokenizer, questions, contexts, seq_length, doc_stride):
         null = null_index(encoded["input_ids"][row], encoded["attention_mask"][row], tokenizer.cls_token_id)
         windows.append(Window(pair, context_mask, offsets, null))
     return encoded, windows
+
+
+def check_windows(examples, split, seq_length, doc_stride, special_tokens):
+    """Each window must hold the whole question and more context than the windows share."""
+    lengths = np.asarray(examples["question_tokens"])
+    room = seq_length - lengths - special_tokens
+    worst = int(np.argmin(room))
+    if room[worst] <= doc_stride:
+        needed = lengths[worst] + special_tokens + doc_stride + 1
+        raise UsageError(f"row {worst} of the {split} data: its question takes {lengths[worst]} tokens, leaving "
+                         f"{room[worst]} of --max_seq_length {seq_length} for the context, not more than "
+                         f"--doc_stride {doc_stride}: raise --max_seq_length to {needed} or more, or lower "
+                         "--doc_stride")
+
+
+def answer_tokens(offsets, context_mask, start_char, end_char):
+    """(first token, last token) of the span [start_char, end_char) inside a window, or None when
+    the window's context does not hold all of it."""
+    context = np.flatnonzero(context_mask)
+    if offsets[context[0]][0] > start_char or offsets[context[-1]][1] < end_char:
+        return None
+    first = context[np.flatnonzero(offsets[context, 0] <= start_char)[-1]]
+    last = context[np.flatnonzero(offsets[context, 1] >= end_char)[0]]
+    return int(first), int(last)
+
+
+def make_windows(examples, tokenizer, seq_length, doc_stride, data_args):
+    """Fixed-length windows: the model inputs; start_positions / end_positions (the answer's first
+    and last tokens, or null_index where the window lacks the first answer or there is none);
+    example_index; offsets (the [tokens, 2] character offsets into the context, NO_CONTEXT
+    elsewhere, flattened) and null_index."""
+    def tokenize(batch, indices):
+        encoded, windows = cut_windows(tokenizer, batch["question"], batch["context"], seq_length, doc_stride)
+        out = {"start_positions": [], "end_positions": [], "example_index": [], "offsets": [], "null_index": []}
+        for window in windows:
+            texts, starts = batch["answer_texts"][window.pair], batch["answer_starts"][window.pair]
+            span = answer_tokens(window.offsets, window.context_mask, starts[0], starts[0] + len(texts[0])) \
+                if texts else None
+            start, end = span or (window.null, window.null)
+            out["start_positions"].append(start)
+            out["end_positions"].append(end)
+            out["example_index"].append(indices[window.pair])
+            out["offsets"].append(window.offsets.reshape(-1).tolist())  # flat: a fixed-length column
+            out["null_index"].append(window.null)
+        return {**encoded, **out}
+
+    return examples.map(tokenize, batched=True, with_indices=True, num_proc=data_args.preprocessing_num_workers,
+                        remove_columns=examples.column_names, load_from_cache_file=not data_args.overwrite_cache,
+                        desc="cutting windows")
+
+
+class Features(NamedTuple):
+    """A split ready for the steps: `examples` as `read_examples` gives them; `arrays` the windows'
+    model inputs and start / end positions (`utils.arrow_columns.to_arrays`), `size` windows; for evaluation
+    and prediction `windows`, what post-processing reads of them on the host (example_index, offsets
+    [windows, tokens, 2], null_index), and `references` ({id: answer texts}, None without answers)."""
+    examples: object
+    arrays: dict
+    size: int
+    windows: Optional[dict] = None
+    references: Optional[dict] = None
+
+
+def prepare_split(dataset, split, data_args, tokenizer, seq_length, has_answers):
+    """The `Features` of a split: its examples read and checked, each cut into windows of
+    `seq_length` tokens. Examples, not windows, were cut to --max_*_samples: every kept example is
+    scored on all of its context. A validation set without answers (unless SQuAD v2.0) fails."""
+    examples = read_examples(dataset, split, data_args, tokenizer, has_answers)
+    special_tokens = tokenizer.num_special_tokens_to_add(pair=True)
+    check_windows(examples, split, seq_length, data_args.doc_stride, special_tokens)
+    references = None
+    if split != "train" and has_answers:
+        references = dict(zip(examples["id"], examples["answer_texts"]))
+        unanswered = [i for i, texts in enumerate(examples["answer_texts"]) if not texts]
+        if unanswered and not data_args.version_2_with_negative:
+            raise UsageError(f"row {unanswered[0]} of the {split} data has no answer ({len(unanswered)} rows in "
+                             "all): pass --version_2_with_negative for SQuAD v2.0-style data")
+    dataset = make_windows(examples, tokenizer, seq_length, data_args.doc_stride, data_args)
+    inputs = [name for name in MODEL_INPUTS if name in dataset.features]
+    arrays = arrow_columns.to_arrays(dataset, inputs + ["start_positions", "end_positions"])
+    if split == "train":
+        return Features(examples, arrays, len(dataset))
+    windows = {name: column[:] for name, column in
+               arrow_columns.to_arrays(dataset, ["example_index", "offsets", "null_index"]).items()}
+    windows["offsets"] = windows["offsets"].reshape(len(dataset), seq_length, 2)
+    return Features(examples, arrays, len(dataset), windows, references)
+
+
+def model_inputs(model, arrays):
+    """The inputs among `arrays` that `model` takes (DistilBERT and others take no token_type_ids,
+    which BERT-style tokenizers make)."""
+    taken = inspect.signature(model.__call__).parameters
+    return [name for name in MODEL_INPUTS if name in arrays and name in taken]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------
+def span_loss(start_logits, end_logits, start_positions, end_positions, example_weight=None, label_smoothing=0.0):
+    """(loss sum, {"loss", "tokens"}): per window the mean of its start and end cross entropies,
+    summed; "tokens" counts the windows (`example_weight`: 0 for eval padding rows)."""
+    weights = jnp.ones(start_positions.shape, jnp.float32) if example_weight is None else example_weight
+    start, windows = cross_entropy_sums(start_logits, start_positions, weights, label_smoothing)
+    end, _ = cross_entropy_sums(end_logits, end_positions, weights, label_smoothing)
+    loss = (start + end) / 2
+    return loss, {"loss": loss, "tokens": windows}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,6 +418,17 @@ def best_answers(examples, feature_examples, start_logits, end_logits, offsets, 
         null_odds[example_id] = difference
         answers[example_id] = "" if difference > null_score_diff_threshold else spans[0]["text"]
     return answers, nbest, null_odds
+
+
+def predicted_answers(features, logits, data_args):
+    """(answers, n-best lists, null odds) per example id of a split's `Features`, from the logits
+    [windows, tokens, start / end] of its windows, with the run's n-best size, answer length and
+    SQuAD v2.0 settings (`best_answers`)."""
+    return best_answers(list(zip(features.examples["id"], features.examples["context"])),
+                        features.windows["example_index"], logits[..., 0], logits[..., 1],
+                        features.windows["offsets"], features.windows["null_index"], data_args.n_best_size,
+                        data_args.max_answer_length, data_args.version_2_with_negative,
+                        data_args.null_score_diff_threshold)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,30 +529,51 @@ def _best_threshold(predictions, scores, probabilities, has_answer):
     return 100.0 * best / len(scores), threshold
 
 
+def eval_metrics(means, features, answers, with_negative):
+    """A split's results: the eval step's mean loss over the windows ("features": how many), the
+    SQuAD v1.1 (or, `with_negative`, v2.0) scores of `answers` against the split's references, and
+    "samples", the examples scored."""
+    scores = squad_v2(answers, features.references) if with_negative else squad_v1(answers, features.references)
+    loss = {name: value for name, value in means.items() if name != "tokens"}
+    return {**loss, "features": means["tokens"], **scores, "samples": len(features.examples)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Prediction files
+# ----------------------------------------------------------------------------------------------
+def write_predictions(run, prefix, answers, nbest, null_odds, with_negative):
+    """`{prefix}_predictions.json` (the answer per example id), `{prefix}_nbest_predictions.json` and,
+    SQuAD v2.0 (`with_negative`), `{prefix}_null_odds.json`, through the run's directory."""
+    run.write_json(f"{prefix}_predictions.json", answers)
+    run.write_json(f"{prefix}_nbest_predictions.json", nbest)
+    if with_negative:
+        run.write_json(f"{prefix}_null_odds.json", null_odds)
+
+
 # ----------------------------------------------------------------------------------------------
 # The demo page (demo.py): the predictor and the form asking for its input
 # ----------------------------------------------------------------------------------------------
 class QuestionAnswerer(Predictor):
-    """run_qa.py's predict path for one question and its context: the same windows (`cut_windows`)
-    and post-processing (`best_answers`) with the run's n-best size, answer length and SQuAD v2.0 settings. `details` is the n-best list (text, probability,
-    score, character offsets into the context); the answer is "" when the model says the context
-    does not answer the question (v2.0)."""
+    """run_qa.py's predict path for one question and its context: the same windows (`window_length`,
+    `cut_windows`) and post-processing (`best_answers`) with the run's n-best size, answer length and
+    SQuAD v2.0 settings. `details` is the n-best list (text, probability, score, character offsets
+    into the context); the answer is "" when the model says the context does not answer the question
+    (v2.0)."""
 
     auto_class = "FlaxAutoModelForQuestionAnswering"
     MAX_WINDOWS = 8  # windows read per request (a longer context is cut, and the page says so)
 
     def __init__(self, output_dir, run_args):
         super().__init__(output_dir, run_args)
-        # As run_qa.py sizes its windows: the argument, at most the tokenizer's and the model's length.
-        self.seq_length = min(run_args["max_seq_length"], self.tokenizer.model_max_length,
-                              max_positions(self.config) or run_args["max_seq_length"])
         self.doc_stride = run_args["doc_stride"]
+        self.seq_length = window_length(run_args["max_seq_length"], self.doc_stride, self.tokenizer, self.config,
+                                        logging.getLogger(__name__))
         self.settings = dict(n_best_size=run_args["n_best_size"], max_answer_length=run_args["max_answer_length"],
                              with_negative=run_args["version_2_with_negative"],
                              null_score_diff_threshold=run_args["null_score_diff_threshold"])
         self.window_buckets = buckets(self.MAX_WINDOWS, smallest=1)
         accepted = inspect.signature(self.model.__call__).parameters
-        self.inputs = [name for name in ("input_ids", "attention_mask", "token_type_ids") if name in accepted]
+        self.inputs = [name for name in MODEL_INPUTS if name in accepted]
 
         def logits(params, inputs):
             outputs = self.model(**inputs, params=params)
@@ -276,7 +584,7 @@ class QuestionAnswerer(Predictor):
     def predict(self, question, context):
         require_text(question, "question")
         require_text(context, "context")
-        question = question.lstrip()  # as run_qa.py reads its questions
+        question = question.lstrip()  # as `read_examples` reads them
         question_tokens = len(self.tokenizer(question, add_special_tokens=False)["input_ids"])
         room = self.seq_length - question_tokens - self.tokenizer.num_special_tokens_to_add(pair=True)
         if room <= self.doc_stride:

@@ -206,7 +206,8 @@ def span_corruption(plan, decoder_start_token_id, seed, stream):
         blocks = batch["input_ids"]
         if blocks.shape[1] != lengths.raw_length:
             raise ValueError(f"span corruption expects blocks of {lengths.raw_length} tokens, got {blocks.shape[1]}")
-        (uniforms,) = batch_order.row_uniforms((seed, stream, step), row_ids, (len(blocks), uniforms_per_row(blocks.shape[1])))
+        (uniforms,) = batch_order.row_uniforms((seed, stream, step), row_ids,
+                                               (len(blocks), uniforms_per_row(blocks.shape[1])))
         inputs, labels = corrupt(blocks, lengths.noise_tokens, lengths.noise_spans, plan.sentinel_ids, plan.eos_id,
                                  uniforms)
         start = np.full((len(labels), 1), decoder_start_token_id, labels.dtype)

@@ -1,4 +1,5 @@
-"""utils/images.py on its own: folders, decoding, transforms, normalisation, batches.
+"""tasks/image_classification.py on its own: folders, splits and subsets, labels, decoding, transforms,
+normalisation, batches, the step's sums.
 
 References are independent: Pillow's own conversions, transformers' image processors, plain NumPy.
 """
@@ -295,3 +296,89 @@ def test_dataset_images_give_bytes_or_paths(tmp_path):
     assert [column[i] for i in range(3)] == paths and column.select([2, 0])[0] == paths[2]
     with pytest.raises(UsageError, match="neither images nor paths"):
         images.DatasetImages(datasets.Dataset.from_dict({"file": [1, 2]}), "file")
+
+
+# ---------------------------------------------------------------------------------------------
+# Splits, subsets, labels
+# ---------------------------------------------------------------------------------------------
+
+
+def test_subset_is_a_seeded_draw_in_order_with_each_image_its_label():
+    """--max_*_samples images drawn at random by the seed (not a folder's first class), kept in
+    their order, each still with its own class and name; all of them when the limit is not below."""
+    paths = [f"{cls}/{i}.png" for cls in ("a", "b", "c") for i in range(10)]
+    split = images.ImageSplit(paths, [path.split("/")[0] for path in paths], [f"shown {path}" for path in paths])
+    subset = images.take_subset(split, 8, seed=3)
+    assert len(subset.sources) == 8 and subset.sources == sorted(subset.sources, key=paths.index)
+    assert len({path.split("/")[0] for path in subset.sources}) > 1
+    assert subset.label_names == [path.split("/")[0] for path in subset.sources]
+    assert subset.shown == [f"shown {path}" for path in subset.sources]
+    assert images.take_subset(split, 8, seed=3) == subset and images.take_subset(split, 8, seed=4) != subset
+    assert images.take_subset(split, 30, seed=3) is split and images.take_subset(split, None, seed=3) is split
+    assert images.take_subset(images.ImageSplit(paths, None, paths), 8, 3).label_names is None
+
+
+def test_labels_in_class_order_or_the_checkpoints():
+    """Training names its classes in class order (integers by value), or in the checkpoint's order
+    when it names exactly those; without training the checkpoint must name them."""
+    from types import SimpleNamespace
+
+    train = {"train": images.ImageSplit(None, ["10", "2", "b", "a", "2"], None)}
+    placeholder = SimpleNamespace(id2label={0: "LABEL_0", 1: "LABEL_1"}, num_labels=2)
+    assert images.choose_labels(train, placeholder, True, True) == ["2", "10", "a", "b"]
+    named = SimpleNamespace(id2label={0: "b", 1: "10", 2: "a", 3: "2"}, num_labels=4)
+    assert images.choose_labels(train, named, True, True) == ["b", "10", "a", "2"]
+    assert images.choose_labels(train, named, False, True) == ["2", "10", "a", "b"]  # from scratch: no checkpoint
+    assert images.choose_labels({}, named, True, False) == ["b", "10", "a", "2"]
+    with pytest.raises(UsageError, match="evaluation or prediction alone needs the label names"):
+        images.choose_labels({}, placeholder, True, False)
+    assert images.label_ids("validation", ["a", "2"], ["2", "10", "a", "b"]).tolist() == [2, 0]
+    with pytest.raises(UsageError, match=r"the validation images have classes the model does not know: 'z'"):
+        images.label_ids("validation", ["a", "z"], ["2", "10", "a", "b"])
+
+
+def test_a_dataset_without_the_phase_split_names_the_folder_flag(tmp_path):
+    """A dataset (here a local dataset folder) lacking a phase's split: drop the phase or give its folder."""
+    from types import SimpleNamespace
+
+    from run_image_classification import ImageDataArguments
+
+    (tmp_path / "set").mkdir()
+    (tmp_path / "set" / "train.jsonl").write_text('{"image": "0.png", "label": "a"}\n')
+    data_args = ImageDataArguments(dataset_name=str(tmp_path / "set"))
+    phases = SimpleNamespace(do_train=True, do_eval=True, do_predict=False)
+    with pytest.raises(UsageError, match=r"--do_eval needs a 'validation' split, but dataset .*set' has only train: "
+                                         r"pass --validation_dir$"):
+        images.load_splits(data_args, phases, str(tmp_path / "cache"))
+    loaded = images.load_splits(data_args, SimpleNamespace(do_train=True, do_eval=False, do_predict=False),
+                                str(tmp_path / "cache"))
+    assert list(loaded) == ["train"] and loaded["train"].label_names == ["a"] and loaded["train"].shown == ["0.png"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's sums and the prediction file
+# ---------------------------------------------------------------------------------------------
+
+
+def test_step_sums_weigh_out_padded_rows():
+    """The step's sums against plain NumPy: padded rows (weight 0) add nothing to the loss, the
+    correct counts or the image count; top-5 counts a label scored among the five highest."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(12, 10)).astype(np.float32)
+    labels = rng.integers(0, 10, 12).astype(np.int32)
+    weights = np.array([1.0] * 9 + [0.0] * 3, np.float32)
+    _, sums = images.classification_sums(logits, labels, weights, top_k=5)
+    real = slice(0, 9)
+    log_probs = logits[real] - np.log(np.exp(logits[real]).sum(-1, keepdims=True))
+    expected_loss = -log_probs[np.arange(9), labels[real]].sum()
+    top5 = np.argsort(-logits[real], axis=-1)[:, :5]
+    # float32 log-softmax of 9 rows, summed: a few ulps of ~20.
+    assert float(sums["loss"]) == pytest.approx(expected_loss, rel=1e-5)
+    assert float(sums["accuracy"]) == np.sum(logits[real].argmax(-1) == labels[real])
+    assert float(sums["top5_accuracy"]) == np.sum([label in row for label, row in zip(labels[real], top5)])
+    assert float(sums["tokens"]) == 9
+
+
+def test_prediction_lines_name_each_image_and_its_class():
+    assert images.prediction_lines(["a/0.png", "b/1.png"], [1, 0], ["cat", "dog"]) == [
+        "image\tprediction", "a/0.png\tdog", "b/1.png\tcat"]

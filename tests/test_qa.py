@@ -1,4 +1,4 @@
-"""utils/qa.py and run_qa.py's windows: the SQuAD metrics against hand-worked examples and a second
+"""tasks/question_answering.py: the SQuAD metrics against hand-worked examples and a second
 implementation written here from the official definitions; post-processing of window logits into
 answers; training labels of the windows of a real tokenizer.
 
@@ -22,6 +22,7 @@ import pytest
 
 from tasks import question_answering as qa
 from tasks.question_answering import NO_CONTEXT, best_answers, normalize_answer, squad_v1, squad_v2, token_f1
+from utils.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "data", "qa", "tokenizer")
@@ -286,7 +287,7 @@ def test_each_example_gets_only_its_own_windows():
 
 
 # ----------------------------------------------------------------------------------------------
-# Windows and training labels (run_qa.py) on the shipped tokenizer
+# Windows and training labels on the shipped tokenizer
 # ----------------------------------------------------------------------------------------------
 def make_windows(rows, seq_length, doc_stride):
     import datasets
@@ -296,8 +297,8 @@ def make_windows(rows, seq_length, doc_stride):
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     args = run_qa.DataTrainingArguments(max_seq_length=seq_length, doc_stride=doc_stride)
-    examples = run_qa.read_examples(datasets.Dataset.from_list(rows), "train", args, tokenizer, True)
-    return tokenizer, examples, run_qa.make_windows(examples, tokenizer, seq_length, doc_stride, args)
+    examples = qa.read_examples(datasets.Dataset.from_list(rows), "train", args, tokenizer, True)
+    return tokenizer, examples, qa.make_windows(examples, tokenizer, seq_length, doc_stride, args)
 
 
 STORY = ("The market was busy that week . Elena Garcia works as a teacher in Oslo . On Monday , Alice Silva "
@@ -383,8 +384,84 @@ def test_squad_documents_json_lines_and_csv_read_alike(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     args = run_qa.DataTrainingArguments()
     for name in ("official.json", "classic.json", "rows.jsonl.gz", "json.csv", "literal.csv"):
-        assert run_qa.is_squad_document(str(tmp_path / name)) == name.endswith(".json")
-        split = run_qa.load_qa_splits(args, {"train": str(tmp_path / name)}, str(tmp_path / "cache"))["train"]
-        read = run_qa.read_examples(split, "train", args, tokenizer, True)[0]
+        assert qa.is_squad_document(str(tmp_path / name)) == name.endswith(".json")
+        split = qa.load_splits(args, {"train": str(tmp_path / name)}, str(tmp_path / "cache"))["train"]
+        read = qa.read_examples(split, "train", args, tokenizer, True)[0]
         assert (read["id"], read["question"], read["context"], read["answer_texts"], read["answer_starts"]) == (
             "q1", "Where did Ann go?", "Ann moved to Lyon .", ["Lyon"], [13]), name
+
+
+def test_a_split_is_prepared_with_its_windows_and_references():
+    """`prepare_split` of a validation split: the windows' host columns (offsets [windows, tokens, 2])
+    are those `make_windows` cuts, the references every example's answer texts; a question without
+    answer is SQuAD v2.0 data only."""
+    import datasets
+
+    import run_qa
+
+    rows = [squad_row("Where does Hannah Costa work?", "Graz"), squad_row("Who did Vera Varga meet?", "Marco Hughes")]
+    tokenizer, _, windows = make_windows(rows, 24, 8)
+    args = run_qa.DataTrainingArguments(max_seq_length=24, doc_stride=8)
+    features = qa.prepare_split(datasets.Dataset.from_list(rows), "validation", args, tokenizer, 24, True)
+    assert features.size == len(windows) and features.references == {
+        rows[0]["id"]: ["Graz"], rows[1]["id"]: ["Marco Hughes"]}
+    np.testing.assert_array_equal(features.windows["offsets"], np.array(windows["offsets"]).reshape(-1, 24, 2))
+    np.testing.assert_array_equal(features.windows["example_index"], windows["example_index"])
+    np.testing.assert_array_equal(features.arrays["start_positions"][:], windows["start_positions"])
+    train = qa.prepare_split(datasets.Dataset.from_list(rows), "train", args, tokenizer, 24, True)
+    assert train.windows is None and train.references is None
+    unanswered = rows + [{"id": "none", "question": "What did Omar buy?", "context": STORY,
+                          "answers": {"text": [], "answer_start": []}}]
+    with pytest.raises(UsageError, match=r"row 2 of the validation data has no answer \(1 rows in all\): pass "
+                                         r"--version_2_with_negative"):
+        qa.prepare_split(datasets.Dataset.from_list(unanswered), "validation", args, tokenizer, 24, True)
+    v2 = run_qa.DataTrainingArguments(max_seq_length=24, doc_stride=8, version_2_with_negative=True)
+    assert qa.prepare_split(datasets.Dataset.from_list(unanswered), "validation", v2, tokenizer, 24,
+                            True).references["none"] == []
+
+
+def test_columns_a_test_set_may_lack_the_answers():
+    import datasets
+
+    import run_qa
+
+    args = run_qa.DataTrainingArguments()
+    answered = datasets.Dataset.from_list([squad_row("Where does Hannah Costa work?", "Graz")])
+    questions = answered.remove_columns("answers")
+    assert qa.check_columns({"train": answered, "test": questions}, args) == {"train": True, "test": False}
+    with pytest.raises(UsageError, match="--answer_column_name 'answers' is not a column of the validation data"):
+        qa.check_columns({"train": answered, "validation": questions}, args)
+
+
+def test_window_length_is_cut_to_the_tokenizer_and_the_model(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from transformers import BertConfig
+
+    logger = logging.getLogger("test_qa")
+    tokenizer, config = SimpleNamespace(model_max_length=48), BertConfig(max_position_embeddings=40)
+    assert qa.window_length(64, 16, tokenizer, config, logger) == 40
+    assert "more than the tokenizer's 48" in caplog.text and "more than the model's 40 positions" in caplog.text
+    assert qa.window_length(64, 16, SimpleNamespace(model_max_length=36), config, logger) == 36
+    assert qa.window_length(32, 16, tokenizer, config, logger) == 32
+    with pytest.raises(UsageError, match=r"--doc_stride 40 must be less than the window of 40 tokens"):
+        qa.window_length(64, 40, tokenizer, config, logger)
+
+
+def test_span_loss_is_the_mean_of_start_and_end_cross_entropy_over_real_windows():
+    """Against plain NumPy: per window (start CE + end CE) / 2, summed over the windows of weight 1;
+    padded windows (weight 0) add neither loss nor count."""
+    rng = np.random.default_rng(0)
+    starts, ends = rng.normal(size=(2, 6, 16)).astype(np.float32)
+    start_positions, end_positions = rng.integers(0, 16, (2, 6)).astype(np.int32)
+    weights = np.array([1, 1, 1, 1, 0, 0], np.float32)
+
+    def cross_entropy(logits, labels):
+        log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        return -log_probs[np.arange(len(labels)), labels]
+
+    expected = ((cross_entropy(starts, start_positions) + cross_entropy(ends, end_positions)) / 2 * weights).sum()
+    loss, sums = qa.span_loss(starts, ends, start_positions, end_positions, weights)
+    assert float(loss) == float(sums["loss"]) == pytest.approx(expected, rel=1e-5)
+    assert float(sums["tokens"]) == 4

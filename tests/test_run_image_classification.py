@@ -113,24 +113,3 @@ def test_no_torch_is_imported(trained):
     imported = imported_modules(trained[3])
     assert {"jax", "transformers", "PIL"} <= imported  # the check sees the imports
     assert not {"torch", "torchvision", "tensorflow"} & imported
-
-
-def test_step_sums_weigh_out_padded_rows():
-    """The step's sums against plain NumPy: padded rows (weight 0) add nothing to the loss, the
-    correct counts or the image count; top-5 counts a label scored among the five highest."""
-    from run_image_classification import classification_sums
-
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(12, 10)).astype(np.float32)
-    labels = rng.integers(0, 10, 12).astype(np.int32)
-    weights = np.array([1.0] * 9 + [0.0] * 3, np.float32)
-    _, sums = classification_sums(logits, labels, weights, top_k=5)
-    real = slice(0, 9)
-    log_probs = logits[real] - np.log(np.exp(logits[real]).sum(-1, keepdims=True))
-    expected_loss = -log_probs[np.arange(9), labels[real]].sum()
-    top5 = np.argsort(-logits[real], axis=-1)[:, :5]
-    # float32 log-softmax of 9 rows, summed: a few ulps of ~20.
-    assert float(sums["loss"]) == pytest.approx(expected_loss, rel=1e-5)
-    assert float(sums["accuracy"]) == np.sum(logits[real].argmax(-1) == labels[real])
-    assert float(sums["top5_accuracy"]) == np.sum([label in row for label, row in zip(labels[real], top5)])
-    assert float(sums["tokens"]) == 9
