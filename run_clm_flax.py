@@ -16,20 +16,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-import jax.numpy as jnp
 from transformers import FlaxAutoModelForCausalLM
 
-from tasks import lm
+from tasks import causal_lm, lm
 from tasks.causal_lm import TASK
-from utils import streamed_data
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
-from utils.metrics import perplexity
-from utils.models import (fit_config_to_tokenizer, load_config, load_model,
-                          load_tokenizer)
-from utils.run import set_up, train_batch_size, training_plan
-from utils.steps import cross_entropy_sums
+from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
+from utils.run import set_up, training_plan
 from utils.training import TrainingRun, make_steps
 
 @dataclass
@@ -45,23 +40,6 @@ class DataTrainingArguments(lm.LMDataArguments):
             raise UsageError(f"--block_size must be at least 2 (a token and its successor), got {self.block_size}")
 
 # ----------------------------------------------------------------------------------------------
-# Loss
-# ----------------------------------------------------------------------------------------------
-def next_token_loss(logits, input_ids, example_weight=None, label_smoothing=0.0):
-    """(loss sum, {"loss", "tokens"}) of predicting each next token of a block.
-
-    The labels are the inputs shifted by one: position t predicts token t + 1, the last position
-    nothing, so a block of n tokens scores n - 1. `example_weight` (eval: 0 for padded rows) scales
-    a row's tokens.
-    """
-    labels = input_ids[:, 1:]
-    weights = jnp.ones(labels.shape, jnp.float32)
-    if example_weight is not None:
-        weights = weights * example_weight[:, None]
-    loss, tokens = cross_entropy_sums(logits[:, :-1], labels, weights, label_smoothing)
-    return loss, {"loss": loss, "tokens": tokens}
-
-# ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
 def main(argv=None):
@@ -69,7 +47,7 @@ def main(argv=None):
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
     preflight = lm.check_before_work(training_args, data_args, TASK, model_args)
-    logger, is_main = set_up(training_args)
+    _, is_main = set_up(training_args)
     layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
 
     # ------------------------------------------------------------------------------------------
@@ -77,25 +55,14 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     tokenizer = load_tokenizer(model_args)
     config = fit_config_to_tokenizer(load_config(model_args, task="causal-lm"), tokenizer, model_args)
-    block_size = lm.sequence_length(data_args.block_size, 1024, tokenizer, config, "block_size", logger)
+    block_size = causal_lm.fit_block_size(data_args, tokenizer, config)
 
     # ------------------------------------------------------------------------------------------
     # Data: blocks read into memory, or streamed (--streaming); the model comes after, so too
     # little data fails first
     # ------------------------------------------------------------------------------------------
-    if data_args.streaming:
-        batch_size = train_batch_size(training_args)
-        train_data = streamed_data.StreamedData(data_args, lm.Blocks(tokenizer, block_size), batch_size,
-                                                training_args.do_train, training_args.do_eval, model_args.cache_dir)
-        eval_arrays = train_data.eval_arrays
-    else:
-        train_data, eval_arrays = lm.read_into_memory(
-            data_args, training_args.do_train, training_args.do_eval, model_args.cache_dir,
-            lambda raw, text_column: lm.tokenize_and_group(raw, tokenizer, text_column, block_size, data_args),
-            ("input_ids",),
-            lambda split: f"the {split} data has fewer than --block_size {block_size} tokens: lower --block_size or "
-                          "add text")
-    eval_size = len(eval_arrays["input_ids"]) if eval_arrays is not None else 0
+    train_data, eval_arrays = causal_lm.read_blocks(data_args, training_args, tokenizer, block_size,
+                                                    model_args.cache_dir)
     plan = training_plan(training_args, train_data and train_data.size)
 
     model, params = load_model(FlaxAutoModelForCausalLM, model_args, config, training_args.seed, layout)
@@ -106,18 +73,16 @@ def main(argv=None):
 
     def loss_fn(params, batch, dropout_rng, train, label_smoothing):
         logits = model(batch["input_ids"], params=params, dropout_rng=dropout_rng, train=train)[0]
-        return next_token_loss(logits, batch["input_ids"], batch.get("example_weight"),
-                               label_smoothing)
+        return causal_lm.next_token_loss(logits, batch["input_ids"], batch.get("example_weight"), label_smoothing)
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data)
 
     def evaluate(params):
         """Token-weighted next-token loss over the validation blocks, its perplexity and the tokens scored."""
-        metrics, _ = steps.evaluate(params, eval_arrays, eval_size)
-        return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": eval_size}
+        return lm.evaluate(steps, params, eval_arrays)
 
     # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
-    steps.report_plan(training_args, state, eval_step=(eval_arrays, eval_size))
+    steps.report_plan(training_args, state, eval_step=(eval_arrays, lm.num_examples(eval_arrays)))
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints

@@ -20,17 +20,13 @@ from typing import Optional
 
 from transformers import FlaxAutoModelForMaskedLM
 
-from tasks import lm
+from tasks import lm, masked_lm
 from tasks.masked_lm import TASK
-from utils import streamed_data
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
-from utils.metrics import perplexity
-from utils.models import (fit_config_to_tokenizer, load_config, load_model,
-                          load_tokenizer)
-from utils.run import set_up, train_batch_size, training_plan
-from utils.steps import cross_entropy_sums
+from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
+from utils.run import set_up, training_plan
 from utils.training import TrainingRun, make_steps
 
 @dataclass
@@ -59,23 +55,6 @@ class DataTrainingArguments(lm.LMDataArguments):
             raise UsageError(f"--mlm_probability must be between 0 and 1, got {self.mlm_probability}")
 
 # ----------------------------------------------------------------------------------------------
-# Loss
-# ----------------------------------------------------------------------------------------------
-def masked_token_loss(logits, labels, label_weights, example_weight=None, label_smoothing=0.0):
-    """(loss sum, {"loss", "accuracy", "tokens"}) over the tokens the masking selected.
-
-    Only tokens with `label_weights` 1 count, for the loss and for the accuracy: the others are
-    visible in the input, and predicting them would be copying. `example_weight` (eval: 0 for
-    padded rows) scales a row's tokens.
-    """
-    weights = label_weights
-    if example_weight is not None:
-        weights = weights * example_weight[:, None]
-    loss, tokens = cross_entropy_sums(logits, labels, weights, label_smoothing)
-    correct = ((logits.argmax(-1) == labels) * weights).sum()
-    return loss, {"loss": loss, "accuracy": correct, "tokens": tokens}
-
-# ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
 def main(argv=None):
@@ -83,7 +62,7 @@ def main(argv=None):
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
     preflight = lm.check_before_work(training_args, data_args, TASK, model_args)
-    logger, is_main = set_up(training_args)
+    _, is_main = set_up(training_args)
     layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
 
     # ------------------------------------------------------------------------------------------
@@ -92,31 +71,16 @@ def main(argv=None):
     tokenizer = load_tokenizer(model_args)
     config = fit_config_to_tokenizer(load_config(model_args, task="masked-lm"), tokenizer, model_args)
     # Each example is masked by its own random numbers: the same masks on any number of devices and hosts.
-    train_masking = lm.masking(tokenizer, data_args.mlm_probability, training_args.seed, lm.TRAIN_STREAM)
-    eval_masking = lm.masking(tokenizer, data_args.mlm_probability, training_args.seed, lm.EVAL_STREAM)
-    seq_length = lm.sequence_length(data_args.max_seq_length, 512, tokenizer, config, "max_seq_length", logger)
+    train_masking, eval_masking = masked_lm.train_eval_masking(tokenizer, data_args.mlm_probability,
+                                                               training_args.seed)
+    seq_length = masked_lm.fit_sequence_length(data_args, tokenizer, config)
 
     # ------------------------------------------------------------------------------------------
     # Data: blocks (or padded lines) read into memory, or streamed (--streaming); the model comes
     # after, so too little data fails first
     # ------------------------------------------------------------------------------------------
-    if data_args.streaming:
-        encoder = (lm.Lines(tokenizer, seq_length) if data_args.line_by_line
-                   else lm.Blocks(tokenizer, seq_length))
-        batch_size = train_batch_size(training_args)
-        train_data = streamed_data.StreamedData(data_args, encoder, batch_size, training_args.do_train,
-                                                training_args.do_eval, model_args.cache_dir)
-        eval_arrays = train_data.eval_arrays
-    else:
-        # Blocks are all real tokens; padded lines also need their attention mask.
-        tokenize, columns = ((lm.tokenize_lines, ("input_ids", "attention_mask")) if data_args.line_by_line
-                             else (lm.tokenize_and_group, ("input_ids",)))
-        train_data, eval_arrays = lm.read_into_memory(
-            data_args, training_args.do_train, training_args.do_eval, model_args.cache_dir,
-            lambda raw, text_column: tokenize(raw, tokenizer, text_column, seq_length, data_args), columns,
-            lambda split: f"the {split} data has no text (or, in blocks, fewer than --max_seq_length {seq_length} "
-                          "tokens): add text, lower --max_seq_length or use --line_by_line")
-    eval_size = len(eval_arrays["input_ids"]) if eval_arrays is not None else 0
+    train_data, eval_arrays = masked_lm.read_examples(data_args, training_args, tokenizer, seq_length,
+                                                      model_args.cache_dir)
     plan = training_plan(training_args, train_data and train_data.size)
 
     model, params = load_model(FlaxAutoModelForMaskedLM, model_args, config, training_args.seed, layout)
@@ -128,19 +92,18 @@ def main(argv=None):
     def loss_fn(params, batch, dropout_rng, train, label_smoothing):
         logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"), params=params,
                        dropout_rng=dropout_rng, train=train)[0]
-        return masked_token_loss(logits, batch["labels"], batch["label_weights"], batch.get("example_weight"),
-                                 label_smoothing)
+        return masked_lm.masked_token_loss(logits, batch["labels"], batch["label_weights"],
+                                           batch.get("example_weight"), label_smoothing)
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data, train_masking)
 
     def evaluate(params):
         """Token-weighted loss and accuracy over the masked validation tokens (same masks every time), and
         how many tokens the masking selected."""
-        metrics, _ = steps.evaluate(params, eval_arrays, eval_size, transform=eval_masking)
-        return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": eval_size}
+        return lm.evaluate(steps, params, eval_arrays, eval_masking)
 
     # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
-    steps.report_plan(training_args, state, eval_step=(eval_arrays, eval_size, eval_masking))
+    steps.report_plan(training_args, state, eval_step=(eval_arrays, lm.num_examples(eval_arrays), eval_masking))
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints

@@ -19,25 +19,16 @@ import utils  # noqa: F401  first of all: start-up is timed from here (utils.per
 import sys
 from dataclasses import dataclass, field
 
-import jax.numpy as jnp
 from transformers import FlaxAutoModelForSeq2SeqLM
 
-from tasks import lm
+from tasks import lm, span_corruption
 from tasks.span_corruption import TASK
-from tasks.span_corruption import plan_span_corruption, span_corruption, span_corruption_lengths
-from utils import streamed_data
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
-from utils.metrics import perplexity
-from utils.models import (fit_config_to_tokenizer, fit_length, load_config,
-                          load_model, load_tokenizer, max_positions)
-from utils.run import set_up, train_batch_size, training_plan
-from utils.steps import cross_entropy_sums
+from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
+from utils.run import set_up, training_plan
 from utils.training import TrainingRun, make_steps
-
-# The families with sentinel-token pretraining and a Flax class in transformers 4.57 (UMT5 has none).
-MODEL_TYPES = ("t5", "mt5", "longt5")
 
 @dataclass
 class DataTrainingArguments(lm.LMDataArguments):
@@ -59,26 +50,7 @@ class DataTrainingArguments(lm.LMDataArguments):
         if self.max_seq_length <= 0:
             raise UsageError(f"--max_seq_length must be positive, got {self.max_seq_length}")
         # The densities, span lengths and input lengths that cannot work are refused before anything else.
-        span_corruption_lengths(self.max_seq_length, self.mlm_probability, self.mean_noise_span_length)
-
-# ----------------------------------------------------------------------------------------------
-# Loss
-# ----------------------------------------------------------------------------------------------
-def span_target_loss(logits, labels, example_weight=None, label_smoothing=0.0):
-    """(loss sum, {"loss", "accuracy", "tokens"}) over every target token: each sentinel, the tokens
-    of its span, the final EOS.
-
-    Span corruption gives every row exactly `target_length` real target tokens, so nothing is
-    padding and every one counts (no `labels != pad` mask: it would drop nothing, or, were a pad
-    id ever in the text, a real target). `example_weight` (eval: 0 for padded rows) scales a row's
-    tokens.
-    """
-    weights = jnp.ones(labels.shape, jnp.float32)
-    if example_weight is not None:
-        weights = weights * example_weight[:, None]
-    loss, tokens = cross_entropy_sums(logits, labels, weights, label_smoothing)
-    correct = ((logits.argmax(-1) == labels) * weights).sum()
-    return loss, {"loss": loss, "accuracy": correct, "tokens": tokens}
+        span_corruption.span_corruption_lengths(self.max_seq_length, self.mlm_probability, self.mean_noise_span_length)
 
 # ----------------------------------------------------------------------------------------------
 # Main
@@ -88,42 +60,27 @@ def main(argv=None):
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
     preflight = lm.check_before_work(training_args, data_args, TASK, model_args)
-    logger, is_main = set_up(training_args)
+    _, is_main = set_up(training_args)
     layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
 
     # ------------------------------------------------------------------------------------------
-    # Config, tokenizer, the span-corruption plan
+    # Config, tokenizer, the span-corruption plan (lengths, EOS and enough sentinels, checked before
+    # the data is read)
     # ------------------------------------------------------------------------------------------
     tokenizer = load_tokenizer(model_args)
-    config = fit_config_to_tokenizer(load_config(model_args, task="seq2seq", model_types=MODEL_TYPES), tokenizer,
-                                     model_args)
-    seq_length = fit_length(data_args.max_seq_length, max_positions(config), "max_seq_length", logger)
-    # Lengths, EOS and enough sentinels, checked before the data is read.
-    plan = plan_span_corruption(tokenizer, seq_length, data_args.mlm_probability, data_args.mean_noise_span_length)
-    raw_length, target_length = plan.lengths.raw_length, plan.lengths.target_length
-    logger.info("span corruption: raw blocks of %d tokens -> inputs of %d, targets of %d (%d noise tokens in %d "
-                "spans)", raw_length, seq_length, target_length, plan.lengths.noise_tokens, plan.lengths.noise_spans)
+    config = fit_config_to_tokenizer(load_config(model_args, task="seq2seq", model_types=span_corruption.MODEL_TYPES),
+                                     tokenizer, model_args)
+    spans = span_corruption.fit_plan(data_args, tokenizer, config)
     # Each example is corrupted by its own random numbers: the same on any number of devices and hosts.
-    train_corruption = span_corruption(plan, config.decoder_start_token_id, training_args.seed, lm.TRAIN_STREAM)
-    eval_corruption = span_corruption(plan, config.decoder_start_token_id, training_args.seed, lm.EVAL_STREAM)
+    train_corruption, eval_corruption = span_corruption.train_eval_corruption(spans, config.decoder_start_token_id,
+                                                                              training_args.seed)
 
     # ------------------------------------------------------------------------------------------
     # Data: raw blocks read into memory, or streamed (--streaming); the model comes after, so too
     # little data fails first
     # ------------------------------------------------------------------------------------------
-    if data_args.streaming:
-        batch_size = train_batch_size(training_args)
-        train_data = streamed_data.StreamedData(data_args, lm.Blocks(tokenizer, raw_length), batch_size,
-                                                training_args.do_train, training_args.do_eval, model_args.cache_dir)
-        eval_arrays = train_data.eval_arrays
-    else:
-        train_data, eval_arrays = lm.read_into_memory(
-            data_args, training_args.do_train, training_args.do_eval, model_args.cache_dir,
-            lambda raw, text_column: lm.tokenize_and_group(raw, tokenizer, text_column, raw_length, data_args),
-            ("input_ids",),
-            lambda split: f"the {split} data has fewer than {raw_length} tokens, the raw block that --max_seq_length "
-                          f"{seq_length} needs: lower --max_seq_length or add text")
-    eval_size = len(eval_arrays["input_ids"]) if eval_arrays is not None else 0
+    train_data, eval_arrays = span_corruption.read_raw_blocks(data_args, training_args, tokenizer, spans,
+                                                              model_args.cache_dir)
     plan = training_plan(training_args, train_data and train_data.size)
 
     model, params = load_model(FlaxAutoModelForSeq2SeqLM, model_args, config, training_args.seed, layout)
@@ -136,19 +93,17 @@ def main(argv=None):
         # No attention masks: inputs and targets are all real tokens, of fixed lengths.
         logits = model(batch["input_ids"], decoder_input_ids=batch["decoder_input_ids"], params=params,
                        dropout_rng=dropout_rng, train=train)[0]
-        return span_target_loss(logits, batch["labels"], batch.get("example_weight"),
-                                label_smoothing)
+        return span_corruption.span_target_loss(logits, batch["labels"], batch.get("example_weight"), label_smoothing)
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data, train_corruption)
 
     def evaluate(params):
         """Token-weighted loss and accuracy over every target token of the corrupted validation blocks
-        (the same corruption every time), and how many target tokens that is."""
-        metrics, _ = steps.evaluate(params, eval_arrays, eval_size, transform=eval_corruption)
-        return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": eval_size}
+        (the same corruption every time), their perplexity, and how many target tokens that is."""
+        return lm.evaluate(steps, params, eval_arrays, eval_corruption)
 
     # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
-    steps.report_plan(training_args, state, eval_step=(eval_arrays, eval_size, eval_corruption))
+    steps.report_plan(training_args, state, eval_step=(eval_arrays, lm.num_examples(eval_arrays), eval_corruption))
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
@@ -160,7 +115,8 @@ def main(argv=None):
     # Training
     # ------------------------------------------------------------------------------------------
     if training_args.do_train:
-        for step, batch in run.train_batches(seq_length, target_length, transform=train_corruption):
+        for step, batch in run.train_batches(spans.lengths.input_length, spans.lengths.target_length,
+                                             transform=train_corruption):
             state, sums = steps.train(state, batch)
             run.after_step(step, sums)
             if run.eval_due(step):

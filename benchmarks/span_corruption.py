@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Host time of T5 span corruption (utils/span_corruption.py) per batch (numpy on the host).
+"""Host time of T5 span corruption (tasks/span_corruption.py) per batch (numpy on the host).
 
     python benchmarks/span_corruption.py [--rows 64] [--repeats 50]
 
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from utils import span_corruption as sc  # noqa: E402
+from tasks import span_corruption as sc  # noqa: E402
 
 SETTINGS = [(512, 0.15, 3), (512, 0.3, 8), (512, 0.15, 1), (1024, 0.15, 3)]
 VOCAB, SENTINELS = 32100, 100

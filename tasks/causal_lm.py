@@ -1,12 +1,47 @@
-"""Causal language modelling (`run_clm_flax.py`): next-token loss and perplexity."""
+"""Causal language modelling (`run_clm_flax.py`): the text in blocks, the next-token loss and
+perplexity, and the text-generation demo."""
 
 import jax
 import numpy as np
 
-from tasks import Task
+from tasks import Task, lm
 from tasks.demo import Answer, BadInput, Predictor, bucket_for, buckets, require_text, show_answer
 
 TASK = Task("causal-lm", "text-generation", widget="prompt")
+
+
+# ----------------------------------------------------------------------------------------------
+# Examples
+# ----------------------------------------------------------------------------------------------
+def fit_block_size(data_args, tokenizer, config):
+    """--block_size, by default min(1024, the tokenizer's max length); at most the model's positions."""
+    return lm.sequence_length(data_args.block_size, 1024, tokenizer, config, "block_size")
+
+
+def read_blocks(data_args, training_args, tokenizer, block_size, cache_dir):
+    """(train data, validation arrays or None): the text tokenized, concatenated and cut into
+    `block_size` blocks; streamed (--streaming) or read into memory, where a split without one
+    block fails."""
+    return lm.read_examples(
+        data_args, training_args, lm.Blocks(tokenizer, block_size),
+        lambda raw, text_column: lm.tokenize_and_group(raw, tokenizer, text_column, block_size, data_args),
+        ("input_ids",),
+        lambda split: f"the {split} data has fewer than --block_size {block_size} tokens: lower --block_size or "
+                      "add text", cache_dir)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------
+def next_token_loss(logits, input_ids, example_weight=None, label_smoothing=0.0):
+    """(loss sum, {"loss", "tokens"}) of predicting each next token of a block.
+
+    The labels are the inputs shifted by one: position t predicts token t + 1, the last position
+    nothing, so a block of n tokens scores n - 1. `example_weight` (eval: 0 for padded rows) scales
+    a row's tokens.
+    """
+    return lm.token_sums(logits[:, :-1], input_ids[:, 1:], example_weight=example_weight,
+                         label_smoothing=label_smoothing)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Language-modeling data shared by `run_clm_flax.py`, `run_mlm_flax.py` and `run_t5_mlm_flax.py`.
+"""What the language-model tasks share (`tasks.causal_lm`, `tasks.masked_lm`, `tasks.span_corruption`;
+the token sums also `tasks.summarization`).
 
-Arguments the scripts take, loading with a validation split carved off the training data when the
-data has none, text-column resolution, tokenizing into fixed-length blocks (or padded lines) read
-into memory or streamed (`Blocks`, `Lines`), the sequence-length defaults, and BERT-style masking on
-the host.
+Arguments the LM scripts take, loading with a validation split carved off the training data when
+the data has none, text-column resolution, tokenizing into fixed-length blocks (or padded lines)
+read into memory or streamed (the stream's encoders `Blocks`, `Lines`), the sequence-length
+defaults, the random streams of host-side masking, the token-weighted loss sums and the validation
+metrics (loss, perplexity).
 """
 
 import copy
@@ -13,17 +15,22 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
 
+import jax.numpy as jnp
 import numpy as np
 
-from utils import arrow_columns, batch_order, dataset_loading, file_formats, run
+from utils import arrow_columns, dataset_loading, file_formats, run
 from utils.args import BaseDataArguments
 from utils.errors import UsageError
 from utils.loop import InMemoryData
+from utils.metrics import perplexity
 from utils.models import fit_length, max_positions
+from utils.steps import cross_entropy_sums
+from utils.streamed_data import StreamedData
 
 FILE_FORMATS = ("json", "csv", "text")
 logger = logging.getLogger(__name__)
-# Random streams of the masking: training and evaluation masks never coincide.
+# Random streams of host-side masking (`tasks.masked_lm`, `tasks.span_corruption`): training and
+# evaluation masks never coincide.
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 
 
@@ -137,7 +144,7 @@ def resolve_text_column(text_column, dataset):
 # ----------------------------------------------------------------------------------------------
 # Sequence length
 # ----------------------------------------------------------------------------------------------
-def sequence_length(requested, default_cap, tokenizer, config, flag, logger):
+def sequence_length(requested, default_cap, tokenizer, config, flag):
     """`--block_size` / `--max_seq_length`: None -> min(default_cap, tokenizer max); at most the model's."""
     return fit_length(requested or min(default_cap, tokenizer.model_max_length), max_positions(config), flag, logger)
 
@@ -273,10 +280,9 @@ def read_into_memory(data_args, do_train, do_eval, cache_dir, make_examples, col
     splits = [split for split, phase in (("train", do_train), ("validation", do_eval)) if phase]
     raw = load_splits(data_args, do_train, do_eval, cache_dir)
     text_column = resolve_text_column(data_args.text_column, raw[splits[0]])
-    max_samples = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
     arrays = {}
     for split in splits:
-        examples = dataset_loading.take(make_examples(raw[split], text_column), max_samples[split])
+        examples = dataset_loading.take(make_examples(raw[split], text_column), run.sample_limit(data_args, split))
         if len(examples) == 0:
             raise UsageError(no_examples(split))
         arrays[split] = arrow_columns.to_arrays(examples, columns)
@@ -285,45 +291,45 @@ def read_into_memory(data_args, do_train, do_eval, cache_dir, make_examples, col
     return train_data, arrays.get("validation")
 
 
+def read_examples(data_args, training_args, encoder, make_examples, columns, no_examples, cache_dir=None):
+    """(train data, validation arrays or None) of an LM task's run: streamed through the task's
+    `encoder` (`Blocks`, `Lines`) with --streaming, else read into memory (`read_into_memory`)."""
+    if data_args.streaming:
+        train_data = StreamedData(data_args, encoder, run.train_batch_size(training_args), training_args.do_train,
+                                  training_args.do_eval, cache_dir)
+        return train_data, train_data.eval_arrays
+    return read_into_memory(data_args, training_args.do_train, training_args.do_eval, cache_dir, make_examples,
+                            columns, no_examples)
+
+
 # ----------------------------------------------------------------------------------------------
-# Masking
+# Loss and metrics
 # ----------------------------------------------------------------------------------------------
-def mask_tokens(input_ids, special_ids, mask_token_id, replacement_ids, probability, draws):
-    """BERT masking: (inputs, selected) with `selected` 1.0 where the model must predict the token.
+def token_sums(logits, labels, weights=None, example_weight=None, label_smoothing=0.0, accuracy=False):
+    """(loss sum, {"loss", "accuracy" (with `accuracy`), "tokens"}) over the tokens `weights` scores
+    (None: every token): their cross-entropy sum, how many the model predicts right, and their weight.
 
-    Each token that is not special (padding is special) is selected with `probability`; of those 80%
-    become the mask token, 10% a random ordinary token, 10% stay as they are. The labels are the
-    original `input_ids`, weighted by `selected`. `draws` holds three uniform [0, 1) arrays shaped
-    like `input_ids` (selection, action, which replacement): the masks are a function of them alone.
+    `example_weight` (eval and predict: 0 for padded rows) scales a row's tokens.
     """
-    selection, action, replacement = draws
-    selected = (selection < probability) & ~np.isin(input_ids, special_ids)
-    random_ids = replacement_ids[(replacement * len(replacement_ids)).astype(np.int64)]
-    inputs = np.where(selected & (action < 0.8), mask_token_id, input_ids)
-    inputs = np.where(selected & (action >= 0.8) & (action < 0.9), random_ids, inputs)
-    return inputs.astype(input_ids.dtype), selected.astype(np.float32)
+    if weights is None:
+        weights = jnp.ones(labels.shape, jnp.float32)
+    if example_weight is not None:
+        weights = weights * example_weight[:, None]
+    loss, tokens = cross_entropy_sums(logits, labels, weights, label_smoothing)
+    sums = {"loss": loss}
+    if accuracy:
+        sums["accuracy"] = ((logits.argmax(-1) == labels) * weights).sum()
+    return loss, {**sums, "tokens": tokens}
 
 
-def masking(tokenizer, probability, seed, stream):
-    """`transform(batch, step, row_ids)` for `loop.train_batches` / `loop.eval_batches` / streams.
+def num_examples(arrays):
+    """The rows of validation `arrays`; 0 for None (no validation data)."""
+    return len(arrays["input_ids"]) if arrays is not None else 0
 
-    Row i of the batch is masked from its own random numbers, drawn from (seed, stream, step,
-    row_ids[i]): a training example's mask depends on the step and its row in the global batch,
-    an evaluation example's (step 0) on its index alone. So a resumed run masks exactly as the
-    uninterrupted one, every evaluation sees the same masks, and neither depends on the number of
-    devices or processes, or on the eval batch size. Adds `labels` (the original ids) and
-    `label_weights` (1 at the tokens to predict).
-    """
-    if tokenizer.mask_token_id is None:
-        raise UsageError("the tokenizer has no mask token, which masked LM needs: use one with a mask token "
-                         "(e.g. <mask> or [MASK])")
-    special_ids = np.array(sorted(set(tokenizer.all_special_ids)))
-    replacement_ids = np.setdiff1d(np.arange(len(tokenizer)), special_ids)
 
-    def transform(batch, step, row_ids):
-        draws = batch_order.row_uniforms((seed, stream, step), row_ids, batch["input_ids"].shape, count=3)
-        inputs, weights = mask_tokens(batch["input_ids"], special_ids, tokenizer.mask_token_id, replacement_ids,
-                                      probability, draws)
-        return {**batch, "input_ids": inputs, "labels": batch["input_ids"], "label_weights": weights}
-
-    return transform
+def evaluate(steps, params, arrays, transform=None):
+    """The validation metrics of an LM run: the eval step's token-weighted means over every example
+    of `arrays` (after `transform`, the same every time), the perplexity of the loss, and "samples"."""
+    size = num_examples(arrays)
+    metrics, _ = steps.evaluate(params, arrays, size, transform=transform)
+    return {**metrics, "perplexity": perplexity(metrics["loss"]), "samples": size}

@@ -1,16 +1,105 @@
-"""Masked language modelling (`run_mlm_flax.py`): masked-token loss, accuracy and perplexity."""
+"""Masked language modelling (`run_mlm_flax.py`): examples (blocks or padded lines), BERT masking on
+the host, the masked-token loss, accuracy and perplexity, and the fill-mask demo."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tasks import Task
+from tasks import Task, lm
 from tasks.demo import (Answer, BadInput, Predictor, bucket_for, buckets, escape_markdown, require_text, show_answer,
                         shown_token, truncation_note)
+from utils import batch_order
+from utils.errors import UsageError
 
 TOP_K = 10  # the fill-mask table shows at most this many tokens per mask (one compiled top-k)
 
 TASK = Task("masked-lm", "fill-mask", widget="mask")
+
+
+# ----------------------------------------------------------------------------------------------
+# Examples
+# ----------------------------------------------------------------------------------------------
+def fit_sequence_length(data_args, tokenizer, config):
+    """--max_seq_length, by default min(512, the tokenizer's max length); at most the model's positions."""
+    return lm.sequence_length(data_args.max_seq_length, 512, tokenizer, config, "max_seq_length")
+
+
+def read_examples(data_args, training_args, tokenizer, seq_length, cache_dir):
+    """(train data, validation arrays or None): `seq_length` blocks of the text, or with --line_by_line
+    one padded example per line; streamed (--streaming) or read into memory, where a split without
+    one example fails."""
+    # Blocks are all real tokens; padded lines also need their attention mask.
+    encoder, tokenize, columns = (
+        (lm.Lines(tokenizer, seq_length), lm.tokenize_lines, ("input_ids", "attention_mask")) if data_args.line_by_line
+        else (lm.Blocks(tokenizer, seq_length), lm.tokenize_and_group, ("input_ids",)))
+    return lm.read_examples(
+        data_args, training_args, encoder,
+        lambda raw, text_column: tokenize(raw, tokenizer, text_column, seq_length, data_args), columns,
+        lambda split: f"the {split} data has no text (or, in blocks, fewer than --max_seq_length {seq_length} "
+                      "tokens): add text, lower --max_seq_length or use --line_by_line", cache_dir)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masking
+# ----------------------------------------------------------------------------------------------
+def mask_tokens(input_ids, special_ids, mask_token_id, replacement_ids, probability, draws):
+    """BERT masking: (inputs, selected) with `selected` 1.0 where the model must predict the token.
+
+    Each token that is not special (padding is special) is selected with `probability`; of those 80%
+    become the mask token, 10% a random ordinary token, 10% stay as they are. The labels are the
+    original `input_ids`, weighted by `selected`. `draws` holds three uniform [0, 1) arrays shaped
+    like `input_ids` (selection, action, which replacement): the masks are a function of them alone.
+    """
+    selection, action, replacement = draws
+    selected = (selection < probability) & ~np.isin(input_ids, special_ids)
+    random_ids = replacement_ids[(replacement * len(replacement_ids)).astype(np.int64)]
+    inputs = np.where(selected & (action < 0.8), mask_token_id, input_ids)
+    inputs = np.where(selected & (action >= 0.8) & (action < 0.9), random_ids, inputs)
+    return inputs.astype(input_ids.dtype), selected.astype(np.float32)
+
+
+def masking(tokenizer, probability, seed, stream):
+    """`transform(batch, step, row_ids)` for `loop.train_batches` / `loop.eval_batches` / streams.
+
+    Row i of the batch is masked from its own random numbers, drawn from (seed, stream, step,
+    row_ids[i]): a training example's mask depends on the step and its row in the global batch,
+    an evaluation example's (step 0) on its index alone. So a resumed run masks exactly as the
+    uninterrupted one, every evaluation sees the same masks, and neither depends on the number of
+    devices or processes, or on the eval batch size. Adds `labels` (the original ids) and
+    `label_weights` (1 at the tokens to predict).
+    """
+    if tokenizer.mask_token_id is None:
+        raise UsageError("the tokenizer has no mask token, which masked LM needs: use one with a mask token "
+                         "(e.g. <mask> or [MASK])")
+    special_ids = np.array(sorted(set(tokenizer.all_special_ids)))
+    replacement_ids = np.setdiff1d(np.arange(len(tokenizer)), special_ids)
+
+    def transform(batch, step, row_ids):
+        draws = batch_order.row_uniforms((seed, stream, step), row_ids, batch["input_ids"].shape, count=3)
+        inputs, weights = mask_tokens(batch["input_ids"], special_ids, tokenizer.mask_token_id, replacement_ids,
+                                      probability, draws)
+        return {**batch, "input_ids": inputs, "labels": batch["input_ids"], "label_weights": weights}
+
+    return transform
+
+
+def train_eval_masking(tokenizer, probability, seed):
+    """(train transform, eval transform): `masking` from the training and the evaluation random
+    streams, which never coincide."""
+    return tuple(masking(tokenizer, probability, seed, stream) for stream in (lm.TRAIN_STREAM, lm.EVAL_STREAM))
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------
+def masked_token_loss(logits, labels, label_weights, example_weight=None, label_smoothing=0.0):
+    """(loss sum, {"loss", "accuracy", "tokens"}) over the tokens the masking selected.
+
+    Only tokens with `label_weights` 1 count, for the loss and for the accuracy: the others are
+    visible in the input, and predicting them would be copying. `example_weight` (eval: 0 for
+    padded rows) scales a row's tokens.
+    """
+    return lm.token_sums(logits, labels, label_weights, example_weight, label_smoothing, accuracy=True)
 
 
 # ----------------------------------------------------------------------------------------------

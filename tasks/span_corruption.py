@@ -1,4 +1,5 @@
-"""T5 span corruption on the host: the lengths it needs, and the masking itself (pure numpy).
+"""T5 span corruption (`run_t5_mlm_flax.py`): the lengths it needs, the raw blocks, the masking itself
+on the host (pure numpy), the loss over the targets, and the span-filling demo.
 
 A raw block of `raw_length` tokens gets `noise_tokens` noise tokens in `noise_spans` spans that
 alternate with as many non-noise spans; each example starts with a noise span or a non-noise one at
@@ -12,11 +13,12 @@ tokens. EOS ends both. So, whichever kind comes first:
 `plan_span_corruption` finds the raw length that makes the inputs exactly `--max_seq_length` long
 and checks the tokenizer, before any work; `span_corruption` masks batches of raw blocks, each row
 from its own random numbers drawn from (seed, stream, step, the row's place in the global batch),
-like `tasks.lm.masking`. The flags named in the errors are those of `run_t5_mlm_flax.py`:
+like `tasks.masked_lm.masking`. The flags named in the errors are those of `run_t5_mlm_flax.py`:
 --max_seq_length, --mlm_probability (the noise density, under its classic name) and
 --mean_noise_span_length.
 """
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -24,12 +26,16 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from tasks import Task
+from tasks import Task, lm
 from tasks.demo import Answer, BadInput, Predictor, bucket_for, buckets, require_text, show_answer, truncation_note
 from utils import batch_order
 from utils.errors import UsageError
+from utils.models import fit_length, max_positions
 
 TASK = Task("span-corruption", "text2text-generation", widget="sentinel")
+# The families with sentinel-token pretraining and a Flax class in transformers 4.57 (UMT5 has none).
+MODEL_TYPES = ("t5", "mt5", "longt5")
+logger = logging.getLogger(__name__)
 
 SENTINEL = "<extra_id_{}>"
 
@@ -134,6 +140,30 @@ def plan_span_corruption(tokenizer, max_seq_length, noise_density, mean_noise_sp
     return SpanCorruption(lengths, sentinel_ids(tokenizer, lengths.noise_spans), tokenizer.eos_token_id)
 
 
+def fit_plan(data_args, tokenizer, config):
+    """`plan_span_corruption` for --max_seq_length fitted to the model's positions (the T5 family
+    has relative ones: no limit), logged."""
+    seq_length = fit_length(data_args.max_seq_length, max_positions(config), "max_seq_length", logger)
+    plan = plan_span_corruption(tokenizer, seq_length, data_args.mlm_probability, data_args.mean_noise_span_length)
+    lengths = plan.lengths
+    logger.info("span corruption: raw blocks of %d tokens -> inputs of %d, targets of %d (%d noise tokens in %d "
+                "spans)", lengths.raw_length, seq_length, lengths.target_length, lengths.noise_tokens,
+                lengths.noise_spans)
+    return plan
+
+
+def read_raw_blocks(data_args, training_args, tokenizer, plan, cache_dir):
+    """(train data, validation arrays or None): the text tokenized, concatenated and cut into the raw
+    blocks of `plan`; streamed (--streaming) or read into memory, where a split without one block fails."""
+    raw_length, seq_length = plan.lengths.raw_length, plan.lengths.input_length
+    return lm.read_examples(
+        data_args, training_args, lm.Blocks(tokenizer, raw_length),
+        lambda raw, text_column: lm.tokenize_and_group(raw, tokenizer, text_column, raw_length, data_args),
+        ("input_ids",),
+        lambda split: f"the {split} data has fewer than {raw_length} tokens, the raw block that --max_seq_length "
+                      f"{seq_length} needs: lower --max_seq_length or add text", cache_dir)
+
+
 def random_compositions(total, parts, uniforms):
     """[rows, parts] positive integers, each row summing to `total`, uniform over all such rows.
 
@@ -194,7 +224,7 @@ def span_corruption(plan, decoder_start_token_id, seed, stream):
     `batch["input_ids"]` [rows, raw_length] raw blocks become a T5 batch: `input_ids` [rows,
     max_seq_length], `labels` [rows, target_length], and `decoder_input_ids`, the labels shifted
     right after `decoder_start_token_id` (T5: the pad id). Row i is corrupted from its own random
-    numbers, drawn from (seed, stream, step, row_ids[i]), as `tasks.lm.masking` masks: a training
+    numbers, drawn from (seed, stream, step, row_ids[i]), as `tasks.masked_lm.masking` masks: a training
     example's corruption depends on the step and its row in the global batch, an evaluation
     example's (step 0) on its index alone. So it is the same on any number of devices and
     processes, a resumed run corrupts its batches exactly as the uninterrupted run would, and
@@ -215,6 +245,26 @@ def span_corruption(plan, decoder_start_token_id, seed, stream):
                 "decoder_input_ids": np.concatenate([start, labels[:, :-1]], axis=1)}
 
     return transform
+
+
+def train_eval_corruption(plan, decoder_start_token_id, seed):
+    """(train transform, eval transform): `span_corruption` from the training and the evaluation
+    random streams, which never coincide."""
+    return tuple(span_corruption(plan, decoder_start_token_id, seed, stream)
+                 for stream in (lm.TRAIN_STREAM, lm.EVAL_STREAM))
+
+
+def span_target_loss(logits, labels, example_weight=None, label_smoothing=0.0):
+    """(loss sum, {"loss", "accuracy", "tokens"}) over every target token: each sentinel, the tokens
+    of its span, the final EOS.
+
+    Span corruption gives every row exactly `target_length` real target tokens, so nothing is
+    padding and every one counts (no `labels != pad` mask: it would drop nothing, or, were a pad
+    id ever in the text, a real target). `example_weight` (eval: 0 for padded rows) scales a row's
+    tokens.
+    """
+    return lm.token_sums(logits, labels, example_weight=example_weight, label_smoothing=label_smoothing,
+                         accuracy=True)
 
 
 # ----------------------------------------------------------------------------------------------

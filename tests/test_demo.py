@@ -22,7 +22,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from script_runner import ROOT, script_env
+from script_runner import ROOT, run_script, script_env
 
 CHROMIUM = "/usr/bin/chromium"
 # Flags for a closed network: no background fetches, updates or QUIC probes (without them the
@@ -352,6 +352,29 @@ def test_span_filler_fills_like_a_plain_greedy_loop(predictors, models):
         expected = t5_greedy_spans(str(models("t5 mlm")), text, predictor.max_length)
         answer = predictor(text)
         assert answer.details == [(f"<extra_id_{n}>", expected.get(n, "")) for n in (0, 1)]
+
+
+@pytest.mark.slow
+def test_summarizer_sizes_documents_as_the_script_did(tmp_path):
+    """run_args.json keeps the --max_source_length the user passed (512); the model has 64 positions,
+    so the script encodes documents to 64 tokens, and so does the demo's summarizer."""
+    from tasks.demo import load
+
+    bart = ("d_model=16,encoder_layers=1,decoder_layers=1,encoder_attention_heads=2,decoder_attention_heads=2,"
+            "encoder_ffn_dim=32,decoder_ffn_dim=32,max_position_embeddings=64")
+    out = tmp_path / "out"
+    result = run_script("run_summarization_flax.py", [
+        "--model_type", "bart", "--config_overrides", bart, "--tokenizer_name", "data/lm/tokenizer",
+        "--train_file", "data/summarization/train.jsonl", "--max_train_samples", 16,
+        "--per_device_train_batch_size", 2, "--max_steps", 1, "--do_train", "--max_source_length", 512,
+        "--max_target_length", 16, "--output_dir", out, "--compilation_cache_dir", "none"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--max_source_length 512 is more than the model's 64 positions: using 64" in result.stderr
+    assert json.loads((out / "run_args.json").read_text())["max_source_length"] == 512
+    task, summarizer = load(str(out))
+    answer = summarizer("Ann met Bob in Rome. " * 40)
+    assert task == "summarization" and summarizer.max_length == 64
+    assert answer.notes[0].endswith("so it was truncated to the first 64")
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
-"""utils/lm.py: grouping, masking, token-weighted loss, validation split, file formats, limits."""
+"""tasks/lm.py (and tasks/masked_lm.py's masking): grouping, masking, token-weighted loss, validation split,
+file formats, limits."""
 
 import json
-import logging
 import os
 from types import SimpleNamespace
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
+from tasks import lm, masked_lm
 from tasks.causal_lm import TASK
-from tasks import lm
 from utils.args import ModelArguments, TrainingArguments
 from utils.errors import UsageError
 from utils.layout import AXIS
@@ -84,7 +84,8 @@ def test_mask_statistics():
     rng = np.random.default_rng(0)
     ids = random_batch(rng)
     replacements = np.arange(len(SPECIAL), VOCAB)
-    inputs, selected = lm.mask_tokens(ids, np.array(SPECIAL), MASK, replacements, 0.15, rng.random((3, *ids.shape)))
+    inputs, selected = masked_lm.mask_tokens(ids, np.array(SPECIAL), MASK, replacements, 0.15,
+                                             rng.random((3, *ids.shape)))
     selected = selected.astype(bool)
     special = np.isin(ids, SPECIAL)
     assert not selected[special].any()
@@ -106,14 +107,14 @@ def test_mask_statistics():
 def test_masking_transform_is_a_pure_function_of_seed_step_and_row(tokenizer):
     ids = np.asarray(tokenizer(["the cat sat on the mat"] * 64, padding="max_length", max_length=16)["input_ids"])
     batch = {"input_ids": ids, "attention_mask": (ids != tokenizer.pad_token_id).astype(np.int64)}
-    transform = lm.masking(tokenizer, 0.15, seed=7, stream=lm.TRAIN_STREAM)
+    transform = masked_lm.masking(tokenizer, 0.15, seed=7, stream=lm.TRAIN_STREAM)
     rows = np.arange(64)
     first, again = transform(batch, 3, rows), transform(batch, 3, rows)
     for key in ("input_ids", "labels", "label_weights"):
         assert np.array_equal(first[key], again[key])
     assert np.array_equal(first["labels"], ids) and np.array_equal(first["attention_mask"], batch["attention_mask"])
     assert not np.array_equal(transform(batch, 4, rows)["label_weights"], first["label_weights"])
-    other_stream = lm.masking(tokenizer, 0.15, seed=7, stream=lm.EVAL_STREAM)(batch, 3, rows)
+    other_stream = masked_lm.masking(tokenizer, 0.15, seed=7, stream=lm.EVAL_STREAM)(batch, 3, rows)
     assert not np.array_equal(other_stream["label_weights"], first["label_weights"])
     weights = first["label_weights"].astype(bool)
     assert not np.isin(ids[weights], tokenizer.all_special_ids).any()
@@ -124,7 +125,7 @@ def test_a_rows_mask_does_not_depend_on_how_the_batch_is_split(tokenizer):
     """Two processes masking their halves (or eval batches of another size) mask each row as one would."""
     ids = np.asarray(tokenizer(["the cat sat on the mat by the door"] * 32, padding="max_length",
                                max_length=16)["input_ids"])
-    transform = lm.masking(tokenizer, 0.3, seed=7, stream=lm.TRAIN_STREAM)
+    transform = masked_lm.masking(tokenizer, 0.3, seed=7, stream=lm.TRAIN_STREAM)
     whole = transform({"input_ids": ids}, 5, np.arange(32))
     halves = [transform({"input_ids": ids[rows]}, 5, np.arange(32)[rows]) for rows in (slice(0, 16), slice(16, 32))]
     for key in ("input_ids", "label_weights"):
@@ -138,7 +139,7 @@ def test_a_rows_mask_does_not_depend_on_how_the_batch_is_split(tokenizer):
 def test_masking_needs_a_mask_token(tokenizer):
     no_mask = SimpleNamespace(mask_token_id=None)
     with pytest.raises(UsageError, match="mask token"):
-        lm.masking(no_mask, 0.15, seed=0, stream=0)
+        masked_lm.masking(no_mask, 0.15, seed=0, stream=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,11 +268,10 @@ def test_check_before_work(tmp_path):
 # Length limits
 # ----------------------------------------------------------------------------------------------
 def test_sequence_length_defaults_and_clamps(tokenizer, caplog):
-    logger = logging.getLogger("test_lm")
     gpt2 = AutoConfig.for_model("gpt2", n_positions=256)
-    assert lm.sequence_length(None, 1024, tokenizer, gpt2, "block_size", logger) == 256  # clamped
+    assert lm.sequence_length(None, 1024, tokenizer, gpt2, "block_size") == 256  # clamped
     assert "256 positions" in caplog.text
-    assert lm.sequence_length(64, 1024, tokenizer, gpt2, "block_size", logger) == 64
+    assert lm.sequence_length(64, 1024, tokenizer, gpt2, "block_size") == 64
     roberta = AutoConfig.for_model("roberta", max_position_embeddings=514)
-    assert lm.sequence_length(None, 512, tokenizer, roberta, "max_seq_length", logger) == min(
+    assert lm.sequence_length(None, 512, tokenizer, roberta, "max_seq_length") == min(
         512, tokenizer.model_max_length)

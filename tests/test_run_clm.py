@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import run_clm_flax as clm
+from tasks.causal_lm import next_token_loss
 from tests.script_runner import (ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script,
                                  run_streamed_config)
 
@@ -159,14 +160,14 @@ def test_next_token_loss_scores_the_following_token():
     # the padding row names its current tokens, which would cost if it counted.
     predicts_next = peaked_logits(np.roll(input_ids, -1, axis=1), vocab)
     predicts_next[2] = peaked_logits(input_ids[2], vocab)
-    loss, sums = clm.next_token_loss(predicts_next, input_ids, example_weight)
+    loss, sums = next_token_loss(predicts_next, input_ids, example_weight)
     assert float(sums["tokens"]) == 2 * (6 - 1)  # real rows x (block - 1)
     assert float(loss) == float(sums["loss"])
     assert float(loss) / float(sums["tokens"]) < 1e-6
 
-    loss, sums = clm.next_token_loss(peaked_logits(input_ids, vocab), input_ids, example_weight)
+    loss, sums = next_token_loss(peaked_logits(input_ids, vocab), input_ids, example_weight)
     assert float(loss) / float(sums["tokens"]) > 20  # copying the current token is wrong everywhere
-    assert float(clm.next_token_loss(predicts_next, input_ids)[1]["tokens"]) == 3 * (6 - 1)
+    assert float(next_token_loss(predicts_next, input_ids)[1]["tokens"]) == 3 * (6 - 1)
 
 
 # One line repeated: each of its 11 tokens ("<s> Sam Ġhas ... Ġpond Ċ </s>") is always followed by

@@ -8,11 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-import run_mlm_flax as mlm
 from tests.script_runner import (ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script,
                                  run_streamed_config)
+from tasks import lm, masked_lm
 from utils import arrow_columns, dataset_loading
-from tasks import lm
 
 SCRIPT = "run_mlm_flax.py"
 MAX_STEPS = 40
@@ -78,16 +77,18 @@ def test_result_files(trained):
 
 def masked_eval_set(tokenizer, seq_length=32, max_eval_samples=40, seed=42):
     """(inputs, labels, selected) of the eval blocks as the script masks them with DATA's settings
-    (and the default seed), rebuilt here: the same blocks, masked all at once by `lm.masking`'s eval
+    (and the default seed), rebuilt here: the same blocks, masked all at once by `masked_lm.masking`'s eval
     stream (each example's mask depends on its index alone, not on the script's batches of 2 x 8)."""
     import datasets
 
     raw = datasets.load_dataset("text", data_files={"validation": os.path.join(ROOT, "data/lm/validation.txt")},
                                 keep_linebreaks=True)["validation"]
     no_workers = SimpleNamespace(preprocessing_num_workers=None, overwrite_cache=False)
-    blocks = dataset_loading.take(lm.tokenize_and_group(raw, tokenizer, "text", seq_length, no_workers), max_eval_samples)
+    blocks = dataset_loading.take(lm.tokenize_and_group(raw, tokenizer, "text", seq_length, no_workers),
+                                  max_eval_samples)
     input_ids = np.asarray(arrow_columns.to_arrays(blocks, ("input_ids",))["input_ids"])  # read out of the memory map
-    masked = lm.masking(tokenizer, 0.15, seed, lm.EVAL_STREAM)({"input_ids": input_ids}, 0, np.arange(len(input_ids)))
+    masking = masked_lm.masking(tokenizer, 0.15, seed, lm.EVAL_STREAM)
+    masked = masking({"input_ids": input_ids}, 0, np.arange(len(input_ids)))
     return masked["input_ids"], masked["labels"], masked["label_weights"]
 
 
@@ -129,7 +130,7 @@ def test_masked_token_loss_counts_only_the_selected_tokens_of_real_rows():
             # floor for it), a wrong one's 30 + that, 3 of them summed in float32 (ulp 1e-5 at 90): 1e-3.
             (np.where(scored[..., None] == 1, right, wrong), 3, pytest.approx(0, abs=1e-6)),
             (np.where(scored[..., None] == 1, wrong, right), 0, pytest.approx(30, abs=1e-3))):
-        loss, sums = mlm.masked_token_loss(logits, labels, label_weights, example_weight)
+        loss, sums = masked_lm.masked_token_loss(logits, labels, label_weights, example_weight)
         assert float(sums["tokens"]) == 3 and float(sums["accuracy"]) == expected_accuracy
         assert float(loss) == float(sums["loss"]) and float(loss) / 3 == per_token_loss
 

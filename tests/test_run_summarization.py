@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-import run_summarization_flax as summarization
 from script_runner import ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script
+from tasks.summarization import summary_loss
 
 SCRIPT = "run_summarization_flax.py"
 DATA = os.path.join(ROOT, "data", "summarization")
@@ -193,6 +193,6 @@ def test_summary_loss_counts_the_summary_tokens_of_real_rows():
     # Right on the summary tokens of the real row, wrong on everything that must not count.
     logits = 30.0 * np.eye(vocab, dtype=np.float32)[(labels + 1) % vocab]
     logits[0, :3] = 30.0 * np.eye(vocab, dtype=np.float32)[labels[0, :3]]
-    loss, sums = summarization.summary_loss(logits, labels, decoder_attention_mask, example_weight)
+    loss, sums = summary_loss(logits, labels, decoder_attention_mask, example_weight)
     assert float(sums["tokens"]) == 3
     assert float(loss) == float(sums["loss"]) and float(loss) / 3 < 1e-6

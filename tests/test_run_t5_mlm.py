@@ -7,12 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-import run_t5_mlm_flax as t5_mlm
 from tests.script_runner import (ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script,
                                  run_streamed_config)
 from utils import arrow_columns, compat, dataset_loading
 from tasks import lm
-from tasks.span_corruption import plan_span_corruption, span_corruption
+from tasks.span_corruption import plan_span_corruption, span_corruption, span_target_loss
 
 SCRIPT = "run_t5_mlm_flax.py"
 MAX_STEPS = 40
@@ -127,11 +126,11 @@ def test_span_target_loss_counts_every_target_token_of_real_rows():
     # for it), a wrong one's 30 + that, summed over 10 tokens in float32 (ulp 3e-6 at 300): 1e-3.
     for logits, expected_accuracy, per_token_loss in ((np.where(real, right, wrong), 10, pytest.approx(0, abs=1e-6)),
                                                       (np.where(real, wrong, right), 0, pytest.approx(30, abs=1e-3))):
-        loss, sums = t5_mlm.span_target_loss(logits, labels, example_weight)
+        loss, sums = span_target_loss(logits, labels, example_weight)
         assert float(sums["tokens"]) == 10 and float(sums["accuracy"]) == expected_accuracy
         assert float(loss) == float(sums["loss"]) and float(loss) / 10 == per_token_loss
     # Training batches carry no example weight: every row counts.
-    assert float(t5_mlm.span_target_loss(right, labels)[1]["tokens"]) == 15
+    assert float(span_target_loss(right, labels)[1]["tokens"]) == 15
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""utils/span_corruption.py: the lengths rule, the masking, reproducibility, the up-front checks."""
+"""tasks/span_corruption.py: the lengths rule, the masking, reproducibility, the up-front checks."""
 
 import itertools
 import os
