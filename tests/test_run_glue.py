@@ -14,7 +14,7 @@ from scipy.special import log_softmax
 from scipy.stats import pearsonr
 from sklearn.metrics import matthews_corrcoef
 
-import run_flax_glue as glue
+from tasks import classification, text_classification
 from tests.script_runner import ROOT, calls_of_steps_compiled_once, read_json, run_script
 from utils.errors import UsageError
 
@@ -199,7 +199,7 @@ def test_classification_loss_sums_real_rows_only():
     logits = np.array([[2.0, 0.0, -1.0], [0.5, 0.5, 3.0], [9.0, -9.0, 0.0]], np.float32)
     labels = np.array([0, 2, 1])
     weight = np.array([1.0, 1.0, 0.0], np.float32)  # the last row is eval padding (and badly wrong)
-    loss, sums = glue.classification_loss(logits, labels, weight)
+    loss, sums = text_classification.classification_loss(logits, labels, weight)
     log_probs = log_softmax(logits.astype(np.float64), axis=-1)
     expected = -(log_probs[0, 0] + log_probs[1, 2])
     assert float(sums["tokens"]) == 2
@@ -209,9 +209,9 @@ def test_classification_loss_sums_real_rows_only():
 def test_regression_loss_is_the_squared_error_of_the_one_output():
     outputs = np.array([[1.5], [4.0], [0.0]], np.float32)
     labels = np.array([1.0, 2.5, 5.0], np.float32)
-    loss, sums = glue.regression_loss(outputs, labels, np.array([1.0, 1.0, 0.0], np.float32))
+    loss, sums = text_classification.regression_loss(outputs, labels, np.array([1.0, 1.0, 0.0], np.float32))
     assert float(sums["tokens"]) == 2 and float(loss) == pytest.approx(0.5 ** 2 + 1.5 ** 2, rel=1e-6)
-    loss, sums = glue.regression_loss(outputs, labels)
+    loss, sums = text_classification.regression_loss(outputs, labels)
     assert float(sums["tokens"]) == 3 and float(loss) == pytest.approx(0.25 + 2.25 + 25, rel=1e-6)
 
 
@@ -223,21 +223,22 @@ class FakeConfig:
 def test_labels_from_data_task_and_checkpoint():
     strings = {"train": Dataset.from_dict({"label": ["pos", "neg", "pos"]})}
     floats = {"train": Dataset.from_dict({"label": [0.5, 3.0, 2.0]})}
+    unlabelled = {"test": Dataset.from_dict({"sentence": ["a", "b"]})}
     placeholder = FakeConfig({0: "LABEL_0", 1: "LABEL_1"})
-    assert glue.choose_labels(None, strings, "label", placeholder, False, "train") == ["neg", "pos"]
-    assert glue.choose_labels(None, floats, "label", placeholder, False, "train") is None  # a regression
-    assert glue.choose_labels(glue.classification.glue_task("stsb"), strings, "label", placeholder, False,
-                              "train") is None
+    choose_labels = text_classification.choose_labels
+    assert choose_labels(None, strings, "label", placeholder, False) == ["neg", "pos"]
+    assert choose_labels(None, floats, "label", placeholder, False) is None  # a regression
+    assert choose_labels(classification.glue_task("stsb"), strings, "label", placeholder, False) is None
     named = FakeConfig({0: "POS", 1: "NEG", 2: "MIXED"})  # its ids and spelling kept
-    assert glue.choose_labels(None, strings, "label", named, True, "train") == ["POS", "NEG", "MIXED"]
-    assert glue.choose_labels(None, strings, "label", named, True, None) == ["POS", "NEG", "MIXED"]
+    assert choose_labels(None, strings, "label", named, True) == ["POS", "NEG", "MIXED"]
+    assert choose_labels(None, unlabelled, "label", named, True) == ["POS", "NEG", "MIXED"]
     with pytest.raises(UsageError, match=r"labels not in the checkpoint's label map: 'neg'"):
-        glue.choose_labels(None, strings, "label", FakeConfig({0: "pos", 1: "other"}), True, "train")
+        choose_labels(None, strings, "label", FakeConfig({0: "pos", 1: "other"}), True)
     with pytest.raises(UsageError, match="prediction alone needs the label names"):
-        glue.choose_labels(None, strings, "label", placeholder, True, None)
+        choose_labels(None, unlabelled, "label", placeholder, True)
     with pytest.raises(UsageError, match=r"the validation data has labels the model does not know: 'meh'"):
-        glue.label_ids("validation", ["pos", "meh"], ["neg", "pos"])
-    assert glue.label_ids("validation", ["pos", "neg"], ["neg", "pos"]).tolist() == [1, 0]
+        text_classification.label_ids("validation", ["pos", "meh"], ["neg", "pos"])
+    assert text_classification.label_ids("validation", ["pos", "neg"], ["neg", "pos"]).tolist() == [1, 0]
 
 
 def test_a_head_for_another_number_of_labels_is_replaced_with_a_warning(tmp_path, caplog):

@@ -20,11 +20,12 @@ import pytest
 from transformers import AutoTokenizer, BertConfig, FlaxAutoModelForTokenClassification
 
 import run_flax_ner as ner
+from tasks import token_classification as tagging
 from script_runner import (ROOT, calls_of_steps_compiled_once, directory_state, read_json, read_metrics, run_script,
                            script_env)
 from test_errors_cli import check_failure, run_in_process
 from test_weights import pytorch_state_dict, write_pytorch_safetensors
-from tasks.classification import IGNORE_INDEX, entity_metrics
+from tasks.classification import IGNORE_INDEX, entity_metrics, inside_label_ids
 
 SCRIPT = "run_flax_ner.py"
 DATA = os.path.join(ROOT, "data", "ner")
@@ -91,7 +92,7 @@ def test_loss_counts_only_labelled_tokens_of_real_rows():
                        [IGNORE_INDEX, 3, IGNORE_INDEX, 0, 1, IGNORE_INDEX],
                        [IGNORE_INDEX, 1, 1, 1, 1, IGNORE_INDEX]])  # an eval padding row
     example_weight = np.array([1.0, 1.0, 0.0], np.float32)
-    loss, sums = ner.tagging_loss(logits, labels, example_weight)
+    loss, sums = tagging.tagging_loss(logits, labels, example_weight)
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     picked = [-log_probs[r, t, labels[r, t]] for r in range(2) for t in range(6) if labels[r, t] != IGNORE_INDEX]
     assert float(sums["tokens"]) == 5
@@ -121,8 +122,8 @@ def test_labels_go_to_each_words_first_sub_token():
     sentences = datasets.Dataset.from_dict({"words": [words], "tags": [tags]})
     for label_all_tokens, want in ((False, expected), (True, expected_all)):
         args = ner.DataTrainingArguments(label_all_tokens=label_all_tokens)
-        inside_ids = ner.inside_label_ids(label_list)
-        row = ner.tokenize_and_align(sentences, tokenizer, seq_length, ids, inside_ids, args)[0]
+        inside_ids = inside_label_ids(label_list)
+        row = tagging.tokenize_and_align(sentences, tokenizer, seq_length, ids, inside_ids, args)[0]
         assert row["labels"] == want + pad
         assert row["word_starts"] == [int(label != IGNORE_INDEX) for label in expected + pad]
 
