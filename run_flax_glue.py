@@ -10,7 +10,8 @@ Labels become a sorted label list, saved in the model's config as `label2id` / `
 labels (and stsb) make a regression with one output and a squared-error loss. One train / eval loop,
 each step defined once for both layouts (`--sharding dp`, jax.pmap over the local devices, the
 default; `--sharding fsdp`, the model split over all devices); everything mechanical (layouts,
-schedules, checkpoints, metrics, logging) lives in `utils/`.
+schedules, checkpoints, metrics, logging) lives in `utils/`, the task's data preparation, loss,
+metrics and prediction file in `tasks/text_classification.py`.
 """
 
 import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
@@ -171,8 +172,8 @@ def main(argv=None):
         evaluate_all(state.params)
     if training_args.do_predict:
         for split in predicted:
-            run.write_text(text_classification.prediction_file(data_args.task_name, split), predict(state.params, split),
-                           collapse_whitespace=False)
+            name = text_classification.prediction_file(data_args.task_name, split)
+            run.write_text(name, predict(state.params, split), collapse_whitespace=False)
         run.dir.add_results(predict_samples=sum(sizes[split] for split in predicted))
     run.finish()
 

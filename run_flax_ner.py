@@ -9,7 +9,8 @@ Each word's tag goes to its first sub-token; the loss is the mean over the label
 the whole global batch, and the scores (seqeval's, offline) are over words. One train / eval loop,
 each step defined once for both layouts (`--sharding dp`, jax.pmap over the local devices, the
 default; `--sharding fsdp`, the model split over all devices); everything mechanical (layouts,
-schedules, checkpoints, metrics, logging) lives in `utils/`.
+schedules, checkpoints, metrics, logging) lives in `utils/`, the task's data preparation, loss,
+metrics and prediction file in `tasks/token_classification.py`.
 """
 
 import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
