@@ -24,11 +24,14 @@ class Task:
     and an output dir holding anything else is never emptied. `widget`: how an example's text
     becomes the Hub widget's input in the model card ("text" whole, "prompt" its first words,
     "mask" / "sentinel" a middle word masked with the tokenizer's mask token / T5's first
-    sentinel), None when the widget takes more than a text."""
+    sentinel), None when the widget takes more than a text. `implied_dataset(run_args)`: the
+    `dataset_name` / `dataset_config_name` a run read without their being among its arguments (a
+    GLUE --task_name alone reads GLUE from the hub), {} when none; the model card names that data."""
     name: str
     pipeline_tag: str
     outputs: tuple = ()
     widget: str = None
+    implied_dataset: object = None
 
 
 # Task name -> the module that is its home.

@@ -17,9 +17,13 @@ Sequence classification
 Token classification
 - `first_token_positions` / `align_word_labels`: word-level tags onto sub-tokens by `word_ids`.
 - `entity_metrics`: seqeval's default (conlleval-compatible, non-strict) chunking and scores.
+
+Both (`tasks/text_classification.py`, `tasks/token_classification.py`)
+- `columns_known_now`, `set_config_labels`, `model_inputs`, `logits_fn`.
 """
 
 import dataclasses
+import inspect
 import math
 from collections import defaultdict
 
@@ -129,6 +133,44 @@ def saved_label_names(config):
     """The label names of a pretrained config, by id; None when they are transformers' LABEL_<i> placeholders."""
     names = [config.id2label[i] for i in range(config.num_labels)]
     return None if names == [f"LABEL_{i}" for i in range(config.num_labels)] else names
+
+
+# ---------------------------------------------------------------------------------------------
+# What sequence classification and token classification share
+# ---------------------------------------------------------------------------------------------
+
+
+def columns_known_now(preflight_columns, splits, dataset_name):
+    """{split: column names} of the local files of `splits` when the pre-read before any work found
+    them all, so that a wrong column fails at once; None when a hub dataset is read (`dataset_name`)
+    or a file's columns are not known yet: they are checked once the data is loaded."""
+    if dataset_name or not all(split in preflight_columns for split in splits):
+        return None
+    return {split: preflight_columns[split] for split in splits}
+
+
+def set_config_labels(config, names, finetuning_task):
+    """The model config's labels: as many outputs as `names`, named by them (`config_label_maps`)."""
+    config.num_labels = len(names)
+    config.label2id, config.id2label = config_label_maps(names)
+    config.finetuning_task = finetuning_task
+
+
+def model_inputs(tokenizer, model):
+    """The inputs the tokenizer makes and the model takes (DistilBERT takes no token types, which a
+    BERT tokenizer makes)."""
+    taken = inspect.signature(model.__call__).parameters
+    return [name for name in ("input_ids", "attention_mask", "token_type_ids")
+            if name in tokenizer.model_input_names and name in taken]
+
+
+def logits_fn(model, input_names):
+    """`logits_of(params, batch, dropout_rng=None, train=False)`: the model's logits for the
+    `input_names` of a batch."""
+    def logits_of(params, batch, dropout_rng=None, train=False):
+        return model(**{k: batch[k] for k in input_names}, params=params, dropout_rng=dropout_rng, train=train)[0]
+
+    return logits_of
 
 
 # ---------------------------------------------------------------------------------------------

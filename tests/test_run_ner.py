@@ -14,17 +14,19 @@ Negative controls (each was broken on purpose and seen failing):
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer, BertConfig, FlaxAutoModelForTokenClassification
 
 import run_flax_ner as ner
+from tasks import token_classification as tagging
 from script_runner import (ROOT, calls_of_steps_compiled_once, directory_state, read_json, read_metrics, run_script,
                            script_env)
 from test_errors_cli import check_failure, run_in_process
 from test_weights import pytorch_state_dict, write_pytorch_safetensors
-from tasks.classification import IGNORE_INDEX, entity_metrics
+from tasks.classification import IGNORE_INDEX, entity_metrics, inside_label_ids
 
 SCRIPT = "run_flax_ner.py"
 DATA = os.path.join(ROOT, "data", "ner")
@@ -91,7 +93,7 @@ def test_loss_counts_only_labelled_tokens_of_real_rows():
                        [IGNORE_INDEX, 3, IGNORE_INDEX, 0, 1, IGNORE_INDEX],
                        [IGNORE_INDEX, 1, 1, 1, 1, IGNORE_INDEX]])  # an eval padding row
     example_weight = np.array([1.0, 1.0, 0.0], np.float32)
-    loss, sums = ner.tagging_loss(logits, labels, example_weight)
+    loss, sums = tagging.tagging_loss(logits, labels, example_weight)
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     picked = [-log_probs[r, t, labels[r, t]] for r in range(2) for t in range(6) if labels[r, t] != IGNORE_INDEX]
     assert float(sums["tokens"]) == 5
@@ -121,8 +123,8 @@ def test_labels_go_to_each_words_first_sub_token():
     sentences = datasets.Dataset.from_dict({"words": [words], "tags": [tags]})
     for label_all_tokens, want in ((False, expected), (True, expected_all)):
         args = ner.DataTrainingArguments(label_all_tokens=label_all_tokens)
-        inside_ids = ner.inside_label_ids(label_list)
-        row = ner.tokenize_and_align(sentences, tokenizer, seq_length, ids, inside_ids, args)[0]
+        inside_ids = inside_label_ids(label_list)
+        row = tagging.tokenize_and_align(sentences, tokenizer, seq_length, ids, inside_ids, args)[0]
         assert row["labels"] == want + pad
         assert row["word_starts"] == [int(label != IGNORE_INDEX) for label in expected + pad]
 
@@ -251,21 +253,28 @@ def test_eval_and_predict_only_from_the_saved_dir(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_pytorch_checkpoint_with_another_head_fine_tunes(tmp_path):
-    """A PyTorch-format tagger with 3 unnamed labels (as hub checkpoints come) gets a fresh 9-tag head."""
+def test_pytorch_checkpoint_with_another_head_fine_tunes_over_an_earlier_run(trained, tmp_path):
+    """A PyTorch-format tagger with 3 unnamed labels (as hub checkpoints come) gets a fresh 9-tag head.
+    It trains into an earlier run's output dir, which it replaces, predictions.txt included (a rerun
+    was once refused: that file was not known as the task's)."""
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
     config = BertConfig(vocab_size=len(AutoTokenizer.from_pretrained(TOKENIZER)), hidden_size=32, num_hidden_layers=1,
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=64, num_labels=3)
     model = FlaxAutoModelForTokenClassification.from_config(config, seed=3)
     checkpoint = write_pytorch_safetensors(tmp_path / "pt", config, pytorch_state_dict(model.params, "bert"))
-    out = tmp_path / "out"
     result = run_ok(["--model_name_or_path", checkpoint, "--tokenizer_name", TOKENIZER, "--train_file",
-                     CONFIG["train_file"], "--max_train_samples", 160, "--max_seq_length", 64, "--do_train",
+                     CONFIG["train_file"], "--max_train_samples", 160, "--test_file", CONFIG["test_file"],
+                     "--max_predict_samples", 3, "--max_seq_length", 64, "--do_train", "--do_predict",
                      "--per_device_train_batch_size", 2, "--learning_rate", 3e-3, "--num_train_epochs", 2,
-                     "--logging_steps", 5, "--output_dir", out, "--compilation_cache_dir", "none"])
+                     "--logging_steps", 5, "--output_dir", out, "--overwrite_output_dir",
+                     "--compilation_cache_dir", "none"])
     assert re.search(r"initialised fresh .*classifier/kernel \(32, 3\) -> \(32, 9\)", result.stderr)
     train = read_metrics(out, "train")
     assert train[-1]["loss"] < 0.5 * train[0]["loss"]
     assert len(read_json(out / "config.json")["id2label"]) == 9
+    assert (out / "predictions.txt").read_text(encoding="utf-8").count("\n\n") == 2  # this run's 3 sentences
+    assert not (out / "eval_results.json").exists()  # the earlier run's, removed
 
 
 # ----------------------------------------------------------------------------------------------

@@ -141,8 +141,11 @@ def card_text(name, pipeline_tag, run_args, results, argv, widget):
 def write_model_card(output_dir, task, run_args, results, mask_token=None, argv=None):
     """Write `output_dir`/README.md for a model of `task` (its `tasks.Task` declaration, or None:
     no pipeline tag, no widget) trained with `run_args` (the public arguments), its `results`
-    (all_results.json's entries) and command line `argv`."""
+    (all_results.json's entries) and command line `argv`. Data the run read without naming it
+    (`tasks.Task.implied_dataset`) is named as if it had been given."""
     argv = list(sys.argv if argv is None else argv)
+    if task and task.implied_dataset:
+        run_args = {**run_args, **task.implied_dataset(run_args)}
     widget = widget_examples(run_args, task and task.widget, mask_token)
     name = os.path.basename(os.path.normpath(output_dir))
     with open(os.path.join(output_dir, CARD), "w", encoding="utf-8") as f:
