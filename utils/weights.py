@@ -13,7 +13,6 @@ import logging
 import os
 
 import jax
-import numpy as np
 from flax.core.frozen_dict import unfreeze
 from flax.traverse_util import flatten_dict, unflatten_dict
 from safetensors import safe_open
