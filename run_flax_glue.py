@@ -33,6 +33,7 @@ from utils.models import fit_config_to_tokenizer, fit_length, load_config, load_
 from utils.run import check_before_work, phase_datasets, set_up, training_plan
 from utils.training import TrainingRun, make_steps
 
+
 @dataclass
 class GlueModelArguments(ModelArguments):
     use_slow_tokenizer: bool = field(
@@ -42,6 +43,7 @@ class GlueModelArguments(ModelArguments):
         super().__post_init__()
         if self.use_slow_tokenizer:
             self.use_fast_tokenizer = False
+
 
 @dataclass
 class DataTrainingArguments(BaseDataArguments):
@@ -69,6 +71,7 @@ class DataTrainingArguments(BaseDataArguments):
             classification.glue_task(self.task_name)  # an unknown name fails here
         if self.max_seq_length is not None and self.max_seq_length <= 0:
             raise UsageError(f"--max_seq_length must be positive, got {self.max_seq_length}")
+
 
 def main(argv=None):
     model_args, data_args, training_args = parse_args(
@@ -176,6 +179,7 @@ def main(argv=None):
             run.write_text(name, predict(state.params, split), collapse_whitespace=False)
         run.dir.add_results(predict_samples=sum(sizes[split] for split in predicted))
     run.finish()
+
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

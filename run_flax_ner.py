@@ -32,6 +32,7 @@ from utils.models import fit_config_to_tokenizer, fit_length, load_config, load_
 from utils.run import check_before_work, needed_splits, phase_datasets, set_up, training_plan
 from utils.training import TrainingRun, make_steps
 
+
 @dataclass
 class DataTrainingArguments(BaseDataArguments):
     task_name: str = field(default="ner", metadata={"help": "ner, pos or chunk: picks the label column "
@@ -62,6 +63,7 @@ class DataTrainingArguments(BaseDataArguments):
         if self.max_seq_length is not None and self.max_seq_length < 2:
             raise UsageError(f"--max_seq_length must be at least 2 (special tokens and a word), got "
                              f"{self.max_seq_length}")
+
 
 def main(argv=None):
     model_args, data_args, training_args = parse_args(
@@ -150,6 +152,7 @@ def main(argv=None):
         run.report("predict", results)
         run.write_text("predictions.txt", tagging.prediction_lines(sentences["test"]["words"], predicted))
     run.finish()
+
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

@@ -43,6 +43,7 @@ class ImageModelArguments(ModelArguments):
         default=None, metadata={"help": "Image processor (name or path) whose normalisation the images get "
                                         "(default: the model's; from scratch: mean 0.5, std 0.5)."})
 
+
 @dataclass
 class ImageDataArguments(BaseDataArguments):
     train_dir: Optional[str] = field(
@@ -80,6 +81,8 @@ class ImageDataArguments(BaseDataArguments):
 # ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
+
+
 def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ImageModelArguments, ImageDataArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
@@ -186,6 +189,7 @@ def main(argv=None):
         run.write_text("predict_results.txt", lines, collapse_whitespace=False)
         run.dir.add_results(predict_samples=len(splits["test"].sources))
     run.finish()
+
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

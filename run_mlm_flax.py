@@ -29,6 +29,7 @@ from utils.models import fit_config_to_tokenizer, load_config, load_model, load_
 from utils.run import set_up, training_plan
 from utils.training import TrainingRun, make_steps
 
+
 @dataclass
 class DataTrainingArguments(lm.LMDataArguments):
     max_seq_length: Optional[int] = field(
@@ -57,6 +58,8 @@ class DataTrainingArguments(lm.LMDataArguments):
 # ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
+
+
 def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
@@ -129,6 +132,7 @@ def main(argv=None):
     if run.final_eval_due():
         run.report("eval", evaluate(state.params))
     run.finish()
+
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

@@ -74,6 +74,8 @@ class DataTrainingArguments(BaseDataArguments):
 # ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
+
+
 def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
@@ -171,6 +173,7 @@ def main(argv=None):
     if training_args.do_predict:
         report("test")
     run.finish()
+
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

@@ -28,6 +28,7 @@ from utils.models import fit_config_to_tokenizer, load_config, load_model, load_
 from utils.run import check_before_work, needed_splits, phase_datasets, set_up, training_plan
 from utils.training import TrainingRun, make_steps
 
+
 @dataclass
 class DataTrainingArguments(BaseDataArguments):
     text_column: Optional[str] = field(default=None, metadata={"help": "Column with the documents."})
@@ -56,6 +57,8 @@ class DataTrainingArguments(BaseDataArguments):
 # ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
+
+
 def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
@@ -164,6 +167,7 @@ def main(argv=None):
         if texts is not None:
             run.write_text(summarization.PREDICTIONS_FILE, texts)
     run.finish()
+
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

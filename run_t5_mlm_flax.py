@@ -30,6 +30,7 @@ from utils.models import fit_config_to_tokenizer, load_config, load_model, load_
 from utils.run import set_up, training_plan
 from utils.training import TrainingRun, make_steps
 
+
 @dataclass
 class DataTrainingArguments(lm.LMDataArguments):
     max_seq_length: int = field(
@@ -55,6 +56,8 @@ class DataTrainingArguments(lm.LMDataArguments):
 # ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
+
+
 def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
@@ -130,6 +133,7 @@ def main(argv=None):
     if run.final_eval_due():
         run.report("eval", evaluate(state.params))
     run.finish()
+
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

@@ -83,7 +83,6 @@ def command(name, output_dir, *extra):
     return [os.path.join(ROOT, script), *map(str, args + COMMON + ["--output_dir", output_dir, *extra])]
 
 
-
 class LayoutRuns(dict):
     """{(script, layout): output dir}; layout "dp" or "fsdp" (run as a pair, side by side: two cores,
     two runs), or "2x4": (process 0's output dir, process 1's), each process with a disk of its own."""

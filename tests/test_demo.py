@@ -47,6 +47,7 @@ if MISSING and os.environ.get("CI"):
     raise RuntimeError(f"CI must run the demo's browser tests, but these are missing: {', '.join(MISSING)}")
 needs_browser = pytest.mark.skipif(bool(MISSING), reason=f"the browser tests need {', '.join(MISSING)}")
 
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -702,6 +702,8 @@ def test_image_eval_only_needs_named_labels(image_fails, image_folders, tmp_path
               intermediate_size=32).save_pretrained(tmp_path / "vit")
     image_fails(["--model_name_or_path", tmp_path / "vit", "--validation_dir", image_folders["good"], "--do_eval"],
                 r"evaluation or prediction alone needs the label names")
+
+
 # run_qa.py
 # ---------------------------------------------------------------------------------------------
 QA_TOKENIZER = os.path.join(ROOT, "data", "qa", "tokenizer")

@@ -7,6 +7,7 @@ rows of a batch are.
 import numpy as np
 import pyarrow as pa
 
+
 def to_arrays(dataset, columns):
     """{name: ArrowColumn} of columns (fixed-length number lists, or numbers) for fast row gathering.
 

@@ -9,6 +9,7 @@ function of (seed, step, row) too.
 
 import numpy as np
 
+
 def steps_per_epoch(num_examples, global_batch_size):
     return num_examples // global_batch_size
 

@@ -6,6 +6,7 @@ from utils import hub_access
 from utils.errors import UsageError, is_disk_full
 from utils.file_formats import check_file, file_builder
 
+
 def load_splits(data_args, files, cache_dir=None, allowed=("json", "csv", "text"), **builder_kwargs):
     """Load a hub dataset (`data_args.dataset_name`) or local `files` ({split: path}) as a DatasetDict."""
     import datasets
