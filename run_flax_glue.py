@@ -97,7 +97,7 @@ def main(argv=None):
     seq_length = fit_length(data_args.max_seq_length or min(512, tokenizer.model_max_length), max_positions(config),
                             "max_seq_length", logger)
     raw = dataset_loading.load_splits(source, {s: files[s] for s in phase_of if s in files}, model_args.cache_dir,
-                           allowed=("json", "csv"))
+                                      allowed=("json", "csv"))
     raw = phase_datasets(raw, phase_of, source)
     columns = text_classification.resolve_columns(data_args, task, {split: raw[split].column_names for split in raw})
     names = text_classification.choose_labels(task, raw, columns.label, config, pretrained)

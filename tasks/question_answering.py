@@ -104,9 +104,9 @@ def check_columns(splits, data_args):
     set may come without answers)."""
     columns = {split: dataset.column_names for split, dataset in splits.items()}
     file_formats.require_columns(columns, (("question_column_name", data_args.question_column_name),
-                                   ("context_column_name", data_args.context_column_name)))
+                                           ("context_column_name", data_args.context_column_name)))
     file_formats.require_columns({split: names for split, names in columns.items() if split in ("train", "validation")},
-                         (("answer_column_name", data_args.answer_column_name),))
+                                 (("answer_column_name", data_args.answer_column_name),))
     return {split: data_args.answer_column_name in names for split, names in columns.items()}
 
 

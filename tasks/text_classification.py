@@ -93,7 +93,7 @@ def resolve_columns(data_args, task, columns):
                              "column (--text_column_name)")
     file_formats.require_columns(columns, [("text_column_name", name) for name in texts])
     file_formats.require_columns({split: names for split, names in columns.items() if is_labelled(split)},
-                         [("label_column_name", label)])
+                                 [("label_column_name", label)])
     return Columns(texts[0], texts[1] if len(texts) > 1 else None, label)
 
 

@@ -252,7 +252,8 @@ def test_overwrite_refuses_to_empty_a_directory_with_other_files(fails, files, t
     (out / "metrics.jsonl").write_text("")
     (out / "train.py").write_text("print('my code')")
     fails(scratch(files, "--overwrite_output_dir"), r"a new run in .*project first removes the previous run's outputs, "
-                                                    r"but the directory also holds files no run of this script writes \(train.py\)",
+                                                    r"but the directory also holds files no run of this script "
+                                                    r"writes \(train.py\)",
           out=out)
 
 

@@ -47,7 +47,8 @@ def test_a_fresh_run_may_replace_only_what_runs_write(tmp_path):
     (out / "train.py").write_text("print('mine')")
     (out / "data").mkdir()
     with pytest.raises(UsageError, match=r"a new run in .*run first removes the previous run's outputs, but the "
-                                         r"directory also holds files no run of this script writes \(data, train.py\): move them"):
+                                         r"directory also holds files no run of this script writes "
+                                         r"\(data, train.py\): move them"):
         preflight(out, do_train=True, overwrite_output_dir=True)
     assert preflight(out, do_eval=True).resume is None  # evaluation removes nothing
     assert preflight(out, do_train=True, resume_from_checkpoint="latest").resume.step == 4  # a resume keeps all
@@ -99,7 +100,7 @@ def test_phase_datasets_cut_each_phase_and_name_the_missing_split():
     data_args.max_predict_samples = 5  # a field of the scripts that predict
     cut = phase_datasets(raw, {"train": "train", "validation": "validation", "test": "test"}, data_args)
     assert {split: cut[split]["x"][:] for split in cut} == {"train": [0, 1, 2], "validation": [0, 1, 2, 3],
-                                                           "test": [0, 1, 2, 3, 4]}
+                                                            "test": [0, 1, 2, 3, 4]}
     assert len(phase_datasets(raw, {"train": "train"}, BaseDataArguments())["train"]) == 10  # no limit: all
     with pytest.raises(UsageError, match=r"^--do_eval needs a 'validation_matched' split, but dataset 'some/set' "
                                          r"has only train, validation, test: drop --do_eval, or pass local files"):

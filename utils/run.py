@@ -126,7 +126,7 @@ def set_up(training_args):
             raise UsageError("--compile_only plans one host's TPU slice: drop --num_processes")
         tpu_plan.use_cpu_devices(len(tpu_plan.load(training_args.compile_only).devices))
     devices.initialize_processes(training_args.coordinator_address, training_args.num_processes,
-                                  training_args.process_id)
+                                 training_args.process_id)
     devices.check_tpu_backend()
     compat.apply()
     devices.enable_compilation_cache(training_args.compilation_cache_dir)
