@@ -1,4 +1,4 @@
-"""utils/classification.py against the libraries the classic scripts' metrics come from.
+"""tasks/classification.py against the libraries the classic scripts' metrics come from.
 
 scikit-learn, scipy and seqeval (test-only requirements) are the references; every comparison runs
 on many random inputs, edge cases included. Tolerance 1e-9 everywhere: both sides compute the same
