@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 import tasks
-from utils import compat
+from utils import compat, devices
 from utils.errors import UsageError
 
 MODEL_FILES = ("flax_model.msgpack", "flax_model.msgpack.index.json")
@@ -119,6 +119,7 @@ def check_output_dir(output_dir):
 def load(output_dir):
     """(task, the predictor of the model in `output_dir`, warmed up)."""
     task, run_args = check_output_dir(output_dir)
+    devices.leave_absent_tpu_alone()
     predictor = tasks.module_of(task).PREDICTOR(output_dir, run_args)
     predictor.warm_up()
     return task, predictor

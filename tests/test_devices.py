@@ -1,5 +1,13 @@
 """utils/devices.py: processes and devices: multi-host start-up, the busy-TPU check, process slices, padding."""
 
+import http.server
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +15,8 @@ import pytest
 
 from utils import devices
 from utils.errors import RunError, UsageError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 N = 8
 
@@ -79,13 +89,87 @@ def test_incomplete_settings_name_the_missing_ones(fake_initialize):
     assert fake_initialize == []
 
 
-def test_cloud_tpu_vm_lets_jax_find_the_pod(fake_initialize, monkeypatch):
+@pytest.fixture
+def metadata_server():
+    """A stand-in for a Cloud TPU VM's metadata service on loopback, listing the workers it is given
+    (only to requests that carry the header the real one demands)."""
+    workers = []
+
+    class Metadata(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            known = self.path == "/computeMetadata/v1/instance/attributes/worker-network-endpoints"
+            if not known or self.headers.get("Metadata-Flavor") != "Google":
+                self.send_error(403 if known else 404)
+                return
+            body = ",".join(workers).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield workers, f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def unused_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_cloud_tpu_vm_without_metadata_runs_alone(fake_initialize, monkeypatch):
+    """A sandboxed TPU host: no worker variables and no metadata service. Jax's own cluster detection
+    would end on a ConnectionError after retries; one host needs no jax.distributed at all."""
     monkeypatch.setattr(devices, "_on_cloud_tpu_vm", lambda: True)
-    devices.initialize_processes(environ={})
-    devices.initialize_processes(process_id=0, environ={})
-    assert fake_initialize == [{}, {"process_id": 0}]
-    devices.initialize_processes(num_processes=1, environ={})  # opting out
+    how = devices.initialize_processes(environ={"GCE_METADATA_IP": f"127.0.0.1:{unused_port()}"})
+    assert how.startswith("one process: neither TPU worker variables nor the TPU metadata service name other hosts")
+    assert "--coordinator_address, --num_processes and --process_id" in how
+    assert devices.initialize_processes(environ={"TPU_SKIP_MDS_QUERY": "1"}) == how
+    assert fake_initialize == []
+
+
+def test_cloud_tpu_vm_counts_hosts_from_worker_variables(fake_initialize, monkeypatch):
+    monkeypatch.setattr(devices, "_on_cloud_tpu_vm", lambda: True)
+    alone = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_SKIP_MDS_QUERY": "1"}
+    assert devices.initialize_processes(environ=alone) == "one process: one host in the slice (from the TPU runtime's worker variables)"
+    assert fake_initialize == []
+    pod = {"TPU_WORKER_HOSTNAMES": "t-0,t-1,t-2,t-3"}
+    assert "(4 hosts listed by the TPU runtime's worker variables)" in devices.initialize_processes(environ=pod)
+    devices.initialize_processes(process_id=0, environ={"TPU_PROCESS_ADDRESSES": "a:8476,b:8476",
+                                                        "MEGASCALE_NUM_SLICES": "2"})
+    assert fake_initialize == [{}, {"process_id": 0}]  # JAX finds the rest of the settings itself
+    devices.initialize_processes(num_processes=1, environ=pod)  # opting out
     assert len(fake_initialize) == 2
+
+
+def test_cloud_tpu_vm_counts_hosts_from_metadata(fake_initialize, monkeypatch, metadata_server):
+    monkeypatch.setattr(devices, "_on_cloud_tpu_vm", lambda: True)
+    workers, address = metadata_server
+    workers[:] = ["t1v-n-0:0:10.130.0.2"]
+    assert devices.initialize_processes(environ={"GCE_METADATA_IP": address}) == \
+        "one process: one host in the slice (from the TPU metadata service)"
+    assert fake_initialize == []
+    workers[:] = ["t1v-n-0:0:10.130.0.2", "t1v-n-1:1:10.130.0.3"]
+    assert "(2 hosts listed by the TPU metadata service)" in devices.initialize_processes(
+        environ={"GCE_METADATA_IP": address})
+    assert fake_initialize == [{}]
+
+
+def test_failure_to_find_the_pod_names_both_fixes(monkeypatch):
+    def unreachable(**kwargs):
+        raise ConnectionError("HTTPConnectionPool(host='metadata.google.internal', port=80): Max retries exceeded")
+
+    monkeypatch.setattr(devices, "_on_cloud_tpu_vm", lambda: True)
+    monkeypatch.setattr(jax.distributed, "initialize", unreachable)
+    with pytest.raises(RunError, match=r"could not join the other processes via the coordinator \(2 hosts listed by "
+                                       r"the TPU runtime's worker variables\): ConnectionError: HTTPConnectionPool.*"
+                                       r"on one host pass --num_processes 1; on a pod slice pass --coordinator_address"):
+        devices.initialize_processes(environ={"TPU_WORKER_HOSTNAMES": "t-0,t-1"})
 
 
 def test_failure_to_join_is_a_run_error(monkeypatch):
@@ -93,7 +177,8 @@ def test_failure_to_join_is_a_run_error(monkeypatch):
         raise RuntimeError("DEADLINE_EXCEEDED: barrier timed out")
 
     monkeypatch.setattr(jax.distributed, "initialize", refuse)
-    with pytest.raises(RunError, match="could not join the other processes via 10.0.0.1:1234: DEADLINE"):
+    with pytest.raises(RunError, match=r"could not join the other processes via 10.0.0.1:1234 \(the multi-host settings "
+                                       r"given\): RuntimeError: DEADLINE_EXCEEDED"):
         devices.initialize_processes("10.0.0.1:1234", 2, 0, environ={})
 
 
@@ -142,3 +227,28 @@ def test_tpu_backend_on_a_cloud_tpu_vm(tpu_vm, jax_platforms, monkeypatch):
 def test_cpu_elsewhere_is_fine(jax_platforms):
     jax_platforms(None)  # no JAX_PLATFORMS, and not a Cloud TPU VM: a CPU machine (or a GPU one without GPUs)
     devices.check_tpu_backend()
+
+
+# --- a machine without a TPU: libtpu (installed as the TPU compiler) stays unopened ------------------------
+LIBTPU_NOISE = ("TPU_WORKER_HOSTNAMES", "could not determine TPU accelerator type")
+
+
+def devices_seen_by_a_fresh_process(leave_absent_tpu_alone):
+    """(stdout, stderr) of a process that opens JAX's backends as a script does, JAX_PLATFORMS unset."""
+    environ = {name: value for name, value in os.environ.items() if name not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    code = ("from utils import devices\n"
+            + ("devices.leave_absent_tpu_alone()\n" if leave_absent_tpu_alone else "")
+            + "import jax\nprint(jax.default_backend())")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environ, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip(), done.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="the noise comes from an installed libtpu")
+def test_no_libtpu_noise_without_a_tpu():
+    backend, noise = devices_seen_by_a_fresh_process(leave_absent_tpu_alone=False)
+    assert any(line in noise for line in LIBTPU_NOISE), "libtpu kept quiet on its own: the guard is not needed"
+    backend, stderr = devices_seen_by_a_fresh_process(leave_absent_tpu_alone=True)
+    assert backend == "cpu"
+    assert not any(line in stderr for line in LIBTPU_NOISE), stderr

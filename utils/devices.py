@@ -6,8 +6,12 @@ only its own contiguous slice of it (`process_slice`). Where the state and the b
 on the devices is the layout's business (`utils.layout`).
 """
 
+import importlib.metadata
+import importlib.util
 import json
 import os
+import pkgutil
+import urllib.request
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +24,8 @@ from utils.errors import RunError, UsageError
 # Where the multi-host settings come from when their flags are not given.
 DISTRIBUTED_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
                    "process_id": "JAX_PROCESS_ID"}
+# How long a Cloud TPU VM's metadata service may take to say how many hosts the slice has.
+METADATA_TIMEOUT_S = 2.0
 
 
 def _on_cloud_tpu_vm():
@@ -29,6 +35,30 @@ def _on_cloud_tpu_vm():
     except ImportError:
         return False
     return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
+
+
+def _accelerator_plugins():
+    """Names of the installed PJRT plugins other than the TPU's (jax_cuda12_plugin, ...)."""
+    try:
+        import jax_plugins
+    except ImportError:
+        names = set()
+    else:
+        names = {module.name for module in pkgutil.iter_modules(jax_plugins.__path__)}
+    names |= {entry.name for entry in importlib.metadata.entry_points(group="jax_plugins")}
+    return names
+
+
+def leave_absent_tpu_alone():
+    """On a machine without TPU chips, keep JAX from opening libtpu. Installed for --compile_only (it
+    is the TPU compiler), libtpu otherwise prints a page of errors at start about the TPU VM it is
+    not on. JAX_PLATFORMS, an accelerator plugin or backends already open leave the choice to JAX."""
+    from jax._src import xla_bridge
+
+    if (_on_cloud_tpu_vm() or jax.config.jax_platforms or xla_bridge.backends_are_initialized()
+            or importlib.util.find_spec("libtpu") is None or _accelerator_plugins()):
+        return
+    jax.config.update("jax_platforms", "cpu")
 
 
 def _tpu_backend_error():
@@ -74,32 +104,77 @@ def _distributed_settings(coordinator_address=None, num_processes=None, process_
     return settings
 
 
-def initialize_processes(coordinator_address=None, num_processes=None, process_id=None, environ=None):
-    """Join the other processes of a multi-host run; must come before any JAX computation.
+def _tpu_hosts_from_environment(environ):
+    """How many hosts the TPU runtime's worker variables list (GKE and queued resources set them), or None."""
+    workers = environ.get("TPU_PROCESS_ADDRESSES") or environ.get("TPU_WORKER_HOSTNAMES")
+    if not workers:
+        return None
+    hosts = len([worker for worker in workers.split(",") if worker.strip()])
+    return hosts * int(environ.get("MEGASCALE_NUM_SLICES") or 1)
 
-    Explicit settings (flags or `JAX_*` variables, all three) start `jax.distributed`; on a Cloud TPU
-    VM the missing ones are found by JAX from the TPU metadata, so a pod slice needs none. Anywhere
-    else, and with `num_processes` 1, the run stays single-process.
+
+def _tpu_hosts_from_metadata(environ, timeout=METADATA_TIMEOUT_S):
+    """How many hosts the Cloud TPU VM's metadata service lists for this slice, or None when it does not
+    answer (a sandboxed or containerised host, metadata concealment, no network). One short try: JAX's
+    own query retries for a minute and ends on an exception nobody can act on."""
+    if environ.get("TPU_SKIP_MDS_QUERY"):
+        return None
+    server = environ.get("GCE_METADATA_IP") or "metadata.google.internal"
+    request = urllib.request.Request(f"http://{server}/computeMetadata/v1/instance/attributes/worker-network-endpoints",
+                                     headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            workers = response.read().decode()
+    except (OSError, ValueError):  # URLError, timeouts and refused sockets are OSErrors
+        return None
+    hosts = len([worker for worker in workers.split(",") if worker.strip()])
+    return hosts or None
+
+
+def initialize_processes(coordinator_address=None, num_processes=None, process_id=None, environ=None):
+    """Join the other processes of a multi-host run; must come before any JAX computation. Returns
+    one line saying how this process runs and why.
+
+    Explicit settings (flags or `JAX_*` variables, all three) start `jax.distributed`. On a Cloud TPU
+    VM the TPU runtime's worker variables, else its metadata service, say how many hosts the slice
+    has: with several, JAX finds the rest of the settings itself (a pod slice needs no flags); with
+    one, or when nothing answers, the host runs alone, as a one-host TPU VM never needs
+    `jax.distributed`. Anywhere else, and with `num_processes` 1, the run stays single-process.
     """
+    environ = os.environ if environ is None else environ
     settings = _distributed_settings(coordinator_address, num_processes, process_id, environ)
     if settings["num_processes"] == 1:
-        return
+        return "one process (--num_processes 1)"
     missing = [name for name, value in settings.items() if value is None]
     if missing and not _on_cloud_tpu_vm():
         if len(missing) == len(settings):
-            return
+            return "one process (no multi-host settings)"
         flags = ", ".join(f"--{name} (${DISTRIBUTED_ENV[name]})" for name in missing)
         raise UsageError(f"a multi-host run needs --coordinator_address, --num_processes and --process_id: "
                          f"also pass {flags}")
     if jax.distributed.is_initialized():  # by a launcher that wraps the script
-        return
+        return f"process {jax.process_index()} of {jax.process_count()} (joined by the launcher)"
+    how = "the multi-host settings given"
+    if missing:
+        hosts, source = _tpu_hosts_from_environment(environ), "the TPU runtime's worker variables"
+        if hosts is None:
+            hosts, source = _tpu_hosts_from_metadata(environ), "the TPU metadata service"
+        if hosts is None:
+            return ("one process: neither TPU worker variables nor the TPU metadata service name other hosts "
+                    "(on a pod slice, pass --coordinator_address, --num_processes and --process_id)")
+        if hosts == 1:
+            return f"one process: one host in the slice (from {source})"
+        how = f"{hosts} hosts listed by {source}"
     try:
         jax.distributed.initialize(**{name: value for name, value in settings.items() if value is not None})
-    except (RuntimeError, ValueError) as error:
+    except Exception as error:  # noqa: BLE001 - JAX's cluster detection raises whatever its transports raise
         where = settings["coordinator_address"] or "the coordinator"
-        raise RunError(f"could not join the other processes via {where}: {error} (check that every process got "
-                       "the same address and process count, and distinct process ids; --num_processes 1 runs "
-                       "this host alone)") from error
+        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        raise RunError(f"could not join the other processes via {where} ({how}): {type(error).__name__}: {first} "
+                       "(on one host pass --num_processes 1; on a pod slice pass --coordinator_address, "
+                       "--num_processes and --process_id, the same address and count on every host and distinct "
+                       "ids)") from error
+    return f"process {jax.process_index()} of {jax.process_count()} ({how})"
 
 
 def sync_processes(name):

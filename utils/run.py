@@ -125,8 +125,11 @@ def set_up(training_args):
         if training_args.num_processes not in (None, 1):
             raise UsageError("--compile_only plans one host's TPU slice: drop --num_processes")
         tpu_plan.use_cpu_devices(len(tpu_plan.load(training_args.compile_only).devices))
-    devices.initialize_processes(training_args.coordinator_address, training_args.num_processes,
-                                 training_args.process_id)
+        processes = "one process (--compile_only plans one host's slice)"
+    else:
+        devices.leave_absent_tpu_alone()
+        processes = devices.initialize_processes(training_args.coordinator_address, training_args.num_processes,
+                                                 training_args.process_id)
     devices.check_tpu_backend()
     compat.apply()
     devices.enable_compilation_cache(training_args.compilation_cache_dir)
@@ -134,6 +137,7 @@ def set_up(training_args):
         train_batch_size(training_args)  # --total_train_batch_size must split over the devices: checked now
     is_main = jax.process_index() == 0
     logger = setup_logging(is_main, debug=training_args.debug)
+    logger.info("processes: %s", processes)
     logger.info("devices: %d local of %d in all (%s), process %d of %d", jax.local_device_count(),
                 jax.device_count(), jax.devices()[0].device_kind, jax.process_index(), jax.process_count())
     return logger, is_main
