@@ -94,6 +94,30 @@ def test_memory_figures():
     assert perf.memory_report().startswith("peak memory: host ") and "device" not in perf.memory_report()
 
 
+def test_memory_report_says_what_the_runtime_holds_and_what_a_tpu_leaves_out(monkeypatch):
+    """On a TPU VM the runtime holds ~13 GiB of host memory from the start, and the device's own peak
+    counts buffers, not a compiled step's working memory: the line says both, so neither reads as the run's."""
+    monkeypatch.setattr(perf, "_host_memory_at_devices", None)
+    allocated = np.ones(64 * 2**20 // 8)  # 64 MiB the process holds from "the start" on
+    perf.note_devices_opened()
+    held = perf._host_memory_at_devices
+    assert held >= allocated.nbytes and abs(held - perf.current_host_memory()) < 64 * 2**20
+    line = perf.memory_report()
+    assert f"({held / 2**30:.2f} GiB of it held from the start: runtime and libraries)" in line
+
+    class TPU:
+        platform = "tpu"
+
+    monkeypatch.setattr(perf, "peak_device_memory", lambda: 1.93 * 2**30)
+    monkeypatch.setattr(perf.jax, "local_devices", lambda: [TPU()])
+    monkeypatch.setattr(perf.jax, "local_device_count", lambda: 1)
+    assert perf.memory_report(train_step_bytes=8.99 * 2**30).endswith(
+        ", device 1.93 GiB (largest of 1) in buffers, which leaves out a program's working memory: the train "
+        "step's plan is 8.99 GiB")
+    TPU.platform = "gpu"  # a GPU's allocator counts a program's temporaries in its peak
+    assert perf.memory_report(train_step_bytes=8.99 * 2**30).endswith(", device 1.93 GiB (largest of 1)")
+
+
 def test_seconds_since_start_counts_from_the_first_import_of_utils_not_the_launcher():
     """A launcher that `exec`s Python after 3 s of its own work: the process (as Linux counts it)
     started before those 3 s, the script after them. What the script does after its first line

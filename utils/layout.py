@@ -79,6 +79,14 @@ def make_layout(sharding, fsdp_size=None, compile_only=None):
     return layout
 
 
+def host_cpu():
+    """The host's CPU device, or the default device where JAX was told to open no CPU backend."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return jax.local_devices()[0]
+
+
 def leaf_spec(shape, fsdp_size):
     """How `utils.layout.FullySharded` splits one array: along its largest dimension that `fsdp_size`
     divides; whole (replicated) when it is small or no dimension divides (GPT-2's 50257-token
@@ -222,10 +230,13 @@ class DataParallel(Layout):
 
     # -- the state ----------------------------------------------------------------------------------
     def init_params(self, init):
-        """Fresh weights `init()` from one compiled program (on the default device)."""
+        """Fresh weights `init()` from one compiled program on the host's CPU, where `create_state`
+        copies them to every device from. An accelerator gains nothing on a program run once, and a
+        TPU compiles it slowly: 27 s for GPT-2 small on a v5e host, against 4 s on its CPU."""
         if self.plan:  # shapes only: the state is placed by `create_state`
             return jax.eval_shape(init)
-        return jax.jit(init)()
+        with jax.default_device(host_cpu()):
+            return jax.jit(init)()
 
     def place_params(self, host_params):
         return host_params
@@ -234,7 +245,8 @@ class DataParallel(Layout):
         """The state on every device."""
         if self.plan:
             return self._abstract_state(apply_fn, params, tx)
-        return self._replicate(TrainState.create(apply_fn=apply_fn, params=params, tx=tx))
+        with jax.default_device(host_cpu()):  # the optimizer state made beside the fresh weights, then copied
+            return self._replicate(TrainState.create(apply_fn=apply_fn, params=params, tx=tx))
 
     def _replicate(self, state):
         n = jax.local_device_count()

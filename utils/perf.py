@@ -8,6 +8,7 @@ and anyone chasing a slow run: it watches every step a script's layout builds, w
 
 import contextlib
 import json
+import os
 import resource
 import runpy
 import sys
@@ -137,12 +138,39 @@ def peak_device_memory():
     return max(peaks) if peaks else None
 
 
-def memory_report():
-    """One line for the log: peak host memory and, where known, peak device memory."""
+def current_host_memory():
+    """Resident memory of this process now, in bytes (Linux; elsewhere the peak so far)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_host_memory()
+
+
+_host_memory_at_devices = None
+
+
+def note_devices_opened():
+    """Call once the devices are open: what the process holds then is the accelerator runtime's and the
+    libraries' (a TPU runtime maps over 13 GiB of host memory on a v5e), not the run's."""
+    global _host_memory_at_devices
+    _host_memory_at_devices = current_host_memory()
+
+
+def memory_report(train_step_bytes=None):
+    """One line for the log: peak host memory (and what of it was held once the devices opened) and,
+    where known, peak device memory. A TPU runtime's peak counts buffers (parameters, optimizer state,
+    batches) but not a compiled program's working memory, so the train step's planned bytes
+    (`train_step_bytes`) stand beside it there."""
     line = f"peak memory: host {peak_host_memory() / 2**30:.2f} GiB"
+    if _host_memory_at_devices is not None:
+        line += f" ({_host_memory_at_devices / 2**30:.2f} GiB of it held from the start: runtime and libraries)"
     device = peak_device_memory()
     if device is not None:
         line += f", device {device / 2**30:.2f} GiB (largest of {jax.local_device_count()})"
+        if train_step_bytes and jax.local_devices()[0].platform == "tpu":
+            line += (f" in buffers, which leaves out a program's working memory: the train step's plan is "
+                     f"{train_step_bytes / 2**30:.2f} GiB")
     return line
 
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from huggingface_hub import get_token
 
-from utils import batch_order, compat, dataset_loading, devices, file_formats, hub, hub_access, tpu_plan
+from utils import batch_order, compat, dataset_loading, devices, file_formats, hub, hub_access, perf, tpu_plan
 from utils.args import check_output_dir, check_phases
 from utils.checkpoint import checkpoint_steps, find_checkpoint_dir
 from utils.errors import UsageError
@@ -137,6 +137,7 @@ def set_up(training_args):
         train_batch_size(training_args)  # --total_train_batch_size must split over the devices: checked now
     is_main = jax.process_index() == 0
     logger = setup_logging(is_main, debug=training_args.debug)
+    perf.note_devices_opened()
     logger.info("processes: %s", processes)
     logger.info("devices: %d local of %d in all (%s), process %d of %d", jax.local_device_count(),
                 jax.device_count(), jax.devices()[0].device_kind, jax.process_index(), jax.process_count())

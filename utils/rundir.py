@@ -145,6 +145,7 @@ class RunDirectory:
         if training_args.do_train and resume is not None:
             self._metrics.rewind(resume.step)
         self._results = {}
+        self._train_step_bytes = train_step_memory["total"] if train_step_memory else None
         if train_step_memory:  # known before the first step (`utils.layout`): logged at the start step
             memory = {f"train_step_device_bytes{'' if key == 'total' else '_' + key}": value
                       for key, value in train_step_memory.items()}
@@ -222,4 +223,4 @@ class RunDirectory:
         if self.pusher:
             self.pusher.push("end of training")
             self.pusher.wait()
-        logger.info("%s", memory_report())
+        logger.info("%s", memory_report(self._train_step_bytes))

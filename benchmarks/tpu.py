@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""Speed on a real TPU: tokens/s, MFU, start-up and memory of the LM and summarization scripts.
+
+    python benchmarks/tpu.py                                   # every row, on a TPU VM (~15 min on one v5e chip)
+    python benchmarks/tpu.py --rows gpt2_small --steps 60      # one row
+    python benchmarks/tpu.py --classic DIR                     # also the classic examples/flax scripts in DIR
+
+Each row trains from scratch in bf16 on text this file makes (data/make_lm_corpus.py, ~2.7 MB; the
+summarization rows on data/summarization), in fresh processes:
+  cold      the script with an empty compilation cache: first step (s after start, compilation included),
+            steady-state tokens/s and MFU from its metrics.jsonl (the first step left out), the memory it
+            planned for the train step against the device's peak, peak host memory; then the train step
+            alone in a tight loop (benchmarks/measure.py): the speed limit of the script's loop
+  warm      the same run again, the compilation cache filled: first step
+  classic   with --classic DIR (a folder holding the classic run_clm_flax.py, run_mlm_flax.py and
+            run_summarization_flax.py): the classic script on the same data, model and batch, its train step
+            timed call by call (benchmarks/classic_timer.py); steady-state tokens/s
+Refuses to run without TPU chips. Writes --output (JSON) after each row and prints a table.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.run import FIRST_STEP, script_tokens_per_second  # noqa: E402
+
+# Model shapes by config overrides; each row trains with the flags after it. Global batches.
+ROWS = {
+    "gpt2_small": ("clm", "gpt2", "n_embd=768,n_layer=12,n_head=12,n_positions=1024",
+                   ["--block_size", "1024", "--total_train_batch_size", "16"]),
+    "llama_0.6b": ("clm", "llama", "hidden_size=1536,intermediate_size=4096,num_hidden_layers=16,num_attention_heads=12,"
+                   "num_key_value_heads=12,max_position_embeddings=1024",
+                   ["--block_size", "1024", "--total_train_batch_size", "8", "--gradient_checkpointing"]),
+    "t5_small": ("summarization", "t5", "d_model=512,d_ff=2048,num_layers=6,num_decoder_layers=6,num_heads=8,d_kv=64",
+                 ["--max_source_length", "256", "--max_target_length", "64", "--total_train_batch_size", "32"]),
+    "bert_base": ("mlm", "roberta", "hidden_size=768,num_hidden_layers=12,num_attention_heads=12,intermediate_size=3072,"
+                  "max_position_embeddings=514",
+                  ["--max_seq_length", "512", "--total_train_batch_size", "32"]),
+}
+SCRIPTS = {"clm": "run_clm_flax.py", "summarization": "run_summarization_flax.py", "mlm": "run_mlm_flax.py"}
+PLANNED = re.compile(r"train step \(\w+\): ([0-9.]+) (GiB|MiB) per device")
+HELD_FROM_START = re.compile(r"\(([0-9.]+) GiB of it held from the start")
+
+
+def on_tpu():
+    """Whether this machine has TPU chips (asked without opening them: the runs need them free)."""
+    from jax._src import hardware_utils
+
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+
+
+def make_data(work, block_size=1024):
+    """The LM corpus (~2.7 MB, 40,000 lines) and its tokenizer, which says it takes `block_size` tokens:
+    the classic scripts cut --block_size / --max_seq_length to the tokenizer's model_max_length."""
+    from transformers import AutoTokenizer
+
+    corpus = os.path.join(work, "lm")
+    subprocess.run([sys.executable, "data/make_lm_corpus.py", "--output_dir", corpus, "--train_lines", os.environ.get("TPU_BENCH_LINES", "40000")],
+                   cwd=ROOT, check=True, capture_output=True)
+    tokenizer = AutoTokenizer.from_pretrained(f"{corpus}/tokenizer")
+    tokenizer.model_max_length = block_size
+    tokenizer.save_pretrained(f"{corpus}/tokenizer")
+    summaries = []
+    for split in ("train", "validation"):  # as .json: the classic script takes no .jsonl
+        summaries += [f"--{split}_file", shutil.copy(f"data/summarization/{split}.jsonl", f"{work}/{split}.json")]
+    lm = ["--tokenizer_name", f"{corpus}/tokenizer", "--train_file", f"{corpus}/train.txt",
+          "--validation_file", f"{corpus}/validation.txt"]
+    return {"clm": lm, "mlm": lm,
+            "summarization": ["--tokenizer_name", "data/summarization/tokenizer", *summaries]}
+
+
+def config_dir(work, name, model_type, overrides, tokenizer):
+    """A config.json both our script and the classic one read (the classic ones take no overrides)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.for_model(model_type)
+    config.update_from_string(overrides)
+    config.vocab_size = len(AutoTokenizer.from_pretrained(tokenizer))
+    path = os.path.join(work, f"config-{name}")
+    config.save_pretrained(path)
+    return path
+
+
+def environment(work):
+    return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=os.path.join(work, "datasets"))
+
+
+def classic_environment(env):
+    """The classic summarization script refuses offline mode when NLTK's punkt is missing (it would
+    download it; without a network that fails quietly): it runs without the offline switches."""
+    return {name: value for name, value in env.items() if name not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+
+
+def run(command, env, log_path):
+    started = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as log:
+        result = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    with open(log_path, encoding="utf-8") as log:
+        text = log.read()
+    if result.returncode:
+        sys.exit(f"{' '.join(command[:3])} failed (exit {result.returncode}), log {log_path}:\n{text[-3000:]}")
+    return text, time.monotonic() - started
+
+
+def gib(value, unit):
+    return float(value) / (1024 if unit == "MiB" else 1)
+
+
+def measure_row(name, work, data, steps, logs, classic):
+    task, model_type, overrides, flags = ROWS[name]
+    config = config_dir(work, name, model_type, overrides, data[task][1])
+    cache = os.path.join(work, f"jax-cache-{name}")
+    out = os.path.join(work, f"out-{name}")
+    common = ["--config_name", config, *data[task], *flags, "--dtype", "bfloat16", "--do_train", "--do_eval", "false",
+              "--output_dir", out, "--overwrite_output_dir", "--num_train_epochs", "1000", "--save_steps", "1000000",
+              "--seed", "42"]
+    record = {"row": name, "script": SCRIPTS[task], "overrides": overrides, "flags": flags}
+    env = environment(work)
+
+    measured_json = os.path.join(work, f"measure-{name}.json")
+    text, _ = run([sys.executable, "benchmarks/measure.py", "--repeats", "20", measured_json, "--", SCRIPTS[task],
+                   *common, "--max_steps", str(steps), "--logging_steps", str(max(steps // 6, 1)),
+                   "--compilation_cache_dir", cache], env, os.path.join(logs, f"{name}-cold.log"))
+    with open(measured_json, encoding="utf-8") as f:
+        measured = json.load(f)
+    train = measured["steps"]["train_step"]
+    rate, mfu, timed = script_tokens_per_second(os.path.join(out, "metrics.jsonl"))
+    record.update(device_kind=measured["device_kind"], device_count=measured["device_count"],
+                  tokens_per_step=train["tokens_per_call"], script_tokens_per_second=rate, script_mfu=mfu,
+                  script_timed_steps=timed, limit_tokens_per_second=train["tokens_per_call"] / train["seconds_per_call"],
+                  first_step_cold_seconds=float(FIRST_STEP.search(text).group(1)),
+                  peak_host_memory_gib=measured["peak_host_memory"] / 2**30,
+                  peak_device_memory_gib=(measured["peak_device_memory"] or 0) / 2**30)
+    held = HELD_FROM_START.search(text)
+    record["host_memory_held_from_start_gib"] = float(held.group(1)) if held else None
+    planned = PLANNED.search(text)
+    record["planned_device_memory_gib"] = gib(*planned.groups()) if planned else None
+
+    text, _ = run([sys.executable, SCRIPTS[task], *common, "--max_steps", "2", "--logging_steps", "1",
+                   "--compilation_cache_dir", cache], env, os.path.join(logs, f"{name}-warm.log"))
+    record["first_step_warm_seconds"] = float(FIRST_STEP.search(text).group(1))
+
+    if classic:
+        timings = os.path.join(work, f"classic-{name}.json")
+        classic_flags = [flag for flag in flags if flag != "--gradient_checkpointing"]
+        batch = classic_flags.index("--total_train_batch_size")
+        classic_flags[batch:batch + 2] = ["--per_device_train_batch_size", classic_flags[batch + 1]]
+        run([sys.executable, "benchmarks/classic_timer.py", timings, str(steps), "--",
+             os.path.join(classic, SCRIPTS[task]), "--config_name", config, *data[task], *classic_flags,
+             "--dtype", "bfloat16", "--do_train", "--output_dir", os.path.join(work, f"classic-out-{name}"),
+             "--overwrite_output_dir", "--num_train_epochs", "1000", "--logging_steps", "1000000",
+             "--save_steps", "1000000", "--eval_steps", "1000000"], classic_environment(env), os.path.join(logs, f"{name}-classic.log"))
+        with open(timings, encoding="utf-8") as f:
+            seconds = json.load(f)["seconds_per_step"]
+        steady = sorted(seconds[2:])[len(seconds[2:]) // 2]  # the median after compiling
+        record["classic_tokens_per_second"] = record["tokens_per_step"] / steady
+        record["vs_classic"] = record["script_tokens_per_second"] / record["classic_tokens_per_second"]
+    return record
+
+
+def table(records):
+    columns = [("row", "row", "{}"), ("tok/s", "script_tokens_per_second", "{:,.0f}"), ("MFU", "script_mfu", "{:.3f}"),
+               ("limit tok/s", "limit_tokens_per_second", "{:,.0f}"),
+               ("classic tok/s", "classic_tokens_per_second", "{:,.0f}"), ("x classic", "vs_classic", "{:.2f}"),
+               ("first cold s", "first_step_cold_seconds", "{:.1f}"), ("warm s", "first_step_warm_seconds", "{:.1f}"),
+               ("plan GiB", "planned_device_memory_gib", "{:.2f}"), ("peak GiB", "peak_device_memory_gib", "{:.2f}"),
+               ("host GiB", "peak_host_memory_gib", "{:.1f}"),
+               ("held from start", "host_memory_held_from_start_gib", "{:.1f}")]
+    rows = [[fmt.format(r[key]) if r.get(key) is not None else "-" for _, key, fmt in columns] for r in records]
+    widths = [max(len(header), *(len(row[i]) for row in rows)) for i, (header, _, _) in enumerate(columns)]
+    lines = [" | ".join(header.ljust(w) for (header, _, _), w in zip(columns, widths)),
+             "-|-".join("-" * w for w in widths)]
+    return "\n".join(lines + [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    parser.add_argument("--steps", type=int, default=120, help="Training steps of the timed run.")
+    parser.add_argument("--classic", help="Folder with the classic examples/flax scripts, to run beside ours.")
+    parser.add_argument("--logs", help="Keep each run's log here.")
+    parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "results_tpu.json"))
+    args = parser.parse_args()
+    if not on_tpu():
+        sys.exit("error: benchmarks/tpu.py measures a TPU, and this machine has no TPU chips: run it on a TPU VM")
+    if args.classic and not all(os.path.isfile(os.path.join(args.classic, SCRIPTS[ROWS[row][0]])) for row in args.rows):
+        sys.exit(f"error: --classic {args.classic} lacks one of {sorted(set(SCRIPTS.values()))}: copy them there from "
+                 "transformers' examples/flax")
+    work = tempfile.mkdtemp(prefix="flaxtune-tpu-")
+    logs = args.logs or work
+    os.makedirs(logs, exist_ok=True)
+    records = []
+    try:
+        data = make_data(work)
+        for row in args.rows:
+            print(f"{row} ...", file=sys.stderr, flush=True)
+            records.append(measure_row(row, work, data, args.steps, logs, args.classic))
+            records[-1]["date"] = time.strftime("%Y-%m-%d")
+            with open(args.output, "w", encoding="utf-8") as f:
+                json.dump(records, f, indent=2)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()
