@@ -12,7 +12,7 @@ the median after compiling as the classic's steady state.
 The classic scripts (transformers' examples/flax of late 2022) import a name transformers 4.57 no
 longer has, pass datasets 5 an argument it no longer takes (`use_auth_token`), and summarization
 loads ROUGE from the network at start: stand-ins are given for those, none of which the train step
-touches.
+touches. Flax T5 gets the project's JAX-version shims (`utils.compat`), without which it cannot run.
 """
 
 import json
@@ -25,6 +25,11 @@ import types
 import datasets
 import jax
 import transformers.utils
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from utils import compat  # noqa: E402
 
 
 class Enough(Exception):
@@ -53,6 +58,7 @@ def main():
         return call
 
     jax.pmap = timed_pmap
+    compat.apply()  # the JAX-version shims Flax T5 needs to run at all, the same as ours get
     transformers.utils.send_example_telemetry = lambda *args, **kwargs: None
     load_dataset = datasets.load_dataset
     datasets.load_dataset = lambda *args, use_auth_token=None, **kwargs: load_dataset(*args, **kwargs)

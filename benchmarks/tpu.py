@@ -7,11 +7,12 @@
 
 Each row trains from scratch in bf16 on text this file makes (data/make_lm_corpus.py, ~2.7 MB; the
 summarization rows on data/summarization), in fresh processes:
-  cold      the script with an empty compilation cache: first step (s after start, compilation included),
-            steady-state tokens/s and MFU from its metrics.jsonl (the first step left out), the memory it
-            planned for the train step against the device's peak, peak host memory; then the train step
-            alone in a tight loop (benchmarks/measure.py): the speed limit of the script's loop
-  warm      the same run again, the compilation cache filled: first step
+  speed     the script's steady-state tokens/s and MFU from its metrics.jsonl (the first step left out),
+            the memory it planned for the train step against the device's peak, peak host memory; then
+            the train step alone in a tight loop (benchmarks/measure.py): the speed limit of the loop
+  cold      the plain script with an empty compilation cache: first step (s after start, compilation
+            included)
+  warm      the same run again, the compilation cache filled by the cold one: first step
   classic   with --classic DIR (a folder holding the classic run_clm_flax.py, run_mlm_flax.py and
             run_summarization_flax.py): the classic script on the same data, model and batch, its train step
             timed call by call (benchmarks/classic_timer.py); steady-state tokens/s
@@ -71,11 +72,11 @@ def make_data(work, block_size=1024):
     tokenizer.save_pretrained(f"{corpus}/tokenizer")
     summaries = []
     for split in ("train", "validation"):  # as .json: the classic script takes no .jsonl
-        summaries += [f"--{split}_file", shutil.copy(f"data/summarization/{split}.jsonl", f"{work}/{split}.json")]
+        summaries += [f"--{split}_file", shutil.copy(f"{ROOT}/data/summarization/{split}.jsonl", f"{work}/{split}.json")]
     lm = ["--tokenizer_name", f"{corpus}/tokenizer", "--train_file", f"{corpus}/train.txt",
           "--validation_file", f"{corpus}/validation.txt"]
     return {"clm": lm, "mlm": lm,
-            "summarization": ["--tokenizer_name", "data/summarization/tokenizer", *summaries]}
+            "summarization": ["--tokenizer_name", f"{ROOT}/data/summarization/tokenizer", *summaries]}
 
 
 def config_dir(work, name, model_type, overrides, tokenizer):
@@ -84,7 +85,10 @@ def config_dir(work, name, model_type, overrides, tokenizer):
 
     config = AutoConfig.for_model(model_type)
     config.update_from_string(overrides)
-    config.vocab_size = len(AutoTokenizer.from_pretrained(tokenizer))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    config.vocab_size = len(tokenizer)
+    if config.is_encoder_decoder and config.decoder_start_token_id is None:  # T5's: decoding starts at the pad
+        config.decoder_start_token_id = tokenizer.pad_token_id
     path = os.path.join(work, f"config-{name}")
     config.save_pretrained(path)
     return path
@@ -101,10 +105,10 @@ def classic_environment(env):
     return {name: value for name, value in env.items() if name not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
 
 
-def run(command, env, log_path):
+def run(command, env, log_path, cwd=ROOT):
     started = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
-        result = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        result = subprocess.run(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     with open(log_path, encoding="utf-8") as log:
         text = log.read()
     if result.returncode:
@@ -116,7 +120,8 @@ def gib(value, unit):
     return float(value) / (1024 if unit == "MiB" else 1)
 
 
-def measure_row(name, work, data, steps, logs, classic):
+def measure_row(name, work, data, steps, logs, classic, save):
+    """The row's figures, `save`d as soon as ours are in (the classic's take minutes more)."""
     task, model_type, overrides, flags = ROWS[name]
     config = config_dir(work, name, model_type, overrides, data[task][1])
     cache = os.path.join(work, f"jax-cache-{name}")
@@ -127,18 +132,20 @@ def measure_row(name, work, data, steps, logs, classic):
     record = {"row": name, "script": SCRIPTS[task], "overrides": overrides, "flags": flags}
     env = environment(work)
 
+    # Throughput, the step's speed limit and memory: the script under benchmarks/measure.py, whose step
+    # recorder wraps the steps (so its programs are not the plain script's: it gets no compilation cache).
     measured_json = os.path.join(work, f"measure-{name}.json")
     text, _ = run([sys.executable, "benchmarks/measure.py", "--repeats", "20", measured_json, "--", SCRIPTS[task],
-                   *common, "--max_steps", str(steps), "--logging_steps", str(max(steps // 6, 1)),
-                   "--compilation_cache_dir", cache], env, os.path.join(logs, f"{name}-cold.log"))
+                   *common, "--max_steps", str(steps), "--logging_steps", str(max(steps // 6, 1))],
+                  env, os.path.join(logs, f"{name}-throughput.log"))
     with open(measured_json, encoding="utf-8") as f:
         measured = json.load(f)
     train = measured["steps"]["train_step"]
     rate, mfu, timed = script_tokens_per_second(os.path.join(out, "metrics.jsonl"))
     record.update(device_kind=measured["device_kind"], device_count=measured["device_count"],
                   tokens_per_step=train["tokens_per_call"], script_tokens_per_second=rate, script_mfu=mfu,
-                  script_timed_steps=timed, limit_tokens_per_second=train["tokens_per_call"] / train["seconds_per_call"],
-                  first_step_cold_seconds=float(FIRST_STEP.search(text).group(1)),
+                  script_timed_steps=timed,
+                  limit_tokens_per_second=train["tokens_per_call"] / train["seconds_per_call"],
                   peak_host_memory_gib=measured["peak_host_memory"] / 2**30,
                   peak_device_memory_gib=(measured["peak_device_memory"] or 0) / 2**30)
     held = HELD_FROM_START.search(text)
@@ -146,20 +153,27 @@ def measure_row(name, work, data, steps, logs, classic):
     planned = PLANNED.search(text)
     record["planned_device_memory_gib"] = gib(*planned.groups()) if planned else None
 
-    text, _ = run([sys.executable, SCRIPTS[task], *common, "--max_steps", "2", "--logging_steps", "1",
-                   "--compilation_cache_dir", cache], env, os.path.join(logs, f"{name}-warm.log"))
-    record["first_step_warm_seconds"] = float(FIRST_STEP.search(text).group(1))
+    # Start-up: the plain script twice on one compilation cache, empty (cold), then filled by the first (warm).
+    for state in ("cold", "warm"):
+        text, _ = run([sys.executable, SCRIPTS[task], *common, "--max_steps", "2", "--logging_steps", "1",
+                       "--compilation_cache_dir", cache], env, os.path.join(logs, f"{name}-{state}.log"))
+        record[f"first_step_{state}_seconds"] = float(FIRST_STEP.search(text).group(1))
+    save(record)
 
     if classic:
         timings = os.path.join(work, f"classic-{name}.json")
         classic_flags = [flag for flag in flags if flag != "--gradient_checkpointing"]
         batch = classic_flags.index("--total_train_batch_size")
         classic_flags[batch:batch + 2] = ["--per_device_train_batch_size", classic_flags[batch + 1]]
-        run([sys.executable, "benchmarks/classic_timer.py", timings, str(steps), "--",
-             os.path.join(classic, SCRIPTS[task]), "--config_name", config, *data[task], *classic_flags,
-             "--dtype", "bfloat16", "--do_train", "--output_dir", os.path.join(work, f"classic-out-{name}"),
+        # In the work dir: the classic summarization script leaves a lock file where it runs.
+        run([sys.executable, os.path.join(ROOT, "benchmarks", "classic_timer.py"), timings, str(steps), "--",
+             os.path.abspath(os.path.join(classic, SCRIPTS[task])
+                             ), "--config_name", config, *data[task], *classic_flags,
+             # --do_eval: the classic summarization script reads its eval set whatever it is told
+             "--dtype", "bfloat16", "--do_train", "--do_eval", "--output_dir", os.path.join(work, f"classic-out-{name}"),
              "--overwrite_output_dir", "--num_train_epochs", "1000", "--logging_steps", "1000000",
-             "--save_steps", "1000000", "--eval_steps", "1000000"], classic_environment(env), os.path.join(logs, f"{name}-classic.log"))
+             "--save_steps", "1000000", "--eval_steps", "1000000"],
+            classic_environment(env), os.path.join(logs, f"{name}-classic.log"), cwd=work)
         with open(timings, encoding="utf-8") as f:
             seconds = json.load(f)["seconds_per_step"]
         steady = sorted(seconds[2:])[len(seconds[2:]) // 2]  # the median after compiling
@@ -205,10 +219,15 @@ def main():
         data = make_data(work)
         for row in args.rows:
             print(f"{row} ...", file=sys.stderr, flush=True)
-            records.append(measure_row(row, work, data, args.steps, logs, args.classic))
-            records[-1]["date"] = time.strftime("%Y-%m-%d")
-            with open(args.output, "w", encoding="utf-8") as f:
-                json.dump(records, f, indent=2)
+
+            def save(record):
+                record["date"] = time.strftime("%Y-%m-%d")
+                with open(args.output, "w", encoding="utf-8") as f:
+                    json.dump(records + [record], f, indent=2)
+
+            record = measure_row(row, work, data, args.steps, logs, args.classic, save)
+            save(record)
+            records.append(record)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(table(records))

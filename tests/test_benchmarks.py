@@ -102,3 +102,43 @@ def test_data_benchmark_on_small_sizes(tmp_path):
     assert all(row["first_batch_s"] > 0 for part in record["resume"] for row in part["rows"])
     assert os.listdir(tmp_path) == ["data.json"]  # the cache files are gone
     assert "| 5,000 |" in result.stdout and "tokens/s" in result.stdout
+
+
+def test_tpu_benchmark_refuses_a_machine_without_tpu_chips():
+    result = subprocess.run([sys.executable, "benchmarks/tpu.py", "--rows", "gpt2_small"], cwd=ROOT, env=script_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("error: benchmarks/tpu.py measures a TPU, and this machine has no TPU chips: run it "
+                                     "on a TPU VM")
+
+
+CLASSIC_STAND_IN = """
+import jax, jax.numpy as jnp
+
+def train_step(state, batch):
+    return state + batch.sum(), {"loss": batch.mean()}
+
+def eval_step(state, batch):
+    return batch.sum()
+
+p_train_step, p_eval_step = jax.pmap(train_step, "batch"), jax.pmap(eval_step, "batch")
+state = jnp.zeros((1,))
+for step in range(100):
+    state, metrics = p_train_step(state, jnp.ones((1, 4)) * step)
+    print("step", step, float(p_eval_step(state, jnp.ones((1, 4)))[0]))
+"""
+
+
+def test_classic_timer_times_the_train_step_and_stops_after_the_steps_asked(tmp_path):
+    """A classic-style script (pmap'd `train_step` in a loop of 100): 7 calls timed, the run stopped there."""
+    script, out = tmp_path / "run_classic.py", tmp_path / "timings.json"
+    script.write_text(CLASSIC_STAND_IN)
+    result = subprocess.run([sys.executable, "benchmarks/classic_timer.py", str(out), "7", "--", str(script)], cwd=ROOT,
+                            env=script_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("step ") == 6  # the 7th call was timed, then the run stopped
+    seconds = json.loads(out.read_text())["seconds_per_step"]
+    assert len(seconds) == 7 and all(s > 0 for s in seconds)
+    short = subprocess.run([sys.executable, "benchmarks/classic_timer.py", str(out), "200", "--", str(script)],
+                           cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=120)
+    assert short.returncode == 1 and "ran only 100 train steps of 200" in short.stderr

@@ -136,7 +136,8 @@ def test_cloud_tpu_vm_without_metadata_runs_alone(fake_initialize, monkeypatch):
 def test_cloud_tpu_vm_counts_hosts_from_worker_variables(fake_initialize, monkeypatch):
     monkeypatch.setattr(devices, "_on_cloud_tpu_vm", lambda: True)
     alone = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_SKIP_MDS_QUERY": "1"}
-    assert devices.initialize_processes(environ=alone) == "one process: one host in the slice (from the TPU runtime's worker variables)"
+    assert devices.initialize_processes(
+        environ=alone) == "one process: one host in the slice (from the TPU runtime's worker variables)"
     assert fake_initialize == []
     pod = {"TPU_WORKER_HOSTNAMES": "t-0,t-1,t-2,t-3"}
     assert "(4 hosts listed by the TPU runtime's worker variables)" in devices.initialize_processes(environ=pod)
