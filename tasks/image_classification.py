@@ -201,7 +201,7 @@ def dataset_split(data_args, dataset, split, file):
         if hasattr(feature, "int2str"):
             names = [feature.int2str(int(v)) for v in values]
         else:
-            classification.label_list(values)  # missing or mixed labels fail here
+            classification.label_list(values, split)  # missing or mixed labels fail here
             names = [str(v) for v in values]
     return ImageSplit(sources, names, [sources.name(i) for i in range(len(sources))])
 
@@ -353,10 +353,11 @@ def check_readable(sources, workers=None, names=None):
     """Decode every image once; a UsageError names the first that cannot be read: by its path, or
     (encoded bytes) by `names[i]`. Runs on `workers` threads."""
     def check(i):
+        source = sources[i]  # a row without an image fails here, as a UsageError of its own
         try:
-            open_rgb(sources[i]).load()
+            open_rgb(source).load()
             return None
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        except Exception as e:  # noqa: BLE001 - any decoder's error (Pillow's DecompressionBombError is no OSError)
             return i, e
 
     with ThreadPoolExecutor(workers or default_workers()) as pool:
@@ -365,6 +366,8 @@ def check_readable(sources, workers=None, names=None):
                 i, error = failure
                 source = sources[i]
                 name = source if isinstance(source, str) or names is None else names[i]
+                if isinstance(error, Image.DecompressionBombError):
+                    raise UsageError(f"image {name} is too large to decode ({error}): shrink it, or remove it")
                 raise UsageError(f"image {name} cannot be read ({type(error).__name__}: {error}): replace or "
                                  "remove it")
 
@@ -706,6 +709,8 @@ class ImageClassifier(Predictor):
             raise BadInput("no image: upload a PNG, JPEG, GIF, BMP, WebP or TIFF file")
         try:
             pixels = self.transforms.eval(bytes(image_bytes))
+        except Image.DecompressionBombError as e:
+            raise BadInput(f"the image is too large to decode ({e}): upload a smaller one") from e
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
             raise BadInput(f"the file is not an image that can be read ({type(e).__name__}): upload a PNG, JPEG, "
                            "GIF, BMP, WebP or TIFF file") from e

@@ -138,10 +138,36 @@ def parse_answers(value, split, row):
     return texts, starts
 
 
+def cut_questions(questions, tokenizer, max_tokens):
+    """(questions, their tokens, whether each was cut): a question of more than `max_tokens` tokens
+    cut after its `max_tokens`-th, as BERT's SQuAD code cuts at max_query_length, so that one long
+    question leaves its windows room for the context."""
+    encoded = tokenizer(questions, add_special_tokens=False, return_offsets_mapping=True)
+    questions, lengths = list(questions), [len(ids) for ids in encoded["input_ids"]]
+    cut = [length > max_tokens for length in lengths]
+    for i in np.flatnonzero(cut):
+        questions[i] = questions[i][:encoded["offset_mapping"][i][max_tokens - 1][1]]
+        lengths[i] = len(tokenizer(questions[i], add_special_tokens=False)["input_ids"])
+    return questions, lengths, cut
+
+
+def check_unique_ids(ids, split):
+    """The answers, n-best lists and references of a split are keyed by id: two rows with one id would
+    leave one question unanswered in the files and its score counted twice."""
+    first = {}
+    for row, example_id in enumerate(ids):
+        if example_id in first:
+            raise UsageError(f"rows {first[example_id]} and {row} of the {split} data have the same id "
+                             f"{example_id!r}: each question needs an id of its own (its answer is written under "
+                             "it); fix or drop one of them")
+        first[example_id] = row
+
+
 def read_examples(dataset, split, data_args, tokenizer, has_answers):
     """The rows as id, question (left-stripped: some SQuAD questions start with spaces the window
-    would waste), context, answer_texts, answer_starts, question_tokens; the first answer of each
-    row checked against its context (the one trained on)."""
+    would waste; cut to --max_question_length tokens, `cut_questions`), context, answer_texts,
+    answer_starts, question_tokens, question_cut; the first answer of each row checked against its
+    context (the one trained on)."""
     question_col, context_col, answer_col = (data_args.question_column_name, data_args.context_column_name,
                                              data_args.answer_column_name)
 
@@ -167,7 +193,8 @@ def read_examples(dataset, split, data_args, tokenizer, has_answers):
             out["context"].append(context)
             out["answer_texts"].append([str(t) for t in texts])
             out["answer_starts"].append([int(s) for s in starts])
-        out["question_tokens"] = [len(ids) for ids in tokenizer(out["question"], add_special_tokens=False)["input_ids"]]
+        out["question"], out["question_tokens"], out["question_cut"] = cut_questions(
+            out["question"], tokenizer, data_args.max_question_length)
         return out
 
     return dataset.map(read, batched=True, with_indices=True, num_proc=data_args.preprocessing_num_workers,
@@ -245,7 +272,7 @@ def cut_windows(tokenizer, questions, contexts, seq_length, doc_stride):
 
 
 def check_windows(examples, split, seq_length, doc_stride, special_tokens):
-    """Each window must hold the whole question and more context than the windows share."""
+    """Each window must hold the whole (possibly cut) question and more context than the windows share."""
     lengths = np.asarray(examples["question_tokens"])
     room = seq_length - lengths - special_tokens
     worst = int(np.argmin(room))
@@ -254,7 +281,16 @@ def check_windows(examples, split, seq_length, doc_stride, special_tokens):
         raise UsageError(f"row {worst} of the {split} data: its question takes {lengths[worst]} tokens, leaving "
                          f"{room[worst]} of --max_seq_length {seq_length} for the context, not more than "
                          f"--doc_stride {doc_stride}: raise --max_seq_length to {needed} or more, or lower "
-                         "--doc_stride")
+                         "--doc_stride or --max_question_length")
+
+
+def report_cut_questions(examples, split, max_tokens):
+    """Warn once per split about the questions `cut_questions` cut: how many, and the first."""
+    cut = np.flatnonzero(examples["question_cut"])
+    if len(cut):
+        logging.getLogger(__name__).warning(
+            "%s: %d question%s longer than --max_question_length %d tokens cut to it (the first: row %d)", split,
+            len(cut), "s" if len(cut) > 1 else "", max_tokens, cut[0])
 
 
 def answer_tokens(offsets, context_mask, start_char, end_char):
@@ -310,6 +346,9 @@ def prepare_split(dataset, split, data_args, tokenizer, seq_length, has_answers)
     `seq_length` tokens. Examples, not windows, were cut to --max_*_samples: every kept example is
     scored on all of its context. A validation set without answers (unless SQuAD v2.0) fails."""
     examples = read_examples(dataset, split, data_args, tokenizer, has_answers)
+    if split != "train":  # predictions and references are keyed by id
+        check_unique_ids(examples["id"], split)
+    report_cut_questions(examples, split, data_args.max_question_length)
     special_tokens = tokenizer.num_special_tokens_to_add(pair=True)
     check_windows(examples, split, seq_length, data_args.doc_stride, special_tokens)
     references = None
@@ -584,13 +623,17 @@ class QuestionAnswerer(Predictor):
     def predict(self, question, context):
         require_text(question, "question")
         require_text(context, "context")
-        question = question.lstrip()  # as `read_examples` reads them
-        question_tokens = len(self.tokenizer(question, add_special_tokens=False)["input_ids"])
+        answer = Answer()
+        # As `read_examples` reads them: left-stripped, cut to the run's --max_question_length (runs before it: whole).
+        (question,), (question_tokens,), (cut,) = cut_questions(
+            [question.lstrip()], self.tokenizer, self.run_args.get("max_question_length") or len(question) + 1)
+        if cut:
+            answer.notes.append(f"the question was cut to its first {self.run_args['max_question_length']} tokens, "
+                                "as the model was trained")
         room = self.seq_length - question_tokens - self.tokenizer.num_special_tokens_to_add(pair=True)
         if room <= self.doc_stride:
             raise BadInput(f"the question takes {question_tokens} tokens, leaving {max(room, 0)} of the model's "
                            f"{self.seq_length} for the context: ask a shorter question")
-        answer = Answer()
         encoded, windows = cut_windows(self.tokenizer, [question], [context], self.seq_length, self.doc_stride)
         if len(windows) > self.MAX_WINDOWS:
             read = int(windows[self.MAX_WINDOWS - 1].offsets.max())

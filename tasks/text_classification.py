@@ -104,14 +104,25 @@ def split_label_names(dataset, label_column):
     return [feature.int2str(v) for v in values] if hasattr(feature, "int2str") else [str(v) for v in values]
 
 
-def label_list_of(dataset, label_column):
+def label_list_of(dataset, label_column, split):
     """A split's label names by id, or None when its labels are floats (a regression): a hub
     ClassLabel's names in the dataset's own order, other labels sorted (`classification.label_list`)."""
     feature = dataset.features[label_column]
     if hasattr(feature, "names"):
         return list(feature.names)
-    labels = classification.label_list(dataset[label_column])
+    labels = classification.label_list(dataset[label_column], split)
     return None if labels is None else [str(label) for label in labels]
+
+
+def check_classes(dataset, label_column):
+    """Training data must hold two classes or more: with one, the classifier learns a constant (its
+    loss 0 from the start)."""
+    present = sorted(set(split_label_names(dataset, label_column)))
+    if len(present) < 2:
+        raise UsageError(f"the train data has one class only in its label column {label_column!r} "
+                         f"({', '.join(map(repr, present))}): classification needs examples of two classes or more; "
+                         "add them (or name another column with --label_column_name), or, to predict a score, make "
+                         "the labels floats (a regression)")
 
 
 def choose_labels(task, raw, label_column, config, pretrained):
@@ -126,10 +137,12 @@ def choose_labels(task, raw, label_column, config, pretrained):
     label_source = next((split for split in raw if is_labelled(split)), None)
     names = None
     if not regression and label_source is not None:
-        names = label_list_of(raw[label_source], label_column)
+        names = label_list_of(raw[label_source], label_column, label_source)
         regression = names is None
     if regression:
         return None
+    if "train" in raw:
+        check_classes(raw["train"], label_column)
     saved = classification.saved_label_names(config) if pretrained else None
     if saved is None:
         if names is None:
@@ -190,6 +203,7 @@ def split_arrays(dataset, split, tokenizer, data_args, columns, seq_length, inpu
     arrays = arrow_columns.to_arrays(tokenized, input_names)
     if is_labelled(split):
         if names is None:
+            classification.label_list(dataset[columns.label], split)  # a missing or non-finite score fails
             arrays["labels"] = np.asarray(dataset[columns.label], np.float32)
         else:
             arrays["labels"] = label_ids(split, split_label_names(dataset, columns.label), names)

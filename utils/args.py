@@ -113,6 +113,9 @@ class TrainingArguments:
     warmup_steps: int = _help("Linear warmup steps.", default=0)
     lr_scheduler_type: str = _help("Schedule after warmup: linear, cosine or constant.", default="linear")
     logging_steps: int = _help("Log training metrics every X steps.", default=500)
+    progress_seconds: float = _help(
+        "Where the log is no terminal (a file, CI): a progress line (step, loss, lr, tokens/s, eta) at least every "
+        "X seconds of training, besides each logged step.", default=30.0)
     save_steps: int = _help("Save a checkpoint every X steps.", default=500)
     eval_steps: Optional[int] = _help("Evaluate every X steps; default: at the end of each epoch.", default=None)
     save_on_epoch_end: bool = _help("Also save a checkpoint at the end of every epoch.", default=False)
@@ -156,7 +159,8 @@ class TrainingArguments:
 
     def __post_init__(self):
         positive = ("per_device_train_batch_size", "total_train_batch_size", "per_device_eval_batch_size",
-                    "gradient_accumulation_steps", "logging_steps", "save_steps", "eval_steps", "save_total_limit")
+                    "gradient_accumulation_steps", "logging_steps", "progress_seconds", "save_steps", "eval_steps",
+                    "save_total_limit")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -5,7 +5,8 @@ scripts call the same methods everywhere without `if is_main_process` around eac
 
 Progress is a live bar only where stderr is a terminal. Into a file or a CI log a bar would write
 carriage-return redraws that pile up on one line, with log lines glued to them; there the training
-progress is a plain log line at each logged step, and the libraries' own bars are off.
+progress is a plain log line at each logged step and at least every --progress_seconds between them
+(`utils.loop.TrainLoop`), and the libraries' own bars are off.
 """
 
 import json
@@ -178,7 +179,8 @@ class MetricsLogger:
     nothing is created.
 
     With `progress`, training shows a live bar (`advance`) where stderr is a terminal; elsewhere each
-    train `log` also logs one line: step, loss, learning rate, tokens/s, time left.
+    train `log`, and each `progress` between logs, also logs one line: step, loss, learning rate,
+    tokens/s, time left.
     """
 
     def __init__(self, output_dir, is_main_process=True, total_steps=None, tensorboard=True, progress=True):
@@ -222,6 +224,15 @@ class MetricsLogger:
             self._update_postfix(values)
             if self._progress and not self._live:
                 logger.info(self._progress_line(step))
+
+    def progress(self, step: int, metrics: dict):
+        """Show the training metrics so far at `step`, between logged steps: on the bar where it is
+        live, else as a progress line. Nothing is recorded."""
+        if self._closed or not self._progress:
+            return
+        self._update_postfix({key: _to_python(key, value) for key, value in metrics.items()})
+        if not self._live:
+            logger.info(self._progress_line(step))
 
     def rewind(self, step: int):
         """Continue a run resumed from its checkpoint at `step`: forget what was logged after it.
