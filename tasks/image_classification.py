@@ -254,8 +254,8 @@ def choose_labels(splits, config, pretrained, training):
     if training:
         classes = sorted(set(splits["train"].label_names), key=class_order)
         if len(classes) < 2:
-            raise UsageError(f"the training images have one class only ({classes[0]!r}): classification needs two "
-                             "or more (one folder per class)")
+            raise UsageError(f"the train data has one class only ({classes[0]!r}): classification needs two or more "
+                             "(one folder per class, or two labels or more in the label column)")
         return saved if saved and sorted(saved, key=class_order) == classes else classes
     if saved is None:
         raise UsageError("evaluation or prediction alone needs the label names: use a model fine-tuned by this "

@@ -128,8 +128,9 @@ def check_classes(dataset, label_column):
 def choose_labels(task, raw, label_column, config, pretrained):
     """The label names, by id, or None for a regression.
 
-    From the task (stsb is a regression), the first labelled split's labels (the training data when
-    training; `raw` holds the run's splits in phase order), and a pretrained config's label map: when
+    From the task (stsb is a regression; every labelled split's scores must be finite), the first
+    labelled split's labels (the training data when training; `raw` holds the run's splits in phase
+    order; its classes two or more), and a pretrained config's label map: when
     that names its labels, the data's must be among them (case aside, as transformers' GLUE models
     spell them) and keep its ids, so its head still means what it learned.
     """
@@ -140,6 +141,8 @@ def choose_labels(task, raw, label_column, config, pretrained):
         names = label_list_of(raw[label_source], label_column, label_source)
         regression = names is None
     if regression:
+        for split in filter(is_labelled, raw):  # a missing or non-finite score fails here, in any split
+            classification.label_list(raw[split][label_column], split)
         return None
     if "train" in raw:
         check_classes(raw["train"], label_column)
@@ -203,7 +206,6 @@ def split_arrays(dataset, split, tokenizer, data_args, columns, seq_length, inpu
     arrays = arrow_columns.to_arrays(tokenized, input_names)
     if is_labelled(split):
         if names is None:
-            classification.label_list(dataset[columns.label], split)  # a missing or non-finite score fails
             arrays["labels"] = np.asarray(dataset[columns.label], np.float32)
         else:
             arrays["labels"] = label_ids(split, split_label_names(dataset, columns.label), names)

@@ -677,7 +677,7 @@ def image_scratch(train, *args):
 @pytest.mark.parametrize("case, args, pattern", [
     ("empty class", [], r"class folder .*/empty/dog holds no images \(looked for .png, .jpg.*\): add its images or "
                         r"remove the folder"),
-    ("one class", [], r"the training images have one class only \('cat'\): classification needs two or more"),
+    ("one class", [], r"the train data has one class only \('cat'\): classification needs two or more"),
     ("corrupt", [], r"image .*/corrupt/dog/9.png cannot be read \(UnidentifiedImageError: .*\): replace or remove it"),
     ("loose", [], r"--train_dir .*/loose holds 3 images but no class folders: put each class's images in a folder "
                   r"named for the class \(root/<class>/<image>\)"),

@@ -78,6 +78,18 @@ def _not_hidden(record):
                    and record.getMessage().startswith(start) for library, start in _HIDDEN_MESSAGES)
 
 
+def hide_notices_in_transformers_handlers():
+    """Keep the `_HIDDEN_MESSAGES` off transformers' own stderr handler, as `setup_logging` keeps them
+    off the scripts' handler: for a process that never calls `setup_logging` (the demo's Streamlit
+    server, whose models print transformers' Flax deprecation notice otherwise). Safe to call again
+    (Streamlit runs the page once per request)."""
+    from transformers.utils import logging as transformers_logging
+
+    for handler in transformers_logging.get_logger().handlers:
+        if _not_hidden not in handler.filters:
+            handler.addFilter(_not_hidden)
+
+
 class _NoTracebackFormatter(pylogging.Formatter):
     """Library errors logged with a traceback (orbax's failed background saves) print as one line;
     the script's own error line says what to do, and --debug shows the traceback."""
