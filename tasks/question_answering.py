@@ -279,7 +279,7 @@ def check_windows(examples, split, seq_length, doc_stride, special_tokens):
     if room[worst] <= doc_stride:
         needed = lengths[worst] + special_tokens + doc_stride + 1
         raise UsageError(f"row {worst} of the {split} data: its question takes {lengths[worst]} tokens, leaving "
-                         f"{room[worst]} of --max_seq_length {seq_length} for the context, not more than "
+                         f"{max(room[worst], 0)} of --max_seq_length {seq_length} for the context, not more than "
                          f"--doc_stride {doc_stride}: raise --max_seq_length to {needed} or more, or lower "
                          "--doc_stride or --max_question_length")
 

@@ -198,3 +198,23 @@ def test_bad_data_is_one_error_naming_the_file(monkeypatch, capsys, tmp_path, pr
     line = err.strip().splitlines()[-1]
     assert (paths[named] if named in paths else str(data / named)) in line, line  # the file is named
     assert directory_state(previous_run) == before
+
+
+@pytest.mark.parametrize("error", [ValueError('Instruction "train" corresponds to no data!'),
+                                   RuntimeError("pyarrow: straddling object straddles two block boundaries")])
+def test_any_error_of_a_reader_names_the_files(monkeypatch, tmp_path, error):
+    """Whatever `datasets` or the readers under it raise on a file the pre-read let through is one
+    UsageError naming the files, never the library's bare exception."""
+    import datasets
+
+    from utils import dataset_loading
+    from utils.errors import UsageError
+
+    def load_dataset(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    train = glue_train(tmp_path, ["pos", "neg"] * 5)
+    with pytest.raises(UsageError, match=rf"could not read the data files \({train}\): {type(error).__name__}: "
+                                         r".*check that each is a valid csv file"):
+        dataset_loading.load_splits(glue.DataTrainingArguments(), {"train": train})
