@@ -218,3 +218,16 @@ def test_any_error_of_a_reader_names_the_files(monkeypatch, tmp_path, error):
     with pytest.raises(UsageError, match=rf"could not read the data files \({train}\): {type(error).__name__}: "
                                          r".*check that each is a valid csv file"):
         dataset_loading.load_splits(glue.DataTrainingArguments(), {"train": train})
+
+
+def test_a_batch_of_missing_or_blank_texts_encodes_to_nothing():
+    """A `datasets.map` batch (or a validation part carved off) holding only null or blank texts: no
+    rows, not the fast tokenizer's IndexError on an empty list."""
+    from transformers import AutoTokenizer
+
+    from tasks import lm
+
+    tokenizer = AutoTokenizer.from_pretrained(LM_TOKENIZER)
+    assert lm.encode_texts(tokenizer, [None, " \n"]) == []
+    assert lm.encode_lines(tokenizer, [None, ""], 8) == {"input_ids": [], "attention_mask": []}
+    assert lm.encode_texts(tokenizer, [None, "a b"]) == [tokenizer("a b")["input_ids"]]
