@@ -192,6 +192,10 @@ def dataset_columns(data_args, columns, split):
 def dataset_split(data_args, dataset, split, file):
     """The `ImageSplit` of a `datasets` split (read from `file`, or a hub dataset when None)."""
     image_column, label_column = dataset_columns(data_args, dataset.column_names, split)
+    missing = first_missing(dataset, image_column)
+    if missing is not None:
+        raise UsageError(f"row {missing} of the {split} data has no image in column {image_column!r}: give it one "
+                         "(a path or the image), or drop the row")
     base = os.path.dirname(os.path.abspath(file)) if file else None
     sources = DatasetImages(dataset, image_column, base)
     names = None
@@ -204,6 +208,14 @@ def dataset_split(data_args, dataset, split, file):
             classification.label_list(values, split)  # missing or mixed labels fail here
             names = [str(v) for v in values]
     return ImageSplit(sources, names, [sources.name(i) for i in range(len(sources))])
+
+
+def first_missing(dataset, column):
+    """The first row whose `column` is null, or None; read from the Arrow table, nothing decoded."""
+    import pyarrow.compute as pc
+
+    index = pc.index(pc.is_null(dataset.with_format("arrow")[column]), True).as_py()
+    return None if index < 0 else index
 
 
 def load_splits(data_args, training_args, cache_dir):

@@ -154,6 +154,9 @@ CASES = [
     ("image: missing label", image, IMAGE,
      {"train": lambda d: image_rows(d, [good_image(0, "cat"), good_image(1, ""), good_image(2, "dog")])},
      "train", r"row 1 of the train data has no label"),
+    ("image: missing image", image, IMAGE,
+     {"train": lambda d: image_rows(d, [good_image(0, "cat"), ((lambda d: ""), "dog"), good_image(2, "dog")])},
+     "train", r"row 1 of the train data has no image in column 'image'"),
     ("image: header only", image, IMAGE, {"train": lambda d: write_csv(d / "train.csv", ["image", "label"], [])},
      "train", r"but no rows"),
     # Texts
