@@ -9,6 +9,7 @@ before anything is written.
 
 import csv
 import os
+import re
 
 import numpy as np
 import pytest
@@ -234,3 +235,19 @@ def test_a_batch_of_missing_or_blank_texts_encodes_to_nothing():
     assert lm.encode_texts(tokenizer, [None, " \n"]) == []
     assert lm.encode_lines(tokenizer, [None, ""], 8) == {"input_ids": [], "attention_mask": []}
     assert lm.encode_texts(tokenizer, [None, "a b"]) == [tokenizer("a b")["input_ids"]]
+
+
+@pytest.mark.parametrize("name, content, pattern", [
+    ("header.csv", "text\n", r"has a CSV header \(text\) but no rows"),
+    ("blank.jsonl", "\n\n", r"holds no rows, only blank lines"),
+])
+def test_train_tokenizer_checks_its_files_first(tmp_path, capsys, name, content, pattern):
+    import train_tokenizer
+
+    path = write_text(tmp_path / name, content)
+    out = tmp_path / "out"
+    assert train_tokenizer.main(["--kind", "bpe", "--train_files", path, "--vocab_size", "100", "--output_dir",
+                                 str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(rf"train_tokenizer.py: error: data file {re.escape(path)} {pattern}", err[0])
+    assert not out.exists()
