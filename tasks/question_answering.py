@@ -141,10 +141,10 @@ def parse_answers(value, split, row):
 def cut_questions(questions, tokenizer, max_tokens):
     """(questions, their tokens, whether each was cut): a question of more than `max_tokens` tokens
     cut after its `max_tokens`-th, as BERT's SQuAD code cuts at max_query_length, so that one long
-    question leaves its windows room for the context."""
+    question leaves its windows room for the context (`max_tokens` None: none cut)."""
     encoded = tokenizer(questions, add_special_tokens=False, return_offsets_mapping=True)
     questions, lengths = list(questions), [len(ids) for ids in encoded["input_ids"]]
-    cut = [length > max_tokens for length in lengths]
+    cut = [max_tokens is not None and length > max_tokens for length in lengths]
     for i in np.flatnonzero(cut):
         questions[i] = questions[i][:encoded["offset_mapping"][i][max_tokens - 1][1]]
         lengths[i] = len(tokenizer(questions[i], add_special_tokens=False)["input_ids"])
@@ -625,11 +625,10 @@ class QuestionAnswerer(Predictor):
         require_text(context, "context")
         answer = Answer()
         # As `read_examples` reads them: left-stripped, cut to the run's --max_question_length (runs before it: whole).
-        (question,), (question_tokens,), (cut,) = cut_questions(
-            [question.lstrip()], self.tokenizer, self.run_args.get("max_question_length") or len(question) + 1)
+        limit = self.run_args.get("max_question_length")
+        (question,), (question_tokens,), (cut,) = cut_questions([question.lstrip()], self.tokenizer, limit)
         if cut:
-            answer.notes.append(f"the question was cut to its first {self.run_args['max_question_length']} tokens, "
-                                "as the model was trained")
+            answer.notes.append(f"the question was cut to its first {limit} tokens, as the model was trained")
         room = self.seq_length - question_tokens - self.tokenizer.num_special_tokens_to_add(pair=True)
         if room <= self.doc_stride:
             raise BadInput(f"the question takes {question_tokens} tokens, leaving {max(room, 0)} of the model's "

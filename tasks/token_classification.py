@@ -55,9 +55,6 @@ def as_sequence(value, what, split, row):
     return list(value)
 
 
-_NO_TAG = object()
-
-
 def _is_tag(tag, names):
     """Whether `tag` is a tag: an id into `names` (a ClassLabel's), else a non-empty name or an integer
     (a missing tag, None, would otherwise become a class of its own, "None")."""
@@ -65,7 +62,7 @@ def _is_tag(tag, names):
         return False
     if names is not None:
         return isinstance(tag, int) and 0 <= tag < len(names)
-    return tag != "" if isinstance(tag, str) else True
+    return tag != ""
 
 
 def read_sentences(dataset, text_column, label_column, split, tokenizer, data_args):
@@ -85,9 +82,9 @@ def read_sentences(dataset, text_column, label_column, split, tokenizer, data_ar
                                  "give every word one tag")
             if not all(isinstance(word, str) for word in row_words):
                 raise UsageError(f"row {row} of the {split} data: the words must be strings")
-            bad = next((tag for tag in row_tags if not _is_tag(tag, names)), _NO_TAG)
-            if bad is not _NO_TAG:
-                raise UsageError(f"row {row} of the {split} data has the tag {bad!r}: "
+            bad = [tag for tag in row_tags if not _is_tag(tag, names)]
+            if bad:
+                raise UsageError(f"row {row} of the {split} data has the tag {bad[0]!r}: "
                                  + (f"its tag ids run from 0 to {len(names) - 1}" if names else
                                     "a tag must be a name (e.g. 'B-PER') or an integer")
                                  + "; fix the row's tags")
