@@ -68,17 +68,23 @@ def read_squad_document(path):
     if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
         raise UsageError(f"data file {path}: its \"data\" must be a list of SQuAD articles or rows")
     rows = []
-    for item in items:
+    for number, item in enumerate(items):
         if "paragraphs" not in item:
             rows.append(item)
             continue
-        for paragraph in item["paragraphs"]:
-            for question in paragraph.get("qas", []):
-                answers = question.get("answers", [])
-                rows.append({"id": str(question.get("id", len(rows))), "title": item.get("title", ""),
-                             "context": paragraph["context"], "question": question["question"],
-                             "answers": {"text": [a["text"] for a in answers],
-                                         "answer_start": [a["answer_start"] for a in answers]}})
+        try:
+            for paragraph in item["paragraphs"]:
+                for question in paragraph.get("qas", []):
+                    answers = question.get("answers", [])
+                    rows.append({"id": str(question.get("id", len(rows))), "title": item.get("title", ""),
+                                 "context": paragraph["context"], "question": question["question"],
+                                 "answers": {"text": [a["text"] for a in answers],
+                                             "answer_start": [a["answer_start"] for a in answers]}})
+        except (KeyError, TypeError, AttributeError) as e:
+            missing = f"has no {e}" if isinstance(e, KeyError) else f"is malformed ({e})"
+            raise UsageError(f"data file {path}: article {number} (question {len(rows)} of the file) {missing}: "
+                             "a SQuAD article holds paragraphs, each a context and qas, each a question and "
+                             "answers of text and answer_start") from None
     if not rows:
         raise UsageError(f"data file {path} holds no questions")
     return rows

@@ -8,6 +8,7 @@ before anything is written.
 """
 
 import csv
+import json
 import os
 import re
 
@@ -141,6 +142,10 @@ CASES = [
      {"train": lambda d: write_csv(d / "t.csv", ["id", "question", "context", "answers"],
                                    [("q0", "Where?", "In Lyon .", "{text: Lyon")])},
      "train", r"row 0 of the train data: the answers .* are not JSON"),
+    ("qa: SQuAD document without a context", run_qa, QA,
+     {"train": lambda d: write_text(d / "t.json", json.dumps({"version": "1.1", "data": [{"title": "a", "paragraphs": [
+         {"qas": [{"id": "q0", "question": "Who?", "answers": []}]}]}]}))},
+     "train", r"article 0 \(question 0 of the file\) has no 'context': a SQuAD article holds paragraphs"),
     ("qa: blank lines only", run_qa, QA, {"train": lambda d: write_text(d / "t.jsonl", "\n\n")},
      "train", r"holds no rows, only blank lines"),
     # Images
