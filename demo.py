@@ -68,7 +68,9 @@ def page(output_dir):
 
     import tasks
     from tasks.demo import BadInput, escape_markdown, load
+    from utils.logging import hide_notices_in_transformers_handlers
 
+    hide_notices_in_transformers_handlers()  # the notices the scripts hide, before a model is loaded
     st.set_page_config(page_title=f"flaxtune: {os.path.basename(output_dir)}")
 
     @st.cache_resource(show_spinner="Loading the model and compiling its input shapes...")

@@ -49,6 +49,9 @@ class DataTrainingArguments(BaseDataArguments):
         default=384, metadata={"help": "Tokens per window (question, context part and special tokens); at most the "
                                        "tokenizer's max length and the model's positions."})
     doc_stride: int = field(default=128, metadata={"help": "Tokens of context two consecutive windows share."})
+    max_question_length: int = field(
+        default=64, metadata={"help": "Tokens a question keeps: longer ones are cut (counted in a warning), as BERT's "
+                                      "max_query_length does."})
     max_predict_samples: Optional[int] = field(
         default=None, metadata={"help": "Truncate the test set (examples: every window of each kept one)."})
     version_2_with_negative: bool = field(
@@ -64,7 +67,7 @@ class DataTrainingArguments(BaseDataArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("max_seq_length", "n_best_size", "max_answer_length"):
+        for name in ("max_seq_length", "max_question_length", "n_best_size", "max_answer_length"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.doc_stride < self.max_seq_length:

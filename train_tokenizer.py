@@ -32,13 +32,12 @@ import sentencepiece as spm
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from utils import file_formats
+from utils.errors import UsageError  # a problem with the user's arguments or files: one line, exit code 2
+
 KINDS = ("bpe", "wordpiece", "unigram")
 SENTINEL = "<extra_id_{}>"
 FILE_FORMATS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
-
-
-class UsageError(Exception):
-    """A problem with the user's arguments or files: reported in one line, exit code 2."""
 
 
 def _train_bpe(texts, vocab_size, min_frequency, lowercase):
@@ -234,6 +233,7 @@ def check_inputs(args):
             raise UsageError(f"{path}: unsupported extension {ext!r} (use {', '.join(FILE_FORMATS)})")
         if not os.path.isfile(path):
             raise UsageError(f"{path}: no such file")
+        file_formats.check_file(path)  # empty, not UTF-8, JSON that does not parse, a CSV header without rows
     if args.vocab_size < 1:
         raise UsageError("--vocab_size must be positive")
     if args.extra_ids < 0:

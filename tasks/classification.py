@@ -89,20 +89,26 @@ def metric_names(task_name, is_regression):
 # ---------------------------------------------------------------------------------------------
 
 
-def label_list(values):
-    """Sorted distinct labels of a label column, or None if it holds floats (a regression).
+def label_list(values, split="train"):
+    """Sorted distinct labels of a label column of the `split` data, or None if it holds floats (a
+    regression).
 
     Strings and integers (bools too) are classes, sorted as Python sorts them, so integer labels
     keep their numeric order (2 before 10). Any float makes the column a regression, as a float
-    column does in the classic scripts. Missing or mixed-type labels are a UsageError.
+    column does in the classic scripts. Missing, non-finite (a regression trains on them until its
+    loss is) or mixed-type labels are a UsageError naming the first such row.
     """
     values = list(values)
     if not values:
-        raise UsageError("the label column is empty")
+        raise UsageError(f"the label column of the {split} data is empty")
     kinds = set()
-    for value in values:
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            raise UsageError("the label column has missing values; every training example needs a label")
+    for row, value in enumerate(values):
+        if value is None or (isinstance(value, (float, np.floating)) and math.isnan(value)):
+            raise UsageError(f"row {row} of the {split} data has no label (the label column has missing values): "
+                             "every example needs a label; fill it in or drop the row")
+        if isinstance(value, (float, np.floating)) and math.isinf(value):
+            raise UsageError(f"row {row} of the {split} data has the label {value}: a score must be a finite "
+                             "number; fix it or drop the row")
         if isinstance(value, str):
             kinds.add("string")
         elif isinstance(value, (bool, np.bool_)):
@@ -113,11 +119,13 @@ def label_list(values):
             kinds.add("number")
             kinds.add("float")
         else:
-            raise UsageError(f"label {value!r} is a {type(value).__name__}; labels must be strings or numbers")
+            raise UsageError(f"row {row} of the {split} data: label {value!r} is a {type(value).__name__}; labels "
+                             "must be strings or numbers")
     if "float" in kinds:
         return None
     if len(kinds) > 1:
-        raise UsageError(f"the label column mixes {' and '.join(sorted(kinds))} labels; use one kind")
+        raise UsageError(f"the label column of the {split} data mixes {' and '.join(sorted(kinds))} labels; use one "
+                         "kind")
     return sorted(set(values))
 
 

@@ -192,6 +192,10 @@ def dataset_columns(data_args, columns, split):
 def dataset_split(data_args, dataset, split, file):
     """The `ImageSplit` of a `datasets` split (read from `file`, or a hub dataset when None)."""
     image_column, label_column = dataset_columns(data_args, dataset.column_names, split)
+    missing = first_missing(dataset, image_column)
+    if missing is not None:
+        raise UsageError(f"row {missing} of the {split} data has no image in column {image_column!r}: give it one "
+                         "(a path or the image), or drop the row")
     base = os.path.dirname(os.path.abspath(file)) if file else None
     sources = DatasetImages(dataset, image_column, base)
     names = None
@@ -201,9 +205,17 @@ def dataset_split(data_args, dataset, split, file):
         if hasattr(feature, "int2str"):
             names = [feature.int2str(int(v)) for v in values]
         else:
-            classification.label_list(values)  # missing or mixed labels fail here
+            classification.label_list(values, split)  # missing or mixed labels fail here
             names = [str(v) for v in values]
     return ImageSplit(sources, names, [sources.name(i) for i in range(len(sources))])
+
+
+def first_missing(dataset, column):
+    """The first row whose `column` is null, or None; read from the Arrow table, nothing decoded."""
+    import pyarrow.compute as pc
+
+    index = pc.index(pc.is_null(dataset.with_format("arrow")[column]), True).as_py()
+    return None if index < 0 else index
 
 
 def load_splits(data_args, training_args, cache_dir):
@@ -254,8 +266,8 @@ def choose_labels(splits, config, pretrained, training):
     if training:
         classes = sorted(set(splits["train"].label_names), key=class_order)
         if len(classes) < 2:
-            raise UsageError(f"the training images have one class only ({classes[0]!r}): classification needs two "
-                             "or more (one folder per class)")
+            raise UsageError(f"the train data has one class only ({classes[0]!r}): classification needs two or more "
+                             "(one folder per class, or two labels or more in the label column)")
         return saved if saved and sorted(saved, key=class_order) == classes else classes
     if saved is None:
         raise UsageError("evaluation or prediction alone needs the label names: use a model fine-tuned by this "
@@ -353,10 +365,11 @@ def check_readable(sources, workers=None, names=None):
     """Decode every image once; a UsageError names the first that cannot be read: by its path, or
     (encoded bytes) by `names[i]`. Runs on `workers` threads."""
     def check(i):
+        source = sources[i]  # a row without an image fails here, as a UsageError of its own
         try:
-            open_rgb(sources[i]).load()
+            open_rgb(source).load()
             return None
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        except Exception as e:  # noqa: BLE001 - any decoder's error (Pillow's DecompressionBombError is no OSError)
             return i, e
 
     with ThreadPoolExecutor(workers or default_workers()) as pool:
@@ -365,6 +378,8 @@ def check_readable(sources, workers=None, names=None):
                 i, error = failure
                 source = sources[i]
                 name = source if isinstance(source, str) or names is None else names[i]
+                if isinstance(error, Image.DecompressionBombError):
+                    raise UsageError(f"image {name} is too large to decode ({error}): shrink it, or remove it")
                 raise UsageError(f"image {name} cannot be read ({type(error).__name__}: {error}): replace or "
                                  "remove it")
 
@@ -706,6 +721,8 @@ class ImageClassifier(Predictor):
             raise BadInput("no image: upload a PNG, JPEG, GIF, BMP, WebP or TIFF file")
         try:
             pixels = self.transforms.eval(bytes(image_bytes))
+        except Image.DecompressionBombError as e:
+            raise BadInput(f"the image is too large to decode ({e}): upload a smaller one") from e
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
             raise BadInput(f"the file is not an image that can be read ({type(e).__name__}): upload a PNG, JPEG, "
                            "GIF, BMP, WebP or TIFF file") from e

@@ -166,13 +166,17 @@ def encode_texts(tokenizer, texts):
     """The token ids (special tokens included) of each text that is not blank."""
     # verbose=False: lines longer than the model are expected here, grouping cuts them up.
     texts = [text for text in texts if has_text(text)]
+    if not texts:  # a batch of blank or missing texts only: the fast tokenizers fail on an empty list
+        return []
     return tokenizer(texts, return_attention_mask=False, verbose=False)["input_ids"]
 
 
 def encode_lines(tokenizer, texts, max_length):
     """{"input_ids", "attention_mask"} of each text that is not blank, truncated and padded to `max_length`."""
-    encoded = tokenizer([text for text in texts if has_text(text)], padding="max_length", truncation=True,
-                        max_length=max_length)
+    texts = [text for text in texts if has_text(text)]
+    if not texts:  # as in `encode_texts`
+        return {"input_ids": [], "attention_mask": []}
+    encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=max_length)
     return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
 
 

@@ -68,17 +68,23 @@ def read_squad_document(path):
     if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
         raise UsageError(f"data file {path}: its \"data\" must be a list of SQuAD articles or rows")
     rows = []
-    for item in items:
+    for number, item in enumerate(items):
         if "paragraphs" not in item:
             rows.append(item)
             continue
-        for paragraph in item["paragraphs"]:
-            for question in paragraph.get("qas", []):
-                answers = question.get("answers", [])
-                rows.append({"id": str(question.get("id", len(rows))), "title": item.get("title", ""),
-                             "context": paragraph["context"], "question": question["question"],
-                             "answers": {"text": [a["text"] for a in answers],
-                                         "answer_start": [a["answer_start"] for a in answers]}})
+        try:
+            for paragraph in item["paragraphs"]:
+                for question in paragraph.get("qas", []):
+                    answers = question.get("answers", [])
+                    rows.append({"id": str(question.get("id", len(rows))), "title": item.get("title", ""),
+                                 "context": paragraph["context"], "question": question["question"],
+                                 "answers": {"text": [a["text"] for a in answers],
+                                             "answer_start": [a["answer_start"] for a in answers]}})
+        except (KeyError, TypeError, AttributeError) as e:
+            missing = f"has no {e}" if isinstance(e, KeyError) else f"is malformed ({e})"
+            raise UsageError(f"data file {path}: article {number} (question {len(rows)} of the file) {missing}: "
+                             "a SQuAD article holds paragraphs, each a context and qas, each a question and "
+                             "answers of text and answer_start") from None
     if not rows:
         raise UsageError(f"data file {path} holds no questions")
     return rows
@@ -138,10 +144,36 @@ def parse_answers(value, split, row):
     return texts, starts
 
 
+def cut_questions(questions, tokenizer, max_tokens):
+    """(questions, their tokens, whether each was cut): a question of more than `max_tokens` tokens
+    cut after its `max_tokens`-th, as BERT's SQuAD code cuts at max_query_length, so that one long
+    question leaves its windows room for the context (`max_tokens` None: none cut)."""
+    encoded = tokenizer(questions, add_special_tokens=False, return_offsets_mapping=True)
+    questions, lengths = list(questions), [len(ids) for ids in encoded["input_ids"]]
+    cut = [max_tokens is not None and length > max_tokens for length in lengths]
+    for i in np.flatnonzero(cut):
+        questions[i] = questions[i][:encoded["offset_mapping"][i][max_tokens - 1][1]]
+        lengths[i] = len(tokenizer(questions[i], add_special_tokens=False)["input_ids"])
+    return questions, lengths, cut
+
+
+def check_unique_ids(ids, split):
+    """The answers, n-best lists and references of a split are keyed by id: two rows with one id would
+    leave one question unanswered in the files and its score counted twice."""
+    first = {}
+    for row, example_id in enumerate(ids):
+        if example_id in first:
+            raise UsageError(f"rows {first[example_id]} and {row} of the {split} data have the same id "
+                             f"{example_id!r}: each question needs an id of its own (its answer is written under "
+                             "it); fix or drop one of them")
+        first[example_id] = row
+
+
 def read_examples(dataset, split, data_args, tokenizer, has_answers):
     """The rows as id, question (left-stripped: some SQuAD questions start with spaces the window
-    would waste), context, answer_texts, answer_starts, question_tokens; the first answer of each
-    row checked against its context (the one trained on)."""
+    would waste; cut to --max_question_length tokens, `cut_questions`), context, answer_texts,
+    answer_starts, question_tokens, question_cut; the first answer of each row checked against its
+    context (the one trained on)."""
     question_col, context_col, answer_col = (data_args.question_column_name, data_args.context_column_name,
                                              data_args.answer_column_name)
 
@@ -167,7 +199,8 @@ def read_examples(dataset, split, data_args, tokenizer, has_answers):
             out["context"].append(context)
             out["answer_texts"].append([str(t) for t in texts])
             out["answer_starts"].append([int(s) for s in starts])
-        out["question_tokens"] = [len(ids) for ids in tokenizer(out["question"], add_special_tokens=False)["input_ids"]]
+        out["question"], out["question_tokens"], out["question_cut"] = cut_questions(
+            out["question"], tokenizer, data_args.max_question_length)
         return out
 
     return dataset.map(read, batched=True, with_indices=True, num_proc=data_args.preprocessing_num_workers,
@@ -245,16 +278,25 @@ def cut_windows(tokenizer, questions, contexts, seq_length, doc_stride):
 
 
 def check_windows(examples, split, seq_length, doc_stride, special_tokens):
-    """Each window must hold the whole question and more context than the windows share."""
+    """Each window must hold the whole (possibly cut) question and more context than the windows share."""
     lengths = np.asarray(examples["question_tokens"])
     room = seq_length - lengths - special_tokens
     worst = int(np.argmin(room))
     if room[worst] <= doc_stride:
         needed = lengths[worst] + special_tokens + doc_stride + 1
         raise UsageError(f"row {worst} of the {split} data: its question takes {lengths[worst]} tokens, leaving "
-                         f"{room[worst]} of --max_seq_length {seq_length} for the context, not more than "
+                         f"{max(room[worst], 0)} of --max_seq_length {seq_length} for the context, not more than "
                          f"--doc_stride {doc_stride}: raise --max_seq_length to {needed} or more, or lower "
-                         "--doc_stride")
+                         "--doc_stride or --max_question_length")
+
+
+def report_cut_questions(examples, split, max_tokens):
+    """Warn once per split about the questions `cut_questions` cut: how many, and the first."""
+    cut = np.flatnonzero(examples["question_cut"])
+    if len(cut):
+        logging.getLogger(__name__).warning(
+            "%s: %d question%s longer than --max_question_length %d tokens cut to it (the first: row %d)", split,
+            len(cut), "s" if len(cut) > 1 else "", max_tokens, cut[0])
 
 
 def answer_tokens(offsets, context_mask, start_char, end_char):
@@ -310,6 +352,9 @@ def prepare_split(dataset, split, data_args, tokenizer, seq_length, has_answers)
     `seq_length` tokens. Examples, not windows, were cut to --max_*_samples: every kept example is
     scored on all of its context. A validation set without answers (unless SQuAD v2.0) fails."""
     examples = read_examples(dataset, split, data_args, tokenizer, has_answers)
+    if split != "train":  # predictions and references are keyed by id
+        check_unique_ids(examples["id"], split)
+    report_cut_questions(examples, split, data_args.max_question_length)
     special_tokens = tokenizer.num_special_tokens_to_add(pair=True)
     check_windows(examples, split, seq_length, data_args.doc_stride, special_tokens)
     references = None
@@ -584,13 +629,16 @@ class QuestionAnswerer(Predictor):
     def predict(self, question, context):
         require_text(question, "question")
         require_text(context, "context")
-        question = question.lstrip()  # as `read_examples` reads them
-        question_tokens = len(self.tokenizer(question, add_special_tokens=False)["input_ids"])
+        answer = Answer()
+        # As `read_examples` reads them: left-stripped, cut to the run's --max_question_length (runs before it: whole).
+        limit = self.run_args.get("max_question_length")
+        (question,), (question_tokens,), (cut,) = cut_questions([question.lstrip()], self.tokenizer, limit)
+        if cut:
+            answer.notes.append(f"the question was cut to its first {limit} tokens, as the model was trained")
         room = self.seq_length - question_tokens - self.tokenizer.num_special_tokens_to_add(pair=True)
         if room <= self.doc_stride:
             raise BadInput(f"the question takes {question_tokens} tokens, leaving {max(room, 0)} of the model's "
                            f"{self.seq_length} for the context: ask a shorter question")
-        answer = Answer()
         encoded, windows = cut_windows(self.tokenizer, [question], [context], self.seq_length, self.doc_stride)
         if len(windows) > self.MAX_WINDOWS:
             read = int(windows[self.MAX_WINDOWS - 1].offsets.max())

@@ -104,21 +104,33 @@ def split_label_names(dataset, label_column):
     return [feature.int2str(v) for v in values] if hasattr(feature, "int2str") else [str(v) for v in values]
 
 
-def label_list_of(dataset, label_column):
+def label_list_of(dataset, label_column, split):
     """A split's label names by id, or None when its labels are floats (a regression): a hub
     ClassLabel's names in the dataset's own order, other labels sorted (`classification.label_list`)."""
     feature = dataset.features[label_column]
     if hasattr(feature, "names"):
         return list(feature.names)
-    labels = classification.label_list(dataset[label_column])
+    labels = classification.label_list(dataset[label_column], split)
     return None if labels is None else [str(label) for label in labels]
+
+
+def check_classes(dataset, label_column):
+    """Training data must hold two classes or more: with one, the classifier learns a constant (its
+    loss 0 from the start)."""
+    present = sorted(set(split_label_names(dataset, label_column)))
+    if len(present) < 2:
+        raise UsageError(f"the train data has one class only in its label column {label_column!r} "
+                         f"({', '.join(map(repr, present))}): classification needs examples of two classes or more; "
+                         "add them (or name another column with --label_column_name), or, to predict a score, make "
+                         "the labels floats (a regression)")
 
 
 def choose_labels(task, raw, label_column, config, pretrained):
     """The label names, by id, or None for a regression.
 
-    From the task (stsb is a regression), the first labelled split's labels (the training data when
-    training; `raw` holds the run's splits in phase order), and a pretrained config's label map: when
+    From the task (stsb is a regression; every labelled split's scores must be finite), the first
+    labelled split's labels (the training data when training; `raw` holds the run's splits in phase
+    order; its classes two or more), and a pretrained config's label map: when
     that names its labels, the data's must be among them (case aside, as transformers' GLUE models
     spell them) and keep its ids, so its head still means what it learned.
     """
@@ -126,10 +138,14 @@ def choose_labels(task, raw, label_column, config, pretrained):
     label_source = next((split for split in raw if is_labelled(split)), None)
     names = None
     if not regression and label_source is not None:
-        names = label_list_of(raw[label_source], label_column)
+        names = label_list_of(raw[label_source], label_column, label_source)
         regression = names is None
     if regression:
+        for split in filter(is_labelled, raw):  # a missing or non-finite score fails here, in any split
+            classification.label_list(raw[split][label_column], split)
         return None
+    if "train" in raw:
+        check_classes(raw["train"], label_column)
     saved = classification.saved_label_names(config) if pretrained else None
     if saved is None:
         if names is None:

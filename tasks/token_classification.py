@@ -55,6 +55,16 @@ def as_sequence(value, what, split, row):
     return list(value)
 
 
+def _is_tag(tag, names):
+    """Whether `tag` is a tag: an id into `names` (a ClassLabel's), else a non-empty name or an integer
+    (a missing tag, None, would otherwise become a class of its own, "None")."""
+    if isinstance(tag, bool) or not isinstance(tag, (str, int)):
+        return False
+    if names is not None:
+        return isinstance(tag, int) and 0 <= tag < len(names)
+    return tag != ""
+
+
 def read_sentences(dataset, text_column, label_column, split, tokenizer, data_args):
     """The rows as `words`, `tags` (names: ClassLabel ids named, other tags as strings) and `length`
     (tokens, special ones included, untruncated); each row checked: string words, one tag per word."""
@@ -72,6 +82,12 @@ def read_sentences(dataset, text_column, label_column, split, tokenizer, data_ar
                                  "give every word one tag")
             if not all(isinstance(word, str) for word in row_words):
                 raise UsageError(f"row {row} of the {split} data: the words must be strings")
+            bad = [tag for tag in row_tags if not _is_tag(tag, names)]
+            if bad:
+                raise UsageError(f"row {row} of the {split} data has the tag {bad[0]!r}: "
+                                 + (f"its tag ids run from 0 to {len(names) - 1}" if names else
+                                    "a tag must be a name (e.g. 'B-PER') or an integer")
+                                 + "; fix the row's tags")
             words.append(row_words)
             tags.append([names[t] if names else str(t) for t in row_tags])
         # verbose=False: sentences longer than the model are expected here, --max_seq_length cuts them.
@@ -98,6 +114,12 @@ def choose_labels(config, sentences, training, model_name, logger):
     names them and they cover the tags of the `sentences` ({split: `read_sentences`}), else those
     tags sorted. Evaluating or predicting needs the checkpoint's labels to cover the data."""
     data_tags = {tag for split in sentences.values() for tags in split["tags"] for tag in tags}
+    if training:
+        train_tags = sorted({tag for tags in sentences["train"]["tags"] for tag in tags})
+        if len(train_tags) < 2:
+            raise UsageError(f"the train data has {'one tag only' if train_tags else 'no tags'} "
+                             f"({', '.join(map(repr, train_tags))}): tagging needs two tags or more (e.g. 'O' and "
+                             "'B-PER'); check --label_column_name, or add tagged sentences")
     checkpoint_labels = [config.id2label[i] for i in range(config.num_labels)]
     if model_name and has_label_map(config):
         unknown = sorted(data_tags - set(checkpoint_labels))

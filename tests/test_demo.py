@@ -444,6 +444,26 @@ def test_question_answerer_refuses_what_it_cannot_read(predictors):
 
 
 @pytest.mark.slow
+def test_question_answerer_cuts_a_long_question_as_the_run_did(predictors):
+    """A model trained with --max_question_length 20 (here: its predictor told so) answers a long
+    question as the script reads it, cut to its first 20 tokens, and says so."""
+    import copy
+
+    from tasks.demo import BadInput
+
+    _, predictor = predictors("qa")
+    cutting = copy.copy(predictor)
+    cutting.run_args = {**predictor.run_args, "max_question_length": 20}
+    question, context = "Where does Anna , who " + "met Bob and " * 15 + "sang , live ?", "Anna lives in Oslo ."
+    first_20 = predictor.tokenizer.convert_tokens_to_string(predictor.tokenizer.tokenize(question)[:20])
+    answer = cutting(question, context)
+    assert answer.notes == ["the question was cut to its first 20 tokens, as the model was trained"]
+    assert (answer.text, answer.details) == (predictor(first_20, context).text, predictor(first_20, context).details)
+    with pytest.raises(BadInput, match="ask a shorter question"):
+        predictor(question, context)  # whole, as a run before --max_question_length read it: too long
+
+
+@pytest.mark.slow
 def test_image_classifier_gives_the_scripts_predictions_and_top_5(predictors, models):
     from PIL import Image
     from transformers import AutoImageProcessor, FlaxAutoModelForImageClassification

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 from tqdm.auto import tqdm
 
-from utils.errors import RunError, Stopped, UsageError, at_exit, debug_enabled, is_disk_full, run_main
+from utils.errors import (RunError, Stopped, UsageError, at_exit, debug_enabled, is_disk_full, name_data_files,
+                          run_main)
 
 
 def raising(error):
@@ -51,6 +52,34 @@ def test_debug_prints_traceback(capsys, monkeypatch, argv, env):
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "RunError: boom" in err
     assert err.rstrip().splitlines()[-1] == "error: boom"
+
+
+def reading(files, error):
+    def main():
+        name_data_files(files)
+        raise error
+    return main
+
+
+@pytest.mark.parametrize("error, line", [
+    (UsageError("row 3 of the test data: no answer"), "error: data file t.csv: row 3 of the test data: no answer"),
+    (UsageError("the validation data has labels the model does not know: 'x' (the train data has 'a')"),
+     "error: data file v.csv: the validation data has labels the model does not know: 'x' (the train data has 'a')"),
+    (UsageError("data file t.csv:2 is not valid JSON"), "error: data file t.csv:2 is not valid JSON"),  # named already
+    (UsageError("--learning_rate must be positive"), "error: --learning_rate must be positive"),  # no split's data
+    (RunError("the test data ran out"), "error: the test data ran out"),  # not about the input
+])
+def test_an_error_about_a_splits_data_names_its_file(capsys, error, line):
+    """The task modules speak of "the test data"; the report names the file the split came from (the
+    split spoken of first)."""
+    assert run_main(reading({"train": "train.csv", "validation": "v.csv", "test": "t.csv"}, error), argv=[]) > 0
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_the_data_files_are_forgotten_when_the_run_ends(capsys):
+    run_main(reading({"train": "old.csv"}, UsageError("x")), argv=[])
+    assert run_main(raising(UsageError("the train data has one class only")), argv=[]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "error: the train data has one class only"
 
 
 def test_debug_enabled(monkeypatch):

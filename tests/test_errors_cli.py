@@ -16,6 +16,8 @@ import subprocess
 import threading
 import time
 
+import jax
+import numpy as np
 import pytest
 from huggingface_hub import constants
 from transformers import PretrainedConfig
@@ -559,6 +561,31 @@ def saver(tmp_path, monkeypatch):
     saver.close()
 
 
+def test_a_failed_run_names_the_checkpoints_it_keeps(saver, tmp_path):
+    saver, state, _ = saver
+    directory = saver.checkpointer.directory
+    assert saver.kept() == (f"the checkpoint of step 1 is kept in {directory}: resume from step 1 with "
+                            "--resume_from_checkpoint latest")
+    saver.save(2, state, "save_steps")  # still being written: `kept` waits for it
+    assert saver.kept().startswith(f"the checkpoint of steps 1, 2 are kept in {directory}: resume from step 2")
+    with pytest.raises(RunError, match=r"the parameters became non-finite in step 3 .*; the checkpoint of steps 1, 2 "
+                                       r"are kept"):
+        saver.save(3, state.replace(params=jax.tree.map(lambda x: x * np.nan, state.params)), "save_steps")
+
+
+def test_a_run_failing_before_its_first_checkpoint_says_there_is_none(tmp_path, monkeypatch):
+    from test_checkpoint import DP
+    from utils import saving
+
+    monkeypatch.setattr(saving, "at_exit", lambda callback: None)
+    saver = Saver(str(tmp_path / "out"), 2, None, DP, InMemoryData({}, 640), {}, steps_per_epoch=10, total_steps=10,
+                  start_step=0, is_main=True)
+    try:
+        assert saver.kept().startswith("no checkpoint was saved before that step: start again")
+    finally:
+        saver.close()
+
+
 def test_disk_full_simulated_checkpoint(saver, monkeypatch):
     saver, state, template = saver
 
@@ -677,7 +704,7 @@ def image_scratch(train, *args):
 @pytest.mark.parametrize("case, args, pattern", [
     ("empty class", [], r"class folder .*/empty/dog holds no images \(looked for .png, .jpg.*\): add its images or "
                         r"remove the folder"),
-    ("one class", [], r"the training images have one class only \('cat'\): classification needs two or more"),
+    ("one class", [], r"the train data has one class only \('cat'\): classification needs two or more"),
     ("corrupt", [], r"image .*/corrupt/dog/9.png cannot be read \(UnidentifiedImageError: .*\): replace or remove it"),
     ("loose", [], r"--train_dir .*/loose holds 3 images but no class folders: put each class's images in a folder "
                   r"named for the class \(root/<class>/<image>\)"),
@@ -737,6 +764,47 @@ def qa_scratch(train, *args):
 ])
 def test_qa_bad_inputs(fails, tmp_path, rows, args, pattern):
     fails(qa_scratch(write_jsonl(tmp_path / "train.jsonl", rows), *args), pattern, script=run_qa)
+
+
+LONG_QUESTION = ("Where did Ann Lopez , who was born on a Monday in 1950 and bought a piano on a Monday in 1990 , "
+                 "move to in 1998 ?")
+
+
+def test_qa_long_questions_cut_counted_and_reported(tmp_path, capsys, monkeypatch):
+    """One long question in a run (as in the SQuAD questions that quote a table) does not stop it: cut to
+    --max_question_length tokens, the windows keep room for the context; a warning counts them and
+    names the first. The run goes on to build its model."""
+    stop_at_model(monkeypatch, RunError("stopped where the model would be built"))
+    rows = [qa_row(0), qa_row(1, question=LONG_QUESTION), qa_row(2), qa_row(3, question=LONG_QUESTION + " Why ?")]
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    argv = qa_scratch(train, "--max_question_length", 12, "--per_device_train_batch_size", 1, "--output_dir",
+                      tmp_path / "out")
+    assert run_in_process(run_qa, argv, tmp_path) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "error: stopped where the model would be built"
+    assert "train: 2 questions longer than --max_question_length 12 tokens cut to it (the first: row 1)" in err
+
+
+def test_qa_cut_questions_keep_their_first_tokens():
+    """A cut question is the original's first `max_tokens` tokens: its text a prefix of the question,
+    tokenized to exactly those tokens (the tokenizer's own tokens are the reference)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(QA_TOKENIZER)
+    questions = [LONG_QUESTION, "Where did Ann go?", "Who?"]
+    cut, lengths, was_cut = run_qa.qa.cut_questions(questions, tokenizer, 5)
+    tokens = [tokenizer.tokenize(question) for question in questions]
+    assert was_cut == [len(t) > 5 for t in tokens] == [True, True, False]
+    for question, short, length, original in zip(questions, cut, lengths, tokens):
+        assert question.startswith(short) and tokenizer.tokenize(short) == original[:5] and length == min(len(original), 5)
+
+
+def test_qa_question_too_long_even_when_cut(fails, tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", [qa_row(0, question=LONG_QUESTION)])
+    fails(qa_scratch(train, "--max_question_length", 30), r"row 0 of the train data: its question takes 30 tokens, "
+                                                           r"leaving \d+ of --max_seq_length 32 for the context, not "
+                                                           r"more than --doc_stride 8: .* or lower --doc_stride or "
+                                                           r"--max_question_length", script=run_qa)
 
 
 def test_qa_v1_evaluation_needs_answers(fails, tmp_path):

@@ -22,6 +22,7 @@ from utils.logging import (
     _QUIET_LIBRARIES,
     _TqdmHandler,
     flops_per_token,
+    hide_notices_in_transformers_handlers,
     peak_flops_per_device,
     setup_logging,
 )
@@ -167,6 +168,21 @@ def test_off_a_terminal_the_progress_is_a_log_line_per_logged_step(tmp_path, mon
     assert "\r" not in out.err + out.out and "%|" not in out.err  # no bar at all
 
 
+def test_off_a_terminal_progress_between_logs_is_a_line_and_no_record(tmp_path, monkeypatch, caplog):
+    """`progress` (a slow run between its logged steps) shows the metrics so far; metrics.jsonl and
+    TensorBoard record the logged steps only."""
+    caplog.set_level(pylogging.INFO)
+    clock = iter([100.0, 140.0])  # the first step, then step 5: 10 s a step
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    metrics = MetricsLogger(tmp_path, total_steps=10, tensorboard=False)
+    metrics.advance(1)
+    metrics.progress(5, {"loss": 2.5, "learning_rate": 1e-3, "tokens_per_second": 512.0})
+    metrics.close()
+    assert [record.getMessage() for record in caplog.records] == [
+        "step 5/10: loss 2.5000, lr 1.00e-03, tok/s 512, eta 0:00:50"]
+    assert read_jsonl(tmp_path / "metrics.jsonl") == []
+
+
 # --- setup_logging ---------------------------------------------------------------------------------
 
 
@@ -255,6 +271,29 @@ def test_transformers_flax_deprecation_warning_hidden(restore_logging, capsys, c
     assert any(record.getMessage().startswith(deprecation) for record in caplog.records)  # it was logged
     err = capsys.readouterr().err
     assert deprecation not in err and "WARNING another warning" in err
+
+
+def test_demo_hides_the_notice_in_transformers_own_handler(restore_logging, capsys):
+    """The demo's server never calls setup_logging: transformers prints through its own stderr
+    handler, which gets the scripts' filter; its other warnings still show."""
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+    hf_logging = transformers.utils.logging
+    handler = pylogging.StreamHandler(sys.stderr)  # where transformers' own handler writes
+    library = hf_logging.get_logger()  # the "transformers" logger, where its own handler sits
+    library.addHandler(handler)
+    hf_logging.set_verbosity_warning()
+    try:
+        hide_notices_in_transformers_handlers()
+        hide_notices_in_transformers_handlers()  # Streamlit runs the page per request: the filter once
+        hf_logging.warning_once.cache_clear()
+        FlaxGPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+        hf_logging.get_logger("transformers.modeling_flax_utils").warning("another warning")
+    finally:
+        library.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "TensorFlow and JAX classes are deprecated" not in err and "another warning" in err
+    assert len(handler.filters) == 1
 
 
 # --- Throughput ------------------------------------------------------------------------------------

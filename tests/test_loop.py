@@ -1,6 +1,8 @@
 """utils/loop.py: when to evaluate / save, token-weighted host means, non-finite loss, eval batches."""
 
 
+from types import SimpleNamespace
+
 import jax
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ DP = DataParallel()
 
 class Writer:
     def __init__(self):
-        self.logged, self.advanced = [], []
+        self.logged, self.advanced, self.progressed = [], [], []
 
     def log(self, step, metrics):
         self.logged.append((step, metrics))
@@ -26,14 +28,18 @@ class Writer:
     def advance(self, step):
         self.advanced.append(step)
 
+    def progress(self, step, metrics):
+        self.progressed.append((step, metrics))
+
 
 def make_loop(total=10, per_epoch=4, start=0, schedule=lambda step: 0.1 * step, **args):
     defaults = dict(do_eval=True, eval_steps=None, save_steps=3, logging_steps=2, save_on_epoch_end=False)
     args = {**defaults, **args}
+    extra = {name: args[name] for name in ("progress_seconds", "kept_checkpoints", "clock") if name in args}
     return TrainLoop(per_epoch, total, start, schedule=schedule, writer=Writer(), throughput=Throughput(),
                      tokens_per_step=100, examples_per_step=4, logging_steps=args["logging_steps"],
                      save_policy=SavePolicy(args["save_steps"], args["save_on_epoch_end"], per_epoch, total),
-                     evaluates=args["do_eval"], eval_steps=args["eval_steps"])
+                     evaluates=args["do_eval"], eval_steps=args["eval_steps"], **extra)
 
 
 def test_a_constant_schedule_gives_every_step_its_rate():
@@ -128,6 +134,35 @@ def test_non_finite_loss_raises_naming_the_first_bad_step(bad):
     loop.after_step(3, device_sums(bad, 1))
     with pytest.raises(RunError, match=rf"training loss became {bad} at step 2: .*--learning_rate"):
         loop.after_step(4, device_sums(1.0, 1))
+
+
+def test_non_finite_loss_says_which_checkpoints_are_kept():
+    """The message ends on what the run leaves (`Saver.kept`), never on a claim of its own."""
+    loop = make_loop(logging_steps=2, kept_checkpoints=lambda: "no checkpoint was saved before that step: start again")
+    loop.after_step(1, device_sums(1.0, 1))
+    with pytest.raises(RunError, match=r"became nan at step 2: lower --learning_rate or use --dtype float32; no "
+                                       r"checkpoint was saved before that step: start again$"):
+        loop.after_step(2, device_sums(np.nan, 1))
+
+
+def test_a_slow_run_shows_progress_between_logged_steps():
+    """Steps of 12 s each (each one moves a fake clock on, as a slow step would) and --logging_steps 8:
+    a progress line comes after the first step that ends 30 s or more after the last line (the first
+    step, compilation included, starts the count), with the loss of the steps since the last log, the
+    learning rate and the throughput; the logged steps keep their whole window."""
+    clock = SimpleNamespace(now=0.0)
+    loop = make_loop(total=10, logging_steps=8, progress_seconds=30, clock=lambda: clock.now)
+    for step in range(1, 11):
+        clock.now += 12.0  # the step's time
+        loop.after_step(step, device_sums(float(step), 1))
+    # Lines at 12 s (step 1), then 48 (step 4), 84 (7), 96 (logged step 8), 120 (logged step 10).
+    assert [step for step, _ in loop.writer.progressed] == [4, 7]
+    assert [step for step, _ in loop.writer.logged] == [8, 10]
+    (_, at_4), (_, at_7) = loop.writer.progressed
+    assert at_4["loss"] == pytest.approx((1 + 2 + 3 + 4) / 4) and at_4["learning_rate"] == pytest.approx(0.3)
+    assert at_7["loss"] == pytest.approx(sum(range(1, 8)) / 7)  # the window since the last log, not since step 4
+    assert at_4["tokens_per_second"] > 0 and at_4["examples_per_second"] > 0
+    assert loop.writer.logged[0][1]["loss"] == pytest.approx(sum(range(1, 9)) / 8)
 
 
 def test_eval_batches_fixed_shapes_and_weights():

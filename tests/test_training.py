@@ -2,6 +2,7 @@
 whole run's bookkeeping (when it evaluates, saves, and what it writes)."""
 
 import json
+import logging
 import os
 
 import jax
@@ -198,3 +199,17 @@ def test_a_run_evaluates_saves_and_writes_its_results_when_due(tmp_path, monkeyp
     assert run.step == 0 and final_eval
     lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [(line["split"], line["step"]) for line in lines if line["split"] == "eval"][-1] == ("eval", 0)
+
+
+def test_progress_seconds_reaches_the_loop_and_its_lines_the_log(tmp_path, monkeypatch, caplog):
+    """--progress_seconds 0: every step between logged ones shows a progress line; metrics.jsonl still
+    has the logged steps only."""
+    for module in (rundir, saving):  # run_main's list, which nothing here drains
+        monkeypatch.setattr(module, "at_exit", lambda callback: None)
+    caplog.set_level(logging.INFO)
+    training_args = args(tmp_path, num_train_epochs=3, save_steps=100, logging_steps=4, progress_seconds=0)
+    run_to_the_end(training_args, InMemoryData(examples(), EXAMPLES))
+    shown = [record.getMessage().split(":")[0] for record in caplog.records if record.getMessage().startswith("step ")]
+    assert shown == [f"step {step}/6" for step in range(1, 7)]  # 4 and 6 logged, the others progress lines
+    lines = [json.loads(line) for line in open(os.path.join(training_args.output_dir, "metrics.jsonl"))]
+    assert [line["step"] for line in lines if line["split"] == "train"] == [4, 6]

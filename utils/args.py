@@ -113,6 +113,9 @@ class TrainingArguments:
     warmup_steps: int = _help("Linear warmup steps.", default=0)
     lr_scheduler_type: str = _help("Schedule after warmup: linear, cosine or constant.", default="linear")
     logging_steps: int = _help("Log training metrics every X steps.", default=500)
+    progress_seconds: float = _help(
+        "Where the log is no terminal (a file, CI): a progress line (step, loss, lr, tokens/s, eta) at least every "
+        "X seconds of training (0: after every step), besides each logged step.", default=30.0)
     save_steps: int = _help("Save a checkpoint every X steps.", default=500)
     eval_steps: Optional[int] = _help("Evaluate every X steps; default: at the end of each epoch.", default=None)
     save_on_epoch_end: bool = _help("Also save a checkpoint at the end of every epoch.", default=False)
@@ -161,6 +164,9 @@ class TrainingArguments:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise UsageError(f"--{name} must be positive, got {value}")
+        if self.progress_seconds < 0:
+            raise UsageError(f"--progress_seconds must be 0 (a line after every step) or more, got "
+                             f"{self.progress_seconds}")
         if not 0 <= self.seed < 2**32:
             raise UsageError(f"--seed must be an integer from 0 to 2**32 - 1, got {self.seed}")
         if self.learning_rate <= 0:

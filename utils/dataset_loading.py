@@ -35,15 +35,17 @@ def load_splits(data_args, files, cache_dir=None, allowed=("json", "csv", "text"
     kwargs = builder_kwargs if builder == "text" else {}
     try:
         return datasets.load_dataset(builder, data_files=files, cache_dir=cache_dir, **kwargs)
-    except datasets.exceptions.DatasetGenerationError as e:
-        if is_disk_full(e):
+    except Exception as e:  # noqa: BLE001 - whatever a reader raises (pyarrow, pandas, datasets) names the files
+        if is_disk_full(e) or isinstance(e, UsageError):
             raise
         # Past the part `check_file` parsed up front: a full check names the file and line.
         for path in files.values():
             check_file(path, allowed, limit=None)
         cause = e.__cause__ or e
-        raise UsageError(f"could not read the data files ({', '.join(files.values())}): "
-                         f"{type(cause).__name__}: {str(cause).strip()}") from e
+        first = (str(cause).strip().splitlines() or [""])[0]
+        raise UsageError(f"could not read the data files ({', '.join(files.values())}): {type(cause).__name__}: "
+                         f"{first}; check that each is a valid {builder} file (rerun with --debug for the "
+                         "traceback)") from e
 
 
 def take(dataset, max_samples):

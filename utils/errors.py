@@ -64,6 +64,27 @@ def _one_line(message: str) -> str:
 
 
 _at_exit = []
+_data_files = {}
+
+
+def name_data_files(files):
+    """Record the local file each split is read from (`files`: {split: path or None}).
+
+    The task modules speak of "the train data" (they know splits, not files); the error report puts
+    the split's file in front of a `UsageError` that speaks of it, so that every error about a row,
+    a label or an answer names its file. `run_main` forgets the files when it ends.
+    """
+    _data_files.update({split: path for split, path in files.items() if path})
+
+
+def _naming_the_file(message):
+    """`message` with "data file PATH: " in front when it speaks of a recorded split's data without
+    naming its file (the split mentioned first, where it speaks of several)."""
+    mentioned = [(message.find(f"the {split} data"), path) for split, path in _data_files.items()]
+    mentioned = sorted((at, path) for at, path in mentioned if at >= 0)
+    if not mentioned or mentioned[0][1] in message:
+        return message
+    return f"data file {mentioned[0][1]}: {message}"
 
 
 def at_exit(callback):
@@ -111,7 +132,10 @@ def run_main(main, argv=None) -> int:
     finally:
         if failure is None:
             sys.unraisablehook = previous_hook
-    return 0 if failure is None or isinstance(failure, Done) else _report(failure, debug)
+    try:
+        return 0 if failure is None or isinstance(failure, Done) else _report(failure, debug)
+    finally:
+        _data_files.clear()
 
 
 def _quiet_library_errors():
@@ -140,7 +164,9 @@ def _report(error, debug) -> int:
         sys.stdout.flush()
         print(f"stopped: {_one_line(error)}", file=sys.stderr, flush=True)
         return error.exit_code
-    if isinstance(error, (UsageError, RunError)):
+    if isinstance(error, UsageError):
+        code, message = error.exit_code, _naming_the_file(_one_line(error))
+    elif isinstance(error, RunError):
         code, message = error.exit_code, _one_line(error)
     elif isinstance(error, KeyboardInterrupt):
         code, message = 130, "interrupted"

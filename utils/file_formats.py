@@ -91,7 +91,7 @@ def check_file(path, allowed=("json", "csv", "text"), limit=PREREAD_BYTES):
     if builder == "json":
         return _json_columns(path, text, complete)
     if builder == "csv":
-        return _csv_columns(path, text)
+        return _csv_columns(path, text, complete)
     return ["text"]
 
 
@@ -140,6 +140,9 @@ def _json_columns(path, text, complete):
             raise UsageError(f"data file {path}:{number} is a JSON {type(row).__name__}, not an object: "
                              'each line must be one JSON object, e.g. {"text": "..."}')
         columns.update(dict.fromkeys(row))
+    if complete and not columns:  # `datasets` would say only 'Instruction "train" corresponds to no data!'
+        raise UsageError(f"data file {path} holds no rows, only blank lines: add its examples, one JSON object per "
+                         "line")
     return list(columns)
 
 
@@ -158,14 +161,27 @@ def _json_document_columns(path, text):
     return list({key: None for row in rows for key in row})
 
 
-def _csv_columns(path, text):
+def _csv_columns(path, text, complete):
+    reader = csv.reader(io.StringIO(text))
     try:
-        header = next(csv.reader(io.StringIO(text)), [])
+        header = next(reader, [])
     except csv.Error as e:
         raise UsageError(f"data file {path} has a malformed CSV header: {e}") from None
     if not any(name.strip() for name in header):
         raise UsageError(f"data file {path} has no CSV header row: its first line must name the columns")
+    if complete and not _has_a_row(reader):  # `datasets` would say only 'Instruction "train" corresponds to no data!'
+        raise UsageError(f"data file {path} has a CSV header ({', '.join(header)}) but no rows: add its examples "
+                         "below the header")
     return header
+
+
+def _has_a_row(reader):
+    """Whether a csv reader past the header gives a row with a value; a malformed row counts as one
+    (`datasets` reports it with its line)."""
+    try:
+        return any(any(cell.strip() for cell in row) for row in reader)
+    except csv.Error:
+        return True
 
 
 def require_columns(columns, needed):

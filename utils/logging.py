@@ -5,7 +5,8 @@ scripts call the same methods everywhere without `if is_main_process` around eac
 
 Progress is a live bar only where stderr is a terminal. Into a file or a CI log a bar would write
 carriage-return redraws that pile up on one line, with log lines glued to them; there the training
-progress is a plain log line at each logged step, and the libraries' own bars are off.
+progress is a plain log line at each logged step and at least every --progress_seconds between them
+(`utils.loop.TrainLoop`), and the libraries' own bars are off.
 """
 
 import json
@@ -75,6 +76,18 @@ def _not_hidden(record):
     """A handler filter: False for the records of `_HIDDEN_MESSAGES`."""
     return not any((record.name == library or record.name.startswith(library + "."))
                    and record.getMessage().startswith(start) for library, start in _HIDDEN_MESSAGES)
+
+
+def hide_notices_in_transformers_handlers():
+    """Keep the `_HIDDEN_MESSAGES` off transformers' own stderr handler, as `setup_logging` keeps them
+    off the scripts' handler: for a process that never calls `setup_logging` (the demo's Streamlit
+    server, whose models print transformers' Flax deprecation notice otherwise). Safe to call again
+    (Streamlit runs the page once per request)."""
+    from transformers.utils import logging as transformers_logging
+
+    for handler in transformers_logging.get_logger().handlers:
+        if _not_hidden not in handler.filters:
+            handler.addFilter(_not_hidden)
 
 
 class _NoTracebackFormatter(pylogging.Formatter):
@@ -178,7 +191,8 @@ class MetricsLogger:
     nothing is created.
 
     With `progress`, training shows a live bar (`advance`) where stderr is a terminal; elsewhere each
-    train `log` also logs one line: step, loss, learning rate, tokens/s, time left.
+    train `log`, and each `progress` between logs, also logs one line: step, loss, learning rate,
+    tokens/s, time left.
     """
 
     def __init__(self, output_dir, is_main_process=True, total_steps=None, tensorboard=True, progress=True):
@@ -222,6 +236,15 @@ class MetricsLogger:
             self._update_postfix(values)
             if self._progress and not self._live:
                 logger.info(self._progress_line(step))
+
+    def progress(self, step: int, metrics: dict):
+        """Show the training metrics so far at `step`, between logged steps: on the bar where it is
+        live, else as a progress line. Nothing is recorded."""
+        if self._closed or not self._progress:
+            return
+        self._update_postfix({key: _to_python(key, value) for key, value in metrics.items()})
+        if not self._live:
+            logger.info(self._progress_line(step))
 
     def rewind(self, step: int):
         """Continue a run resumed from its checkpoint at `step`: forget what was logged after it.

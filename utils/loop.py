@@ -7,6 +7,7 @@ with fixed shapes so no example is dropped or counted twice.
 """
 
 import logging
+import time
 
 import jax
 import numpy as np
@@ -112,13 +113,18 @@ class InMemoryData:
 class TrainLoop:
     """When to log / evaluate / save, plus the metrics window and throughput between logs.
 
-    `writer` takes the logged metrics (`log(step, metrics)`) and moves the progress bar
-    (`advance(step)`): a `RunDirectory`. It logs every `logging_steps`, evaluates (`evaluates`) every
-    `eval_steps` or, when that is None, at each epoch's end, and saves as `save_policy` says.
+    `writer` takes the logged metrics (`log(step, metrics)`), moves the progress bar (`advance(step)`)
+    and shows progress between logs (`progress(step, metrics)`): a `RunDirectory`. It logs every
+    `logging_steps`, evaluates (`evaluates`) every `eval_steps` or, when that is None, at each epoch's
+    end, and saves as `save_policy` says. Between logs, a step that ends `progress_seconds` or more
+    after the last log or progress line (by `clock`) shows the metrics so far: a run with a large
+    --logging_steps is not silent for minutes where no live bar shows it moving.
+    `kept_checkpoints()` says what a failed run leaves to resume from (`Saver.kept`).
     """
 
     def __init__(self, steps_per_epoch, total_steps, start_step, schedule, writer, throughput, tokens_per_step,
-                 examples_per_step, logging_steps, save_policy, evaluates=False, eval_steps=None):
+                 examples_per_step, logging_steps, save_policy, evaluates=False, eval_steps=None,
+                 progress_seconds=30.0, kept_checkpoints=lambda: "no checkpoint was saved", clock=time.monotonic):
         self.logging_steps, self.evaluates, self.eval_steps = logging_steps, evaluates, eval_steps
         self.steps_per_epoch, self.total_steps, self.start_step = steps_per_epoch, total_steps, start_step
         self.writer, self.throughput = writer, throughput
@@ -130,6 +136,8 @@ class TrainLoop:
         self.window = []
         self.step = start_step  # the last step finished
         self.save_policy = save_policy
+        self.progress_seconds, self.kept_checkpoints, self.clock = progress_seconds, kept_checkpoints, clock
+        self._last_shown = clock()  # when the last log or progress line was written
 
     @property
     def examples_trained(self):
@@ -145,11 +153,15 @@ class TrainLoop:
             jax.block_until_ready(sums)
             self.throughput.start()
             logger.info("first step done %.1f s after start (compilation included)", perf.seconds_since_start())
+            self._last_shown = self.clock()  # that line says where the run is: the progress interval starts here
         else:
             self.throughput.update(self.tokens_per_step, self.examples_per_step)
         self.writer.advance(step)
         if step % self.logging_steps == 0 or step == self.total_steps:
             self.log(step)
+        elif self.clock() - self._last_shown >= self.progress_seconds:
+            self.writer.progress(step, self._metrics_so_far(step))
+            self._last_shown = self.clock()
 
     def _finite_window(self, step):
         """The window's per-step sums on the host; RunError naming the first step whose loss is not finite.
@@ -162,16 +174,23 @@ class TrainLoop:
             loss = np.asarray(sums["loss"]).reshape(-1)[0]
             if not np.isfinite(loss):
                 raise RunError(f"the training loss became {loss} at step {first + offset}: lower --learning_rate or "
-                               "use --dtype float32; the checkpoints saved before that step are kept")
+                               f"use --dtype float32; {self.kept_checkpoints()}")
         return window
 
-    def log(self, step):
+    def _metrics_so_far(self, step):
+        """The window's mean loss, the learning rate of `step` and, past the first step, the throughput
+        since the last log or progress line (fetching the window waited for the device)."""
         metrics = host_means(self._finite_window(step))
-        self.window = []
         metrics["learning_rate"] = float(self.learning_rates[step - 1])
-        if step > self.start_step + 1:  # fetching the window above waited for the device
+        if step > self.start_step + 1:
             metrics.update(self.throughput.rates())
+        return metrics
+
+    def log(self, step):
+        metrics = self._metrics_so_far(step)
+        self.window = []
         self.writer.log(step, metrics)
+        self._last_shown = self.clock()
         return metrics
 
     def epoch_end(self, step):

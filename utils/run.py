@@ -14,7 +14,7 @@ from huggingface_hub import get_token
 from utils import batch_order, compat, dataset_loading, devices, file_formats, hub, hub_access, perf, tpu_plan
 from utils.args import check_output_dir, check_phases
 from utils.checkpoint import checkpoint_steps, find_checkpoint_dir
-from utils.errors import UsageError
+from utils.errors import UsageError, name_data_files
 from utils.logging import setup_logging
 from utils.optim import learning_rate_schedule
 from utils.resume import find_checkpoint
@@ -38,6 +38,7 @@ def check_before_work(training_args, data_args, task, files, allowed, model_args
     mode if it does not answer.
     """
     check_phases(training_args)
+    name_data_files(files)  # an error about "the train data" names its file
     out = training_args.output_dir
     check_output_dir(training_args, has_checkpoint=bool(checkpoint_steps(find_checkpoint_dir(out))))
     resume = find_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)

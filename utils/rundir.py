@@ -161,6 +161,10 @@ class RunDirectory:
         """Move the progress bar to `step`."""
         self._metrics.advance(step)
 
+    def progress(self, step, metrics):
+        """Show the training metrics so far between logged steps (`MetricsLogger.progress`)."""
+        self._metrics.progress(step, metrics)
+
     def report(self, prefix, metrics, step):
         """Log `metrics` at `step` and write `{prefix}_results.json`; they also go into all_results.json."""
         self.log(step, metrics, split=prefix)

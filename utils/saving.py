@@ -16,7 +16,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from utils import devices, preemption
-from utils.checkpoint import Checkpointer, all_finite, disk_full_is_fatal, find_checkpoint_dir
+from utils.checkpoint import Checkpointer, all_finite, checkpoint_steps, disk_full_is_fatal, find_checkpoint_dir
 from utils.errors import RunError, Stopped, at_exit
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class Saver:
         """Checkpoint `state` at `step` for `reason` (`SavePolicy.reason`), export and push it."""
         if not all_finite((state.params, state.opt_state)):
             raise RunError(f"the parameters became non-finite in step {step} (its loss was still finite): lower "
-                           "--learning_rate; the checkpoints saved before that step are kept")
+                           f"--learning_rate; {self.kept()}")
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
         meta = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "fingerprint": self.fingerprint}
         data = None
@@ -130,6 +130,21 @@ class Saver:
             self.run_dir.export(self.layout.params_to_host(state.params), f"step {step}")
         if step == self.total_steps:
             preemption.uninstall()  # training is over: nothing left to stop cleanly
+
+    def kept(self):
+        """What the run leaves to resume from, for the end of an error line: its complete checkpoints
+        (once those being written are finished), or that there is none."""
+        try:
+            self.checkpointer.wait()
+        except Exception:  # noqa: BLE001 - a failed write leaves no checkpoint to list, which is the answer
+            pass
+        steps = checkpoint_steps(self.checkpointer.directory)
+        if not steps:
+            return ("no checkpoint was saved before that step: start again (with --overwrite_output_dir, which "
+                    "replaces this run's files)")
+        which = f"step {steps[0]} is" if len(steps) == 1 else f"steps {', '.join(map(str, steps))} are"
+        return (f"the checkpoint of {which} kept in {self.checkpointer.directory}: resume from step {steps[-1]} with "
+                "--resume_from_checkpoint latest")
 
     def close(self):
         """Wait for the checkpoints being written, then stop the checkpointer. Safe to call more than once."""

@@ -229,7 +229,8 @@ class TrainingRun:
                               throughput_meter(self.config, seq_length, decoder_seq_length),
                               tokens_per_step=plan.batch_size * seq_length, examples_per_step=plan.batch_size,
                               logging_steps=args.logging_steps, save_policy=save_policy, evaluates=args.do_eval,
-                              eval_steps=args.eval_steps)
+                              eval_steps=args.eval_steps, progress_seconds=args.progress_seconds,
+                              kept_checkpoints=self.saver.kept)
         batches = self.train_data.batches(plan.batch_size, args.seed, plan.steps_per_epoch, self.start_step,
                                           plan.total_steps, self.layout, transform=transform)
         self._train_start = time.time()
