@@ -232,7 +232,7 @@ def main():
                 sides[side].append(run_one(task, side, seed, data, models, classic, args.work))
                 print(f"{task:6s} {side:14s} seed {seed:3d}: {METRIC[task]} {sides[side][-1]['value']:.4f} "
                       f"({sides[side][-1]['seconds']} s)", flush=True)
-        results[task] = {"metric": METRIC[task], "seeds": args.seeds, "settings": COMMON[task],
+        results[task] = {"script": OURS[task], "metric": METRIC[task], "seeds": args.seeds, "settings": COMMON[task],
                          **{side: summary(runs) for side, runs in sides.items()}}
         gap = results[task]["classic"]["mean"] - results[task]["ours"]["mean"]
         results[task]["behind_by_more_than_spread"] = gap > max(results[task]["classic"]["std"],
@@ -249,6 +249,8 @@ def main():
     if os.path.exists(args.output):
         with open(args.output) as f:
             previous = json.load(f).get("tasks", {})
+        for task, result in previous.items():
+            result.setdefault("script", OURS[task])
     with open(args.output, "w") as f:
         json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "devices": 8},
                    "tasks": {**previous, **results}}, f, indent=2)
