@@ -211,6 +211,27 @@ def summary(runs):
     return {"mean": statistics.fmean(values), "std": spread, "min": min(values), "max": max(values), "runs": runs}
 
 
+def print_table(results):
+    print(f"\n{'task':6s} {'metric':14s} {'classic mean ± std':22s} {'ours mean ± std':22s} "
+          f"{'classic, head seeded':22s} seeds")
+    for task, r in results.items():
+        cells = [f"{r[side]['mean']:8.4f} ± {r[side]['std']:<10.4f}" if side in r else f"{'-':22s}"
+                 for side in ("classic", "ours", "classic_seeded")]
+        print(f"{task:6s} {r['metric']:14s} {' '.join(cells)} {len(r['seeds'])}"
+              f"{'  (ours behind by more than the spread)' if r['behind_by_more_than_spread'] else ''}")
+
+
+def write_results(path, results, machine):
+    """`results` into the JSON at `path`, keeping the tasks it holds that were not run this time."""
+    previous = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            previous = json.load(f).get("tasks", {})
+    with open(path, "w") as f:
+        json.dump({"machine": machine, "tasks": {**previous, **results}}, f, indent=2)
+        f.write("\n")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--classic", default=os.environ.get("FLAXTUNE_CLASSIC_DIR"),
@@ -220,7 +241,20 @@ def main():
     parser.add_argument("--work", default=os.path.join("/tmp", "flaxtune_parity"),
                         help="Scratch folder for inputs, runs and logs (kept: the runs' logs are evidence).")
     parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "parity_cpu.json"))
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="Run nothing: write the tasks of these results files (of runs side by side, each "
+                             "with its own --tasks, --work and --output) into --output.")
     args = parser.parse_args()
+    if args.merge:
+        results, machine = {}, None
+        for path in args.merge:
+            with open(path) as f:
+                merged = json.load(f)
+            results.update(merged["tasks"])
+            machine = machine or merged["machine"]
+        print_table(results)
+        write_results(args.output, results, machine)
+        return
     classic = check_classic(args.classic)
     data, models = prepare(args.work)
 
@@ -237,24 +271,8 @@ def main():
         gap = results[task]["classic"]["mean"] - results[task]["ours"]["mean"]
         results[task]["behind_by_more_than_spread"] = gap > max(results[task]["classic"]["std"],
                                                                 results[task]["ours"]["std"])
-
-    print(f"\n{'task':6s} {'metric':14s} {'classic mean ± std':22s} {'ours mean ± std':22s} "
-          f"{'classic, head seeded':22s} seeds")
-    for task, r in results.items():
-        cells = [f"{r[side]['mean']:8.4f} ± {r[side]['std']:<10.4f}" if side in r else f"{'-':22s}"
-                 for side in ("classic", "ours", "classic_seeded")]
-        print(f"{task:6s} {r['metric']:14s} {' '.join(cells)} {len(r['seeds'])}"
-              f"{'  (ours behind by more than the spread)' if r['behind_by_more_than_spread'] else ''}")
-    previous = {}
-    if os.path.exists(args.output):
-        with open(args.output) as f:
-            previous = json.load(f).get("tasks", {})
-        for task, result in previous.items():
-            result.setdefault("script", OURS[task])
-    with open(args.output, "w") as f:
-        json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "devices": 8},
-                   "tasks": {**previous, **results}}, f, indent=2)
-        f.write("\n")
+    print_table(results)
+    write_results(args.output, results, {"cpus": os.cpu_count(), "platform": platform.platform(), "devices": 8})
 
 
 if __name__ == "__main__":
