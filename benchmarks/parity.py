@@ -3,8 +3,9 @@
 on the same data, starting weights and hyper-parameters, over several seeds: mean and spread of the
 eval metric for both.
 
-    python benchmarks/parity.py --classic DIR                    # every task, seeds 42 1 2: ~25 min on 2 CPU cores
+    python benchmarks/parity.py --classic DIR                    # every task, seeds 42 1 2: ~25 min on 2 idle CPU cores
     python benchmarks/parity.py --classic DIR --tasks text ner --seeds 42 1 2 3 4
+    python benchmarks/parity.py --merge text.json qa.json ...   # tasks run side by side, into one file
 
 DIR (or $FLAXTUNE_CLASSIC_DIR) holds the classic scripts, which this project does not ship: their own
 layout under examples/flax (text-classification/run_flax_glue.py, question-answering/run_qa.py with
@@ -23,7 +24,9 @@ Each (task, seed, side) runs in its own process on 8 virtual CPU devices. What b
   horizontal flip) asked of ours with --min_crop_scale 0.08 --random_flip.
 qa, ner and image start from one saved random initialisation of the tiny configs' encoder (seed 0),
 the same file for both sides: this project ships no pretrained encoder for their vocabularies.
-Writes every run's metric, the means and the sample standard deviations to --output (JSON).
+The text and NER tasks also run "classic_seeded": the classic script with its new head drawn from
+--seed (SEEDED_HEAD_SIDE). Writes every run's metric, the means and the sample standard deviations
+to --output (JSON), keeping the tasks it already holds that were not run.
 """
 
 import argparse
@@ -139,8 +142,9 @@ def prepare(work):
               "ner": os.path.join(made, "init_ner"), "image": os.path.join(made, "init_vit")}
     if not os.path.exists(os.path.join(models["text"], "flax_model.msgpack")):
         print("pretraining the text encoder: run_mlm_flax.py configs/mlm_tiny.json", flush=True)
-        subprocess.run([sys.executable, os.path.join(ROOT, "run_mlm_flax.py"), os.path.join(ROOT, "configs", "mlm_tiny.json"),
-                        "--output_dir", models["text"], "--compilation_cache_dir", "none"],
+        subprocess.run([sys.executable, os.path.join(ROOT, "run_mlm_flax.py"),
+                        os.path.join(ROOT, "configs", "mlm_tiny.json"), "--output_dir", models["text"],
+                        "--compilation_cache_dir", "none"],
                        check=True, env=child_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for task, tokenizer in (("qa", "data/qa/tokenizer"), ("ner", "data/ner/tokenizer")):
         if not os.path.exists(os.path.join(models[task], "flax_model.msgpack")):
