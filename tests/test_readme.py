@@ -207,6 +207,14 @@ def test_performance_speed_table_is_results_cpu_json():
         rss], key_cells=2)
 
 
+def test_performance_tpu_table_is_results_tpu_json():
+    check_table(PERFORMANCE, "| row | tokens/s | MFU |", {r["row"]: r for r in json_file("results_tpu.json")}, [
+        tokens, lambda r: [r["script_mfu"]],
+        lambda r: [r["script_tokens_per_second"] / r["limit_tokens_per_second"]],
+        lambda r: [r["first_step_cold_seconds"]], lambda r: [r["planned_device_memory_gib"]],
+        lambda r: [r["peak_device_memory_gib"]], rss, lambda r: [r["host_memory_held_from_start_gib"]]])
+
+
 def test_benchmarks_speed_table_is_results_cpu_json():
     check_table(BENCHMARKS, "| script | size | limit tok/s |", speed_records(), [
         lambda r: [r["limit_tokens_per_second"]], tokens, of_limit, lambda r: [r["startup_cold_seconds"]],
