@@ -44,7 +44,7 @@ def main():
 
     def timed_pmap(fun, *args, **kwargs):
         compiled = pmap(fun, *args, **kwargs)
-        if getattr(fun, "__name__", "") != "train_step":
+        if getattr(getattr(fun, "func", fun), "__name__", "") != "train_step":  # summarization pmaps a partial
             return compiled
 
         def call(*call_args, **call_kwargs):

@@ -113,15 +113,16 @@ def test_tpu_benchmark_refuses_a_machine_without_tpu_chips():
 
 
 CLASSIC_STAND_IN = """
+from functools import partial
 import jax, jax.numpy as jnp
 
-def train_step(state, batch):
-    return state + batch.sum(), {"loss": batch.mean()}
+def train_step(state, batch, scale):
+    return state + scale * batch.sum(), {"loss": batch.mean()}
 
 def eval_step(state, batch):
     return batch.sum()
 
-p_train_step, p_eval_step = jax.pmap(train_step, "batch"), jax.pmap(eval_step, "batch")
+p_train_step, p_eval_step = jax.pmap(partial(train_step, scale=2), "batch"), jax.pmap(eval_step, "batch")
 state = jnp.zeros((1,))
 for step in range(100):
     state, metrics = p_train_step(state, jnp.ones((1, 4)) * step)
@@ -130,7 +131,8 @@ for step in range(100):
 
 
 def test_classic_timer_times_the_train_step_and_stops_after_the_steps_asked(tmp_path):
-    """A classic-style script (pmap'd `train_step` in a loop of 100): 7 calls timed, the run stopped there."""
+    """A classic-style script (pmap'd `train_step`, a partial as in summarization, in a loop of 100): 7 calls
+    timed, the run stopped there."""
     script, out = tmp_path / "run_classic.py", tmp_path / "timings.json"
     script.write_text(CLASSIC_STAND_IN)
     result = subprocess.run([sys.executable, "benchmarks/classic_timer.py", str(out), "7", "--", str(script)], cwd=ROOT,
