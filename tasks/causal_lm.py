@@ -1,13 +1,20 @@
-"""Causal language modelling (`run_clm_flax.py`): the text in blocks, the next-token loss and
-perplexity, and the text-generation demo."""
+"""Causal language modelling (`run_clm_flax.py`): the text in blocks, or chat and instruction rows
+one per example (`tasks.chat`), the next-token loss (on the answers only for rows) and perplexity,
+greedy answers and their exact match, and the text-generation demo."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from tasks import Task, lm
+from tasks import Task, chat, lm
 from tasks.demo import Answer, BadInput, Predictor, bucket_for, buckets, require_text, show_answer
+from utils import dataset_loading
+from utils.errors import UsageError
+from utils.run import needed_splits, phase_datasets
 
-TASK = Task("causal-lm", "text-generation", widget="prompt")
+PREDICTIONS_FILE = "generated_predictions.txt"
+TASK = Task("causal-lm", "text-generation", outputs=(PREDICTIONS_FILE,), widget="prompt")
+ROW_FILE_FORMATS = ("json",)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -16,6 +23,58 @@ TASK = Task("causal-lm", "text-generation", widget="prompt")
 def fit_block_size(data_args, tokenizer, config):
     """--block_size, by default min(1024, the tokenizer's max length); at most the model's positions."""
     return lm.sequence_length(data_args.block_size, 1024, tokenizer, config, "block_size")
+
+
+def check_before_work(training_args, data_args, task, model_args):
+    """(`Preflight`, the rows' format: "messages", "prompt-completion", or None for text) of a run
+    (`lm.check_before_work`, with --test_file for --do_predict). Local files tell their rows' format
+    now; a hub dataset's is read once it is loaded (`rows_format_of`)."""
+    preflight = lm.check_before_work(training_args, data_args, task, model_args, data_args.test_file)
+    rows = chat.row_format(preflight.columns) if preflight.columns else None
+    check_row_arguments(rows, data_args, training_args)
+    return preflight, rows
+
+
+def check_row_arguments(rows, data_args, training_args):
+    """The flags that apply to chat or instruction rows only."""
+    if rows is None:
+        for flag, given in (("test_file", data_args.test_file), ("chat_template", data_args.chat_template),
+                            ("predict_with_generate", data_args.predict_with_generate)):
+            if given:
+                raise UsageError(f"--{flag} applies to chat or instruction rows (`messages`, or `prompt` and "
+                                 f"`completion`), but the data is text: drop --{flag}")
+
+
+def rows_format_of(raw, data_args, training_args):
+    """The rows' format of a loaded hub dataset (`check_before_work` for local files)."""
+    rows = chat.row_format({split: dataset.column_names for split, dataset in raw.items()})
+    check_row_arguments(rows, data_args, training_args)
+    return rows
+
+
+def load_row_splits(data_args, training_args, cache_dir):
+    """{split: dataset} of the splits the run's phases read, --max_*_samples applied; the validation
+    rows carved off the training rows when there is no validation file."""
+    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    splits = needed_splits(training_args)
+    wanted = {split: files[split] for split in splits}
+    if "validation" in wanted and not wanted["validation"] and not data_args.dataset_name:
+        wanted["train"] = data_args.train_file
+    raw = dataset_loading.load_splits(data_args, wanted, cache_dir, allowed=ROW_FILE_FORMATS)
+    if "validation" in splits and "validation" not in raw and "train" in raw:
+        raw["train"], raw["validation"] = lm.split_off_validation(raw["train"], data_args.validation_split_percentage)
+    return phase_datasets(raw, {split: split for split in splits}, data_args)
+
+
+def read_rows(raw, rows, tokenizer, block_size, max_new_tokens):
+    """{split: `chat.Rows`} of each loaded split: every row checked and encoded (`chat.encode_rows`),
+    cut and padded (`chat.to_arrays`)."""
+    if max_new_tokens >= block_size:
+        raise UsageError(f"--max_new_tokens {max_new_tokens} leaves no room for a prompt in --block_size "
+                         f"{block_size}: lower it")
+    return {split: chat.to_arrays(chat.encode_rows(dataset, tokenizer, rows, split), tokenizer, block_size,
+                                  max_new_tokens, split)
+            for split, dataset in raw.items()}
 
 
 def read_blocks(data_args, training_args, tokenizer, block_size, cache_dir):
@@ -33,15 +92,27 @@ def read_blocks(data_args, training_args, tokenizer, block_size, cache_dir):
 # ----------------------------------------------------------------------------------------------
 # Loss
 # ----------------------------------------------------------------------------------------------
-def next_token_loss(logits, input_ids, example_weight=None, label_smoothing=0.0):
+def next_token_loss(logits, input_ids, example_weight=None, label_smoothing=0.0, answer_mask=None):
     """(loss sum, {"loss", "tokens"}) of predicting each next token of a block.
 
     The labels are the inputs shifted by one: position t predicts token t + 1, the last position
-    nothing, so a block of n tokens scores n - 1. `example_weight` (eval: 0 for padded rows) scales
-    a row's tokens.
+    nothing, so a block of n tokens scores n - 1. With `answer_mask` (chat and instruction rows)
+    only the answers' tokens are scored. `example_weight` (eval: 0 for padded rows) scales a row's
+    tokens.
     """
-    return lm.token_sums(logits[:, :-1], input_ids[:, 1:], example_weight=example_weight,
+    weights = None if answer_mask is None else answer_mask[:, 1:].astype(jnp.float32)
+    return lm.token_sums(logits[:, :-1], input_ids[:, 1:], weights, example_weight=example_weight,
                          label_smoothing=label_smoothing)
+
+
+def generate_answers(model, params, batch, max_new_tokens, tokenizer):
+    """The `max_new_tokens` tokens greedy decoding appends to each left-padded prompt of `batch`
+    (traceable: the generate step)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sequences = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], params=params,
+                               max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                               eos_token_id=tokenizer.eos_token_id).sequences
+    return sequences[:, batch["input_ids"].shape[1]:]
 
 
 # ----------------------------------------------------------------------------------------------
