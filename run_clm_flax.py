@@ -9,8 +9,9 @@ or on chat and instruction data.
 Text is tokenized, concatenated and cut into `block_size` blocks; the model learns to predict each
 next token. Rows with `messages` (rendered with the tokenizer's chat template) or with `prompt` and
 `completion` are one example each, the loss on the answers only; `--predict_with_generate` answers
-the held-out prompts greedily and scores their exact match (`tasks/chat.py`). One train / eval loop, each step defined once for both layouts (`--sharding dp`,
-jax.pmap over the local devices, the default; `--sharding fsdp`, the model split over all devices);
+the held-out prompts greedily and scores their exact match (`tasks/chat.py`). One train / eval loop,
+each step defined once for both layouts (`--sharding dp`, jax.pmap over the local devices, the
+default; `--sharding fsdp`, the model split over all devices);
 everything mechanical (layouts, schedules, checkpoints, metrics, logging) lives in `utils/`.
 """
 

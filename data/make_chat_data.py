@@ -32,7 +32,8 @@ COLOURS = ["red", "blue", "green", "yellow", "black", "white", "pink", "brown"]
 THINGS = ["ball", "hat", "car", "cup", "kite", "book", "bag", "bike"]
 SYSTEM = "You answer in as few words as you can."
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
-# bos first; each turn its role token, a space and its text (its words tokenized as mid-sentence); an assistant turn ends with eos (where generation stops).
+# bos first; each turn its role token, a space and its text (its words tokenized as mid-sentence); an
+# assistant turn ends with eos (where generation stops).
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant'] %}"

@@ -80,10 +80,11 @@ def _check_messages(messages, where):
         raise UsageError(f"{where}: `messages` is not a list of turns: give each row a list of "
                          '{"role": ..., "content": ...}')
     for turn in messages:
-        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):
+        if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
             raise UsageError(f"{where}: a turn of `messages` lacks a text `role` or `content`: give every turn both")
     if not any(turn["role"] == "assistant" for turn in messages):
-        raise UsageError(f"{where}: the conversation has no assistant turn, so nothing to learn: add one or drop the row")
+        raise UsageError(f"{where}: the conversation has no assistant turn, so nothing to learn: add one or drop "
+                         "the row")
 
 
 def encode_conversation(tokenizer, messages, where):

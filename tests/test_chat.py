@@ -89,7 +89,8 @@ def test_the_loss_covers_the_answer_tokens_only():
 def test_rows_are_cut_from_the_left_padded_to_a_bucket_and_reported(tokenizer, caplog):
     examples = [chat.Example(list(range(3, 13)), [0] * 7 + [1] * 3, list(range(3, 10)), "a"),  # 10 tokens
                 chat.Example(list(range(3, 33)), [0] * 27 + [1] * 3, list(range(3, 30)), "b"),  # 30: cut to 20
-                chat.Example(list(range(3, 33)), [0] * 5 + [1] * 2 + [0] * 23, list(range(3, 8)), "c")]  # no answer left
+                # its answer lies in the 10 tokens cut off
+                chat.Example(list(range(3, 33)), [0] * 5 + [1] * 2 + [0] * 23, list(range(3, 8)), "c")]
     with caplog.at_level(logging.WARNING):
         rows = chat.to_arrays(examples, tokenizer, 20, 4, "train")
     assert "2 of 3 rows are longer than --block_size 20" in caplog.text and "1 of them keep no answer" in caplog.text

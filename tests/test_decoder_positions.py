@@ -139,7 +139,8 @@ def test_mistral_window_holds_the_last_sliding_window_keys():
     mask = np.asarray(decoder_positions.causal_window_mask(MistralConfig(max_position_embeddings=6, sliding_window=3)))
     want = np.array([[max(0, query - 2) <= key <= query for key in range(6)] for query in range(6)])
     np.testing.assert_array_equal(mask[0, 0], want)
-    whole = np.asarray(decoder_positions.causal_window_mask(MistralConfig(max_position_embeddings=6, sliding_window=None)))
+    whole = np.asarray(decoder_positions.causal_window_mask(MistralConfig(max_position_embeddings=6,
+                                                                          sliding_window=None)))
     np.testing.assert_array_equal(whole[0, 0], np.tril(np.ones((6, 6), bool)))
 
 

@@ -237,7 +237,8 @@ def _llama_attention(original):
     class LlamaAttentionWithConfigPositions(original):
         def setup(self):
             # Llama's own initialisers and biases, so a fresh model's weights are what they were
-            _set_up_attention(self, self.config.attention_bias, jax.nn.initializers.normal(self.config.initializer_range))
+            initializer = jax.nn.initializers.normal(self.config.initializer_range)
+            _set_up_attention(self, self.config.attention_bias, initializer)
             self.embed_dim = self.config.hidden_size
 
         def _merge_heads(self, hidden_states):

@@ -38,8 +38,9 @@ def reference(name, seed):
             logits = model(torch.tensor(ids)).logits.numpy()
             case["logits"].append(np.round(logits.astype(np.float64), 5).tolist())
         if generates:
-            sequence = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                      max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=config.pad_token_id)
+            ids = torch.tensor([prompt])
+            sequence = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                      do_sample=False, pad_token_id=config.pad_token_id)
             case.update(prompt=prompt, generated=sequence[0, len(prompt):].tolist())
     return case
 
