@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tasks import Task, chat, lm
-from tasks.demo import Answer, BadInput, Predictor, bucket_for, buckets, require_text, show_answer
+from tasks.demo import (Answer, BadInput, Predictor, bucket_for, buckets, escape_markdown, require_text,
+                        show_answer)
 from utils import dataset_loading
 from utils.errors import UsageError
 from utils.run import needed_splits, phase_datasets
@@ -119,10 +120,12 @@ def generate_answers(model, params, batch, max_new_tokens, tokenizer):
 # The demo page (demo.py): the predictor and the form asking for its input
 # ----------------------------------------------------------------------------------------------
 class TextGenerator(Predictor):
-    """Continues a prompt, greedily or by sampling with a seed. Prompts are left-padded to a bucket
-    and every request generates `max_new_tokens` tokens, cut to the number asked for: the tokens
-    before a cut do not depend on where it is (greedy, and sampling's per-step keys alike), so one
-    program per (bucket, greedy or sampling) serves every length."""
+    """Continues a prompt, greedily or by sampling with a seed; a model whose tokenizer has a chat
+    template (`chat`) answers a conversation instead: its turns rendered as the training script
+    renders a generation prompt (`reply`). Prompts are left-padded to a bucket and every request
+    generates `max_new_tokens` tokens, cut to the number asked for: the tokens before a cut do not
+    depend on where it is (greedy, and sampling's per-step keys alike), so one program per (bucket,
+    greedy or sampling) serves every length."""
 
     auto_class = "FlaxAutoModelForCausalLM"
 
@@ -135,19 +138,36 @@ class TextGenerator(Predictor):
         self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else (
             self.config.eos_token_id or 0)
         self.eos_id = self.config.eos_token_id
+        self.chat = bool(self.tokenizer.chat_template)
         self._programs = {sample: jax.jit(lambda params, ids, mask, key, sample=sample: self.model.generate(
             ids, attention_mask=mask, params=params, max_new_tokens=self.max_new_tokens, do_sample=sample,
             prng_key=key, pad_token_id=self.pad_id, eos_token_id=self.eos_id).sequences) for sample in (False, True)}
 
     def predict(self, prompt, max_new_tokens=32, sample=False, seed=0):
         require_text(prompt, "prompt")
+        ids = self.tokenizer(prompt)["input_ids"]  # as training encoded its text (special tokens included)
+        answer, ids, new = self._continue(ids, max_new_tokens, sample, seed, "the prompt")
+        answer.text = self.tokenizer.decode(ids + new, skip_special_tokens=True)
+        answer.details = [self.tokenizer.decode(new, skip_special_tokens=True)]
+        return answer
+
+    def reply(self, messages, max_new_tokens=32, sample=False, seed=0):
+        """The assistant's next turn after `messages` ({"role", "content"}, the user's last)."""
+        require_text(messages[-1]["content"] if messages else "", "message")
+        prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]  # as chat rows are encoded
+        answer, _, new = self._continue(ids, max_new_tokens, sample, seed, "the conversation")
+        answer.text = self.tokenizer.decode(new, skip_special_tokens=True).strip()
+        return answer
+
+    def _continue(self, ids, max_new_tokens, sample, seed, what):
+        """(`Answer` with its notes, the ids kept, the new ids up to the end token)."""
         if not 1 <= max_new_tokens <= self.max_new_tokens:
             raise BadInput(f"max new tokens must be between 1 and {self.max_new_tokens}, got {max_new_tokens}")
         answer = Answer()
-        ids = self.tokenizer(prompt)["input_ids"]  # as training encoded its text (special tokens included)
         limit = self.prompt_buckets[-1]
         if len(ids) > limit:
-            answer.notes.append(f"the prompt has {len(ids)} tokens; the model continues its last {limit}")
+            answer.notes.append(f"{what} has {len(ids)} tokens; the model continues its last {limit}")
             ids = ids[-limit:]
         size = bucket_for(len(ids), self.prompt_buckets)
         padded = np.full((1, size), self.pad_id, np.int32)
@@ -158,9 +178,7 @@ class TextGenerator(Predictor):
         new = list(sequences[0, size:size + max_new_tokens])
         if self.eos_id is not None and self.eos_id in new:
             new = new[:new.index(self.eos_id)]
-        answer.text = self.tokenizer.decode(ids + new, skip_special_tokens=True)
-        answer.details = [self.tokenizer.decode(new, skip_special_tokens=True)]
-        return answer
+        return answer, ids, new
 
     def warm_up(self):
         for size in self.prompt_buckets:
@@ -173,6 +191,8 @@ PREDICTOR = TextGenerator
 
 
 def demo_form(st, predictor):
+    if predictor.chat:
+        return chat_box(st, predictor)
     with st.form("request"):
         prompt = st.text_area("Prompt", key="text")
         left, middle, right = st.columns(3)
@@ -183,3 +203,23 @@ def demo_form(st, predictor):
         submitted = st.form_submit_button("Continue")
     if submitted:
         return lambda: show_answer(st, predictor(prompt, int(max_new_tokens), decoding == "sampling", int(seed)))
+
+
+def chat_box(st, predictor):
+    """The conversation of this browser session so far, and a box for the next message."""
+    conversation = st.session_state.setdefault("conversation", [])
+    for turn in conversation:
+        st.chat_message(turn["role"]).markdown(escape_markdown(turn["content"]))
+    said = st.chat_input("Your message", key="message")
+    if not said:
+        return None
+
+    def show():
+        answer = predictor.reply(conversation + [{"role": "user", "content": said}], min(32, predictor.max_new_tokens))
+        conversation.extend([{"role": "user", "content": said}, {"role": "assistant", "content": answer.text}])
+        st.chat_message("user").markdown(escape_markdown(said))
+        with st.chat_message("assistant"), st.container(key="answer"):
+            st.markdown(escape_markdown(answer.text))
+            for note in answer.notes:
+                st.caption(note)
+    return show

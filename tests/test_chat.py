@@ -167,3 +167,76 @@ def test_a_template_file_replaces_the_tokenizers(tokenizer, tmp_path):
     assert own.chat_template == HF_MASKABLE_TEMPLATE
     with pytest.raises(UsageError, match="--chat_template .*missing.jinja"):
         chat.use_template(own, str(tmp_path / "missing.jinja"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo's chat box (a model whose tokenizer has a chat template)
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory, tokenizer):
+    """A tiny untrained Llama with data/chat's tokenizer, saved as a run exports it."""
+    from transformers import FlaxLlamaForCausalLM, LlamaConfig
+
+    from utils import compat
+
+    compat.apply()
+    out = tmp_path_factory.mktemp("chat_model")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, architectures=["FlaxLlamaForCausalLM"])
+    FlaxLlamaForCausalLM(config, seed=3).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "run_args.json").write_text(json.dumps({"train_file": "data/chat/train.jsonl"}))
+    return str(out)
+
+
+def greedy_answer(output_dir, messages, new_tokens):
+    """A plain greedy loop over the full forward pass of the rendered generation prompt, in a buffer
+    of one length (one compiled forward; causal attention ignores what follows a position)."""
+    import jax
+    from transformers import FlaxAutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    model = FlaxAutoModelForCausalLM.from_pretrained(output_dir)
+    forward = jax.jit(lambda ids: model(ids, params=model.params).logits)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    start = len(ids)
+    buffer = np.zeros((1, start + new_tokens), np.int32)
+    buffer[0, :start] = ids
+    for position in range(start, start + new_tokens):
+        token = int(np.asarray(forward(buffer))[0, position - 1].argmax())
+        if token == tokenizer.eos_token_id:
+            break
+        buffer[0, position] = token
+        ids.append(token)
+    return tokenizer.decode(ids[start:], skip_special_tokens=True).strip()
+
+
+@pytest.mark.slow
+def test_the_chat_box_answers_as_a_plain_greedy_loop_and_keeps_the_conversation(chat_model_dir):
+    """Streamlit's browserless AppTest: two messages, each answered as a plain greedy loop over the
+    rendered conversation answers, the first exchange kept above the second."""
+    pytest.importorskip("streamlit")
+    from streamlit.testing.v1 import AppTest
+
+    def app(output_dir):
+        import demo
+
+        demo.page(output_dir)
+
+    page = AppTest.from_function(app, args=(chat_model_dir,), default_timeout=300)
+    page.run()
+    for message in ("What is 1 plus 2?", "Reverse: cat dog owl"):
+        page.chat_input(key="message").set_value(message).run()
+    assert not page.exception
+    conversation = page.session_state["conversation"]
+    assert [turn["role"] for turn in conversation] == ["user", "assistant", "user", "assistant"]
+    assert [turn["content"] for turn in conversation[::2]] == ["What is 1 plus 2?", "Reverse: cat dog owl"]
+    new_tokens = 32  # the chat box's answers
+    assert conversation[1]["content"] == greedy_answer(chat_model_dir, conversation[:1], new_tokens)
+    assert conversation[3]["content"] == greedy_answer(chat_model_dir, conversation[:3], new_tokens)
+    assert conversation[1]["content"] and conversation[3]["content"]
+    shown = [(message.name, message.markdown[0].value) for message in page.chat_message]
+    assert [role for role, _ in shown] == ["user", "assistant", "user", "assistant"]
