@@ -87,7 +87,7 @@ def main(argv=None):
     raw, arrays, examples = None, {}, {}
     if rows or (data_args.dataset_name and not data_args.streaming):
         raw = causal_lm.load_row_splits(data_args, training_args, model_args.cache_dir)
-        rows = rows or causal_lm.rows_format_of(raw, data_args, training_args)
+        rows = rows or causal_lm.rows_format_of(raw, data_args)
     if rows:
         chat.use_template(tokenizer, data_args.chat_template)
         chat.check_template(tokenizer, rows)

@@ -31,13 +31,18 @@ def check_before_work(training_args, data_args, task, model_args):
     (`lm.check_before_work`, with --test_file for --do_predict). Local files tell their rows' format
     now; a hub dataset's is read once it is loaded (`rows_format_of`)."""
     preflight = lm.check_before_work(training_args, data_args, task, model_args, data_args.test_file)
-    rows = chat.row_format(preflight.columns) if preflight.columns else None
-    check_row_arguments(rows, data_args, training_args)
+    if not preflight.columns:
+        return preflight, None
+    rows = chat.row_format(preflight.columns)
+    check_row_arguments(rows, data_args)
     return preflight, rows
 
 
-def check_row_arguments(rows, data_args, training_args):
-    """The flags that apply to chat or instruction rows only."""
+def check_row_arguments(rows, data_args):
+    """The flags that apply to chat or instruction rows only, and the one that applies to text only."""
+    if rows and data_args.streaming:
+        raise UsageError("--streaming reads text; chat and instruction rows are read into memory, one example "
+                         "each: drop --streaming")
     if rows is None:
         for flag, given in (("test_file", data_args.test_file), ("chat_template", data_args.chat_template),
                             ("predict_with_generate", data_args.predict_with_generate)):
@@ -46,10 +51,10 @@ def check_row_arguments(rows, data_args, training_args):
                                  f"`completion`), but the data is text: drop --{flag}")
 
 
-def rows_format_of(raw, data_args, training_args):
+def rows_format_of(raw, data_args):
     """The rows' format of a loaded hub dataset (`check_before_work` for local files)."""
     rows = chat.row_format({split: dataset.column_names for split, dataset in raw.items()})
-    check_row_arguments(rows, data_args, training_args)
+    check_row_arguments(rows, data_args)
     return rows
 
 

@@ -128,6 +128,20 @@ def test_the_rows_format_comes_from_the_columns(columns, kind):
     assert chat.row_format(columns) == kind
 
 
+def test_row_flags_need_rows_and_streaming_needs_text():
+    from types import SimpleNamespace
+
+    from tasks.causal_lm import check_row_arguments
+
+    text_args = SimpleNamespace(streaming=False, test_file=None, chat_template="t.jinja", predict_with_generate=False)
+    with pytest.raises(UsageError, match="--chat_template applies to chat or instruction rows"):
+        check_row_arguments(None, text_args)
+    streamed = SimpleNamespace(streaming=True, test_file=None, chat_template=None, predict_with_generate=True)
+    with pytest.raises(UsageError, match="--streaming reads text"):
+        check_row_arguments(chat.MESSAGES, streamed)
+    check_row_arguments(chat.MESSAGES, text_args)
+
+
 def test_splits_of_different_formats_are_refused():
     with pytest.raises(UsageError, match=r"different kinds of rows \(train: messages, validation: text\)"):
         chat.row_format({"train": ["messages"], "validation": ["text"]})
