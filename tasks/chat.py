@@ -150,12 +150,12 @@ def to_arrays(examples, tokenizer, block_size, max_new_tokens, split):
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     kept = [(e.ids[-block_size:], e.answer[-block_size:], e) for e in examples]
     cut = sum(len(e.ids) > block_size for e in examples)
-    answerless = [i for i, (_, answer, _) in enumerate(kept) if not any(answer)]
+    answerless = {i for i, (_, answer, _) in enumerate(kept) if not any(answer)}
     if cut:
         logger.warning("%s: %d of %d rows are longer than --block_size %d: they lose their first tokens (the "
                        "prompt's start)%s", split, cut, len(examples), block_size,
                        f"; {len(answerless)} of them keep no answer token and are left out" if answerless else "")
-    kept = [row for i, row in enumerate(kept) if i not in set(answerless)]
+    kept = [row for i, row in enumerate(kept) if i not in answerless]
     if not kept:
         raise UsageError(f"no {split} row keeps an answer within --block_size {block_size}: raise --block_size")
     width = bucket_for(max(len(ids) for ids, _, _ in kept), buckets(block_size))
