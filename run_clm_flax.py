@@ -1,12 +1,17 @@
 #!/usr/bin/env python
-"""Train or fine-tune a Flax causal language model (GPT-2, GPT-Neo, OPT, Llama, ...) on a text corpus.
+"""Train or fine-tune a Flax causal language model (GPT-2, GPT-Neo, OPT, Llama, ...) on a text corpus,
+or on chat and instruction data.
 
     python run_clm_flax.py configs/clm_tiny.json
+    python run_clm_flax.py configs/chat_tiny.json
     python run_clm_flax.py config.json --block_size 256   # flags override the file
 
-The text is tokenized, concatenated and cut into `block_size` blocks; the model learns to predict
-each next token. One train / eval loop, each step defined once for both layouts (`--sharding dp`,
-jax.pmap over the local devices, the default; `--sharding fsdp`, the model split over all devices);
+Text is tokenized, concatenated and cut into `block_size` blocks; the model learns to predict each
+next token. Rows with `messages` (rendered with the tokenizer's chat template) or with `prompt` and
+`completion` are one example each, the loss on the answers only; `--predict_with_generate` answers
+the held-out prompts greedily and scores their exact match (`tasks/chat.py`). One train / eval loop,
+each step defined once for both layouts (`--sharding dp`, jax.pmap over the local devices, the
+default; `--sharding fsdp`, the model split over all devices);
 everything mechanical (layouts, schedules, checkpoints, metrics, logging) lives in `utils/`.
 """
 
@@ -18,11 +23,12 @@ from typing import Optional
 
 from transformers import FlaxAutoModelForCausalLM
 
-from tasks import causal_lm, lm
-from tasks.causal_lm import TASK
+from tasks import causal_lm, chat, lm
+from tasks.causal_lm import PREDICTIONS_FILE, TASK
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
+from utils.loop import InMemoryData
 from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
 from utils.run import set_up, training_plan
 from utils.training import TrainingRun, make_steps
@@ -35,10 +41,24 @@ class DataTrainingArguments(lm.LMDataArguments):
                                         "at most the model's positions)."}
     )
 
+    test_file: Optional[str] = field(
+        default=None, metadata={"help": "Local test file of chat or instruction rows (json, jsonl; also compressed) "
+                                        "for --do_predict."})
+    max_predict_samples: Optional[int] = field(default=None, metadata={"help": "Truncate the test set."})
+    chat_template: Optional[str] = field(
+        default=None, metadata={"help": "A Jinja chat template file to render `messages` rows with (default: the "
+                                        "tokenizer's own); saved with the tokenizer."})
+    predict_with_generate: bool = field(
+        default=False, metadata={"help": "Chat and instruction rows: answer each evaluated prompt greedily, write "
+                                         f"{PREDICTIONS_FILE} and the exact match (whitespace normalised)."})
+    max_new_tokens: int = field(default=32, metadata={"help": "With --predict_with_generate: tokens per answer."})
+
     def __post_init__(self):
         super().__post_init__()
         if self.block_size is not None and self.block_size <= 1:
             raise UsageError(f"--block_size must be at least 2 (a token and its successor), got {self.block_size}")
+        if self.max_new_tokens < 1:
+            raise UsageError(f"--max_new_tokens must be at least 1, got {self.max_new_tokens}")
 
 # ----------------------------------------------------------------------------------------------
 # Main
@@ -49,7 +69,7 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    preflight = lm.check_before_work(training_args, data_args, TASK, model_args)
+    preflight, rows = causal_lm.check_before_work(training_args, data_args, TASK, model_args)
     _, is_main = set_up(training_args)
     layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
 
@@ -61,11 +81,22 @@ def main(argv=None):
     block_size = causal_lm.fit_block_size(data_args, tokenizer, config)
 
     # ------------------------------------------------------------------------------------------
-    # Data: blocks read into memory, or streamed (--streaming); the model comes after, so too
-    # little data fails first
+    # Data: chat or instruction rows, one example each; or text in blocks, read into memory or
+    # streamed (--streaming). The model comes after, so bad or too little data fails first
     # ------------------------------------------------------------------------------------------
-    train_data, eval_arrays = causal_lm.read_blocks(data_args, training_args, tokenizer, block_size,
-                                                    model_args.cache_dir)
+    raw, arrays, examples = None, {}, {}
+    if rows or (data_args.dataset_name and not data_args.streaming):
+        raw = causal_lm.load_row_splits(data_args, training_args, model_args.cache_dir)
+        rows = rows or causal_lm.rows_format_of(raw, data_args)
+    if rows:
+        chat.use_template(tokenizer, data_args.chat_template)
+        chat.check_template(tokenizer, rows)
+        examples = causal_lm.read_rows(raw, rows, tokenizer, block_size, data_args.max_new_tokens)
+        arrays = {split: examples[split].arrays for split in examples}
+        train_data = InMemoryData(arrays["train"], len(arrays["train"]["input_ids"])) if "train" in arrays else None
+    else:
+        train_data, arrays["validation"] = causal_lm.read_blocks(data_args, training_args, tokenizer, block_size,
+                                                                 model_args.cache_dir)
     plan = training_plan(training_args, train_data and train_data.size)
 
     model, params = load_model(FlaxAutoModelForCausalLM, model_args, config, training_args.seed, layout)
@@ -75,17 +106,44 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
 
     def loss_fn(params, batch, dropout_rng, train, label_smoothing):
-        logits = model(batch["input_ids"], params=params, dropout_rng=dropout_rng, train=train)[0]
-        return causal_lm.next_token_loss(logits, batch["input_ids"], batch.get("example_weight"), label_smoothing)
+        logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"), params=params,
+                       dropout_rng=dropout_rng, train=train)[0]
+        return causal_lm.next_token_loss(logits, batch["input_ids"], batch.get("example_weight"), label_smoothing,
+                                         batch.get("answer_mask"))
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data)
 
-    def evaluate(params):
-        """Token-weighted next-token loss over the validation blocks, its perplexity and the tokens scored."""
-        return lm.evaluate(steps, params, eval_arrays)
+    def generate_step(params, batch):
+        return causal_lm.generate_answers(model, params, batch, data_args.max_new_tokens, tokenizer)
+
+    generates = bool(rows) and data_args.predict_with_generate
+    p_generate_step = layout.compile_step("generate_step", generate_step) if generates else None
+
+    def evaluate(params, split="validation"):
+        """(next-token loss over the split's answer tokens or blocks, weighted by token, its perplexity
+        and the tokens scored; with --predict_with_generate the exact match of the greedy answers, and
+        their texts, else None)."""
+        metrics = lm.evaluate(steps, params, arrays[split])
+        if not generates:
+            return metrics, None
+        prompts, generated = examples[split].prompts, []
+        for batch, valid in steps.eval_batches(prompts, lm.num_examples(prompts)):
+            generated.extend(layout.rows_to_host(p_generate_step(params, batch))[:valid])
+        texts = chat.answer_texts(tokenizer, generated)
+        return {**metrics, "exact_match": chat.exact_match(texts, examples[split].references)}, texts
+
+    def report(params, split="validation", prefix="eval"):
+        """Evaluate, write `{prefix}_results.json`, and the generated answers (the latest replace earlier ones)."""
+        metrics, texts = evaluate(params, split)
+        run.report(prefix, metrics)
+        if texts is not None:
+            run.write_text(PREDICTIONS_FILE, texts)
 
     # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
-    steps.report_plan(training_args, state, eval_step=(eval_arrays, lm.num_examples(eval_arrays)))
+    evaluated = arrays.get("validation", arrays.get("test"))
+    first_prompts = examples.get("validation", examples.get("test")) if generates else None
+    steps.report_plan(training_args, state, eval_step=(evaluated, lm.num_examples(evaluated)),
+                      generate_step=first_prompts and (first_prompts.prompts, len(first_prompts.references)))
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
@@ -97,19 +155,22 @@ def main(argv=None):
     # Training
     # ------------------------------------------------------------------------------------------
     if training_args.do_train:
-        for step, batch in run.train_batches(block_size):
+        width = train_data.arrays["input_ids"].shape[1] if rows else block_size
+        for step, batch in run.train_batches(width):
             state, sums = steps.train(state, batch)
             run.after_step(step, sums)
             if run.eval_due(step):
-                run.report("eval", evaluate(state.params))
+                report(state.params)
             run.save_if_due(step, state)
         run.end_training(state)
 
     # ------------------------------------------------------------------------------------------
-    # Final evaluation, result files
+    # Final evaluation and prediction, result files
     # ------------------------------------------------------------------------------------------
     if run.final_eval_due():
-        run.report("eval", evaluate(state.params))
+        report(state.params)
+    if training_args.do_predict:
+        report(state.params, "test", "test")
     run.finish()
 
 

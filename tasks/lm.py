@@ -80,11 +80,12 @@ class LMDataArguments(BaseDataArguments):
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
-def check_before_work(training_args, data_args, task, model_args):
+def check_before_work(training_args, data_args, task, model_args, test_file=None):
     """`run.check_before_work` for LM data (returns its `Preflight`): a validation file is optional
     when a train file is given (evaluation then uses the part of the training data `load_splits` holds out). An explicit
-    `--text_column` is checked against the local files' columns now, not after loading them."""
-    if training_args.do_predict:
+    `--text_column` is checked against the local files' columns now, not after loading them. A
+    `test_file` (chat rows of `run_clm_flax.py`) is what --do_predict reads; without one it has nothing."""
+    if training_args.do_predict and not test_file:
         raise UsageError("--do_predict does not apply to language modeling (there is no test split): use --do_eval")
     if data_args.streaming and training_args.do_train and training_args.max_steps <= 0:
         raise UsageError("--streaming needs --max_steps: a stream has no epochs to count (--num_train_epochs)")
@@ -93,6 +94,8 @@ def check_before_work(training_args, data_args, task, model_args):
     files = {"train": data_args.train_file}
     if data_args.validation_file or not data_args.train_file:
         files["validation"] = data_args.validation_file
+    if test_file:
+        files["test"] = test_file
     preflight = run.check_before_work(training_args, data_args, task, files, allowed=FILE_FORMATS,
                                       model_args=model_args)
     if data_args.text_column and not data_args.dataset_name:

@@ -72,10 +72,20 @@ SCRIPTS = {
         "--train_file", "data/qa/train_v2.json.gz", "--validation_file", "data/qa/validation_v2.json",
         "--test_file", "data/qa/test.jsonl", "--version_2_with_negative", "--max_seq_length", 64, "--doc_stride", 16,
         "--max_train_samples", 60, "--max_eval_samples", 21, "--max_predict_samples", 13, "--do_predict"]),
+    # Chat rows (run_clm_flax.py): the loss on the answers, greedy answers to the held-out prompts.
+    "chat": ("run_clm_flax.py", [
+        "--model_type", "llama", "--tokenizer_name", "data/chat/tokenizer", "--config_overrides",
+        "hidden_size=64,intermediate_size=256,num_hidden_layers=1,num_attention_heads=4,num_key_value_heads=2,"
+        "max_position_embeddings=64,rope_theta=500000.0",
+        "--train_file", "data/chat/train.jsonl", "--validation_file", "data/chat/validation.jsonl",
+        "--test_file", "data/chat/test.jsonl", "--block_size", 64, "--max_train_samples", 160,
+        "--max_eval_samples", 21, "--max_predict_samples", 13, "--do_predict", "--predict_with_generate",
+        "--max_new_tokens", 4]),
 }
 # What each script predicts, one line per example: the same lines in every layout.
 PREDICTIONS = {"summarization": "generated_predictions.txt", "glue": "predict_results_cola.txt",
-               "ner": "predictions.txt", "image": "predict_results.txt", "qa": "predict_predictions.json"}
+               "ner": "predictions.txt", "image": "predict_results.txt", "qa": "predict_predictions.json",
+               "chat": "generated_predictions.txt"}
 
 
 def command(name, output_dir, *extra):

@@ -356,6 +356,9 @@ def test_the_results_prose_is_results_configs_cpu_json():
             f"{untrained['configs/t5_mlm_tiny.json']['eval_accuracy']})") in readme
     assert (f"reaches perplexity {plateau['results']['eval_perplexity']} / accuracy "
             f"{plateau['results']['eval_accuracy']:.3f} in {plateau['seconds']} s") in tasks
+    chat = untrained["configs/chat_tiny.json"]
+    assert (f"the same model answers `eval_exact_match` {chat['eval_exact_match']} of the held-out conversations "
+            f"(`eval_loss` {chat['eval_loss']})") in readme
     transfer = {run["from"]: run["results"]["eval_accuracy"] for run in results["transfer"]["runs"]}
     assert (f"export classifies {transfer['outputs/mlm_tiny']} of the validation sentences, the same model from "
             f"scratch {transfer['scratch']} (it can only guess at words it never saw; the most frequent kind is "

@@ -8,11 +8,16 @@ One fix of transformers' own (its Flax code is frozen): `FlaxEncoderDecoderModel
 `generate` runs, hands the encoder its position ids positionally, where BERT-style encoders take
 token type ids; those look up past the type table and come back NaN. The encoder gets keywords,
 as the model's forward pass gives them.
+
+And the rotary decoders (Llama, Mistral, Gemma) get the positions, head sizes and windows their
+configs define (`utils.decoder_positions`, which says what transformers' Flax code ignores).
 """
 
 import inspect
 
 import jax.numpy as jnp
+
+from utils import decoder_positions
 
 _applied = False
 
@@ -47,6 +52,7 @@ def apply():
     from transformers.models.encoder_decoder.modeling_flax_encoder_decoder import FlaxEncoderDecoderModule
 
     FlaxEncoderDecoderModule._get_encoder_module = _encoder_called_by_keyword
+    decoder_positions.install()
     if not _clip_accepts_old_keywords():
         jnp.clip = _clip_with_old_keywords(jnp.clip)
     _applied = True

@@ -12,7 +12,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers import AutoConfig, AutoTokenizer, FlaxPreTrainedModel
 from transformers.models.auto import modeling_flax_auto
 
-from utils import devices, hub_access, remat, weights
+from utils import decoder_positions, devices, hub_access, remat, weights
 from utils.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ def load_config(model_args, task, model_types=None):
         scope = "" if model_types else f" ({task})"
         raise UsageError(f"model type {config.model_type!r} cannot be trained by this script{scope}: "
                          f"use one of {', '.join(allowed)}")
+    decoder_positions.check(config)
     return config
 
 

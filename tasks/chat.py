@@ -1,0 +1,203 @@
+"""Chat and instruction rows for causal-LM fine-tuning (`run_clm_flax.py`): found from the data's
+columns, one example per row, the loss on the answers only, greedy answers and their exact match.
+
+- `messages` rows (a list of {"role", "content"}) are rendered with the tokenizer's chat template
+  (`--chat_template FILE` gives or overrides it); every assistant turn is an answer. Which tokens
+  are answers comes from rendering the conversation up to each assistant turn: the text the turn
+  adds after the template's generation prompt (its content and end-of-turn token) is the answer.
+- `prompt` / `completion` rows are the tokenizer's start token (where it has one besides eos), the
+  prompt's tokens, then the completion's and the end-of-sequence token: the answer.
+
+A row longer than `--block_size` loses tokens from its start (the prompt's), and a run says how many
+rows did; the generation prompt (the conversation up to its last assistant turn, ending in the
+template's generation prompt) likewise. Rows are padded to one width, the smallest length bucket
+(powers of two from 16, and --block_size) that holds the longest, so every batch has one shape.
+"""
+
+import logging
+from typing import NamedTuple
+
+import numpy as np
+
+from tasks.demo import bucket_for, buckets
+from utils.errors import UsageError
+
+MESSAGES = "messages"
+PROMPT, COMPLETION = "prompt", "completion"
+ROW_FORMATS = {MESSAGES: (MESSAGES,), "prompt-completion": (PROMPT, COMPLETION)}
+logger = logging.getLogger(__name__)
+
+
+def row_format(columns):
+    """"messages", "prompt-completion" or None (plain text) from {split: column names}: every split
+    must agree."""
+    formats = {split: next((name for name, needed in ROW_FORMATS.items() if set(needed) <= set(names)), None)
+               for split, names in columns.items()}
+    found = set(formats.values())
+    if len(found) > 1:
+        listed = ", ".join(f"{split}: {kind or 'text'}" for split, kind in formats.items())
+        raise UsageError(f"the data splits hold different kinds of rows ({listed}): give every split "
+                         "`messages`, or `prompt` and `completion`, or text")
+    return found.pop() if found else None
+
+
+def use_template(tokenizer, path):
+    """Install `--chat_template` FILE's template in the tokenizer (it is saved with it)."""
+    if path is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()
+    except OSError as e:
+        raise UsageError(f"--chat_template {path}: {e.strerror}: pass a readable template file")
+
+
+def check_template(tokenizer, kind):
+    if kind == MESSAGES and not tokenizer.chat_template:
+        raise UsageError("the data has `messages` rows but the tokenizer has no chat template: pass one with "
+                         "--chat_template FILE (a Jinja template), or a tokenizer that has one")
+
+
+class Example(NamedTuple):
+    ids: list  # the row's tokens
+    answer: list  # 1 where a token is an answer's, else 0
+    prompt: list  # the tokens a generated answer starts from
+    reference: str  # the answer generation is scored against
+
+
+def _render(tokenizer, messages, where, generation_prompt=False):
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except TemplateError as e:
+        raise UsageError(f"{where}: the chat template rejects it ({e}): fix the row, or give a template that takes "
+                         "its roles with --chat_template")
+
+
+def _check_messages(messages, where):
+    if not isinstance(messages, list) or not messages:
+        raise UsageError(f"{where}: `messages` is not a list of turns: give each row a list of "
+                         '{"role": ..., "content": ...}')
+    for turn in messages:
+        if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
+            raise UsageError(f"{where}: a turn of `messages` lacks a text `role` or `content`: give every turn both")
+    if not any(turn["role"] == "assistant" for turn in messages):
+        raise UsageError(f"{where}: the conversation has no assistant turn, so nothing to learn: add one or drop "
+                         "the row")
+
+
+def encode_conversation(tokenizer, messages, where):
+    """The `Example` of one `messages` row (`where` names it in errors)."""
+    _check_messages(messages, where)
+    text = _render(tokenizer, messages, where)
+    spans = []
+    for i, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], where, generation_prompt=True)
+        through = _render(tokenizer, messages[: i + 1], where)
+        if not (through.startswith(before) and text.startswith(through)):
+            raise UsageError(f"{where}: the chat template renders a conversation's start differently from the whole "
+                             "conversation, so its answers cannot be told apart: use a template that renders each "
+                             "turn after the ones before (--chat_template)")
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    answer = [int(any(start <= first < end for start, end in spans) and last > first)
+              for first, last in encoded["offset_mapping"]]
+    last_answer = max(i for i, turn in enumerate(messages) if turn["role"] == "assistant")
+    prompt = _render(tokenizer, messages[:last_answer], where, generation_prompt=True)
+    return Example(encoded["input_ids"], answer, tokenizer(prompt, add_special_tokens=False)["input_ids"],
+                   messages[last_answer]["content"])
+
+
+def encode_instruction(tokenizer, prompt, completion, where):
+    """The `Example` of one `prompt` / `completion` row."""
+    if not isinstance(prompt, str) or not isinstance(completion, str) or not completion.strip():
+        raise UsageError(f"{where}: `prompt` and `completion` must be text, the completion not empty: fix the row")
+    if tokenizer.eos_token_id is None:
+        raise UsageError("prompt / completion rows end each completion with the end-of-sequence token, but the "
+                         "tokenizer has none: use a tokenizer with an eos token")
+    # The tokenizer's own special tokens may close the text with eos too: only a start token, where it has one.
+    start = [tokenizer.bos_token_id] if tokenizer.bos_token_id not in (None, tokenizer.eos_token_id) else []
+    prompt_ids = start + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    answer = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return Example(prompt_ids + answer, [0] * len(prompt_ids) + [1] * len(answer), prompt_ids, completion)
+
+
+def encode_rows(dataset, tokenizer, kind, split):
+    """The `Example` of every row of `dataset` (split `split`), in order."""
+    examples = []
+    for number, row in enumerate(dataset, start=1):
+        where = f"row {number} of the {split} data"
+        if kind == MESSAGES:
+            examples.append(encode_conversation(tokenizer, row[MESSAGES], where))
+        else:
+            examples.append(encode_instruction(tokenizer, row[PROMPT], row[COMPLETION], where))
+    return examples
+
+
+class Rows(NamedTuple):
+    arrays: dict  # input_ids, attention_mask, answer_mask [rows, width]
+    prompts: dict  # input_ids, attention_mask [rows, prompt width], left-padded for generation
+    references: list
+
+
+def to_arrays(examples, tokenizer, block_size, max_new_tokens, split):
+    """`Rows` of `examples`: each cut to its last `block_size` tokens (reported), right-padded to
+    the bucket of the longest; generation prompts cut to their last block_size - max_new_tokens
+    tokens, left-padded to theirs. A row left without an answer token is dropped (reported)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    kept = [(e.ids[-block_size:], e.answer[-block_size:], e) for e in examples]
+    cut = sum(len(e.ids) > block_size for e in examples)
+    answerless = {i for i, (_, answer, _) in enumerate(kept) if not any(answer)}
+    if cut:
+        logger.warning("%s: %d of %d rows are longer than --block_size %d: they lose their first tokens (the "
+                       "prompt's start)%s", split, cut, len(examples), block_size,
+                       f"; {len(answerless)} of them keep no answer token and are left out" if answerless else "")
+    kept = [row for i, row in enumerate(kept) if i not in answerless]
+    if not kept:
+        raise UsageError(f"no {split} row keeps an answer within --block_size {block_size}: raise --block_size")
+    width = bucket_for(max(len(ids) for ids, _, _ in kept), buckets(block_size))
+    arrays = {name: np.zeros((len(kept), width), np.int32) for name in ("input_ids", "attention_mask", "answer_mask")}
+    arrays["input_ids"][:] = pad
+    for row, (ids, answer, _) in enumerate(kept):
+        arrays["input_ids"][row, :len(ids)] = ids
+        arrays["attention_mask"][row, :len(ids)] = 1
+        arrays["answer_mask"][row, :len(ids)] = answer
+    prompt_limit = block_size - max_new_tokens
+    prompts = [e.prompt[-prompt_limit:] for _, _, e in kept]
+    cut_prompts = sum(len(e.prompt) > prompt_limit for _, _, e in kept)
+    if cut_prompts:
+        logger.warning("%s: %d generation prompts are longer than --block_size %d - --max_new_tokens %d: they lose "
+                       "their first tokens", split, cut_prompts, block_size, max_new_tokens)
+    prompt_width = bucket_for(max(map(len, prompts)), buckets(prompt_limit))
+    left = {"input_ids": np.full((len(prompts), prompt_width), pad, np.int32),
+            "attention_mask": np.zeros((len(prompts), prompt_width), np.int32)}
+    for row, ids in enumerate(prompts):
+        left["input_ids"][row, prompt_width - len(ids):] = ids
+        left["attention_mask"][row, prompt_width - len(ids):] = 1
+    return Rows(arrays, left, [e.reference for _, _, e in kept])
+
+
+# ----------------------------------------------------------------------------------------------
+# Generated answers
+# ----------------------------------------------------------------------------------------------
+def answer_texts(tokenizer, generated):
+    """The text of each row of generated token ids [rows, new tokens], up to its end token."""
+    ends = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+    texts = []
+    for ids in generated:
+        ids = list(ids)
+        stop = next((i for i, token in enumerate(ids) if token in ends), len(ids))
+        texts.append(tokenizer.decode(ids[:stop], skip_special_tokens=True))
+    return texts
+
+
+def normalise(text):
+    return " ".join(text.split())
+
+
+def exact_match(predictions, references):
+    """The share of predictions equal to their reference, whitespace normalised."""
+    return float(np.mean([normalise(p) == normalise(r) for p, r in zip(predictions, references)]))

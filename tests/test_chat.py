@@ -1,0 +1,256 @@
+"""tasks/chat.py and the chat parts of tasks/causal_lm.py: which tokens are answers (against
+transformers' own assistant mask), the loss on them alone (against a plain numpy cross-entropy), one
+example per row cut and padded as documented, exact match, and one line for each kind of bad row."""
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from tasks import chat
+from tasks.causal_lm import next_token_loss
+from tests.script_runner import ROOT
+from utils.errors import UsageError
+
+DATA = os.path.join(ROOT, "data", "chat")
+# data/chat's template with the answers' generation blocks starting at their first word: transformers
+# finds an answer's tokens by the characters the block starts and ends at, and a block starting with
+# the space that the shipped template puts before each answer starts inside a token.
+HF_MASKABLE_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ '<|assistant|>' }}"
+    "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ '<|' + message['role'] + '|>' + message['content'] }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(os.path.join(DATA, "tokenizer"))
+
+
+def conversations(count, split="train"):
+    with open(os.path.join(DATA, f"{split}.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line)["messages"] for line, _ in zip(f, range(count))]
+
+
+def test_answer_mask_is_transformers_assistant_mask():
+    """Over conversations with a system turn, one or two exchanges: the same tokens, the same answers."""
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(DATA, "tokenizer"))
+    tokenizer.chat_template = HF_MASKABLE_TEMPLATE
+    rows = conversations(60)
+    assert {len(messages) for messages in rows} >= {2, 3, 4, 5}
+    for number, messages in enumerate(rows):
+        ours = chat.encode_conversation(tokenizer, messages, f"row {number}")
+        theirs = tokenizer.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+        assert ours.ids == theirs["input_ids"]
+        assert ours.answer == theirs["assistant_masks"], number
+        assert sum(ours.answer) > 0
+
+
+def test_the_shipped_template_marks_each_answer_and_its_end_token(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1 plus 2?"},
+                {"role": "assistant", "content": "3"}, {"role": "user", "content": "Reverse: cat dog owl"},
+                {"role": "assistant", "content": "owl dog cat"}]
+    example = chat.encode_conversation(tokenizer, messages, "row 1")
+    answers = tokenizer.decode([i for i, a in zip(example.ids, example.answer) if a])
+    assert answers == " 3</s> owl dog cat</s>"
+    assert tokenizer.decode(example.prompt) == "<s><|system|> Be brief.<|user|> What is 1 plus 2?<|assistant|> 3</s>" \
+                                               "<|user|> Reverse: cat dog owl<|assistant|>"
+    assert example.reference == "owl dog cat"
+
+
+def test_an_instruction_row_is_the_prompt_then_the_completion_and_eos(tokenizer):
+    example = chat.encode_instruction(tokenizer, "Question: What is 2 plus 2?\nAnswer:", " 4", "row 1")
+    prompt = tokenizer("Question: What is 2 plus 2?\nAnswer:", add_special_tokens=False)["input_ids"]
+    answer = tokenizer(" 4", add_special_tokens=False)["input_ids"]
+    assert example.ids == [tokenizer.bos_token_id] + prompt + answer + [tokenizer.eos_token_id]
+    assert example.answer == [0] * (1 + len(prompt)) + [1] * (len(answer) + 1)
+    assert example.prompt == [tokenizer.bos_token_id] + prompt and example.reference == " 4"
+
+
+def test_the_loss_covers_the_answer_tokens_only():
+    """Against a numpy cross-entropy over the positions whose next token is an answer token."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 6, 11)).astype(np.float32)
+    ids = rng.integers(0, 11, (2, 6)).astype(np.int32)
+    answer = np.array([[0, 0, 0, 1, 1, 0], [0, 1, 1, 1, 0, 0]], np.int32)
+    loss, sums = next_token_loss(logits, ids, answer_mask=answer)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    want = -sum(log_probs[row, t, ids[row, t + 1]] for row in range(2) for t in range(5) if answer[row, t + 1])
+    assert float(sums["tokens"]) == answer[:, 1:].sum() == 5
+    assert float(loss) == pytest.approx(want, rel=1e-5)
+
+
+def test_rows_are_cut_from_the_left_padded_to_a_bucket_and_reported(tokenizer, caplog):
+    examples = [chat.Example(list(range(3, 13)), [0] * 7 + [1] * 3, list(range(3, 10)), "a"),  # 10 tokens
+                chat.Example(list(range(3, 33)), [0] * 27 + [1] * 3, list(range(3, 30)), "b"),  # 30: cut to 20
+                # its answer lies in the 10 tokens cut off
+                chat.Example(list(range(3, 33)), [0] * 5 + [1] * 2 + [0] * 23, list(range(3, 8)), "c")]
+    with caplog.at_level(logging.WARNING):
+        rows = chat.to_arrays(examples, tokenizer, 20, 4, "train")
+    assert "2 of 3 rows are longer than --block_size 20" in caplog.text and "1 of them keep no answer" in caplog.text
+    assert "1 generation prompts are longer than" in caplog.text
+    assert rows.arrays["input_ids"].shape == (2, 20)  # of the buckets 16 and 20, the 20 tokens need 20
+    np.testing.assert_array_equal(rows.arrays["input_ids"][1], np.arange(13, 33))  # its last 20 tokens
+    np.testing.assert_array_equal(rows.arrays["answer_mask"][1], [0] * 17 + [1] * 3)
+    np.testing.assert_array_equal(rows.arrays["attention_mask"][0], [1] * 10 + [0] * 10)
+    assert (rows.arrays["input_ids"][0, 10:] == tokenizer.pad_token_id).all()
+    # prompts: cut to their last 20 - 4 = 16 tokens, left-padded to bucket 16
+    np.testing.assert_array_equal(rows.prompts["input_ids"][1], np.arange(14, 30))
+    np.testing.assert_array_equal(rows.prompts["attention_mask"][0], [0] * 9 + [1] * 7)
+    assert rows.references == ["a", "b"]
+
+
+def test_short_rows_take_the_smallest_bucket(tokenizer):
+    rows = chat.to_arrays([chat.Example([5, 6, 7], [0, 1, 1], [5], "x")], tokenizer, 64, 8, "train")
+    assert rows.arrays["input_ids"].shape == (1, 16) and rows.prompts["input_ids"].shape == (1, 16)
+
+
+def test_answers_end_at_the_end_token_and_match_with_whitespace_normalised(tokenizer):
+    ids = tokenizer(" owl dog cat", add_special_tokens=False)["input_ids"]
+    generated = np.array([ids + [tokenizer.eos_token_id, 7, 8], ids + [9, 9, 9]])
+    texts = chat.answer_texts(tokenizer, generated)
+    assert texts[0] == " owl dog cat" and texts[1].startswith(" owl dog cat") and texts[1] != texts[0]
+    assert chat.exact_match(texts, ["owl  dog\ncat", "owl dog cat"]) == 0.5
+
+
+@pytest.mark.parametrize("columns, kind", [
+    ({"train": ["messages"], "validation": ["messages", "id"]}, "messages"),
+    ({"train": ["prompt", "completion"]}, "prompt-completion"),
+    ({"train": ["text"]}, None),
+])
+def test_the_rows_format_comes_from_the_columns(columns, kind):
+    assert chat.row_format(columns) == kind
+
+
+def test_row_flags_need_rows_and_streaming_needs_text():
+    from types import SimpleNamespace
+
+    from tasks.causal_lm import check_row_arguments
+
+    text_args = SimpleNamespace(streaming=False, test_file=None, chat_template="t.jinja", predict_with_generate=False)
+    with pytest.raises(UsageError, match="--chat_template applies to chat or instruction rows"):
+        check_row_arguments(None, text_args)
+    streamed = SimpleNamespace(streaming=True, test_file=None, chat_template=None, predict_with_generate=True)
+    with pytest.raises(UsageError, match="--streaming reads text"):
+        check_row_arguments(chat.MESSAGES, streamed)
+    check_row_arguments(chat.MESSAGES, text_args)
+
+
+def test_splits_of_different_formats_are_refused():
+    with pytest.raises(UsageError, match=r"different kinds of rows \(train: messages, validation: text\)"):
+        chat.row_format({"train": ["messages"], "validation": ["text"]})
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"role": "user", "content": "hi"}], "row 3 of the train data: the conversation has no assistant turn"),
+    ("hi", "row 3 of the train data: `messages` is not a list of turns"),
+    ([{"role": "user"}, {"role": "assistant", "content": "x"}], "lacks a text `role` or `content`"),
+    ([{"role": "tool", "content": "42"}, {"role": "assistant", "content": "x"}],
+     r"row 3 of the train data: the chat template rejects it \(roles are system, user and assistant, not tool\)"),
+])
+def test_bad_rows_are_named(tokenizer, messages, message):
+    with pytest.raises(UsageError, match=message):
+        chat.encode_conversation(tokenizer, messages, "row 3 of the train data")
+
+
+def test_an_empty_completion_is_named(tokenizer):
+    with pytest.raises(UsageError, match="row 2 of the validation data: `prompt` and `completion` must be text"):
+        chat.encode_rows([{"prompt": "a", "completion": "x"}, {"prompt": "a", "completion": " "}], tokenizer,
+                         "prompt-completion", "validation")
+
+
+def test_messages_need_a_template(tokenizer):
+    bare = AutoTokenizer.from_pretrained(os.path.join(ROOT, "data", "lm", "tokenizer"))
+    with pytest.raises(UsageError, match="no chat template: pass one with --chat_template FILE"):
+        chat.check_template(bare, chat.MESSAGES)
+    chat.check_template(bare, "prompt-completion")
+    chat.check_template(tokenizer, chat.MESSAGES)
+
+
+def test_a_template_file_replaces_the_tokenizers(tokenizer, tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text(HF_MASKABLE_TEMPLATE)
+    own = AutoTokenizer.from_pretrained(os.path.join(DATA, "tokenizer"))
+    chat.use_template(own, str(path))
+    assert own.chat_template == HF_MASKABLE_TEMPLATE
+    with pytest.raises(UsageError, match="--chat_template .*missing.jinja"):
+        chat.use_template(own, str(tmp_path / "missing.jinja"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo's chat box (a model whose tokenizer has a chat template)
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory, tokenizer):
+    """A tiny untrained Llama with data/chat's tokenizer, saved as a run exports it."""
+    from transformers import FlaxLlamaForCausalLM, LlamaConfig
+
+    from utils import compat
+
+    compat.apply()
+    out = tmp_path_factory.mktemp("chat_model")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, architectures=["FlaxLlamaForCausalLM"])
+    FlaxLlamaForCausalLM(config, seed=3).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "run_args.json").write_text(json.dumps({"train_file": "data/chat/train.jsonl"}))
+    return str(out)
+
+
+def greedy_answer(output_dir, messages, new_tokens):
+    """A plain greedy loop over the full forward pass of the rendered generation prompt, in a buffer
+    of one length (one compiled forward; causal attention ignores what follows a position)."""
+    import jax
+    from transformers import FlaxAutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    model = FlaxAutoModelForCausalLM.from_pretrained(output_dir)
+    forward = jax.jit(lambda ids: model(ids, params=model.params).logits)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    start = len(ids)
+    buffer = np.zeros((1, start + new_tokens), np.int32)
+    buffer[0, :start] = ids
+    for position in range(start, start + new_tokens):
+        token = int(np.asarray(forward(buffer))[0, position - 1].argmax())
+        if token == tokenizer.eos_token_id:
+            break
+        buffer[0, position] = token
+        ids.append(token)
+    return tokenizer.decode(ids[start:], skip_special_tokens=True).strip()
+
+
+@pytest.mark.slow
+def test_the_chat_box_answers_as_a_plain_greedy_loop_and_keeps_the_conversation(chat_model_dir):
+    """Streamlit's browserless AppTest: two messages, each answered as a plain greedy loop over the
+    rendered conversation answers, the first exchange kept above the second."""
+    pytest.importorskip("streamlit")
+    from streamlit.testing.v1 import AppTest
+
+    def app(output_dir):
+        import demo
+
+        demo.page(output_dir)
+
+    page = AppTest.from_function(app, args=(chat_model_dir,), default_timeout=300)
+    page.run()
+    for message in ("What is 1 plus 2?", "Reverse: cat dog owl"):
+        page.chat_input(key="message").set_value(message).run()
+    assert not page.exception
+    conversation = page.session_state["conversation"]
+    assert [turn["role"] for turn in conversation] == ["user", "assistant", "user", "assistant"]
+    assert [turn["content"] for turn in conversation[::2]] == ["What is 1 plus 2?", "Reverse: cat dog owl"]
+    new_tokens = 32  # the chat box's answers
+    assert conversation[1]["content"] == greedy_answer(chat_model_dir, conversation[:1], new_tokens)
+    assert conversation[3]["content"] == greedy_answer(chat_model_dir, conversation[:3], new_tokens)
+    assert conversation[1]["content"] and conversation[3]["content"]
+    shown = [(message.name, message.markdown[0].value) for message in page.chat_message]
+    assert [role for role, _ in shown] == ["user", "assistant", "user", "assistant"]
