@@ -285,6 +285,6 @@ def test_a_bad_chat_row_stops_the_run_before_any_work(tmp_path):
     result = run_script(SCRIPT, [CHAT_CONFIG, "--train_file", train, "--do_eval", "false", "--output_dir", out])
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == (
-        "error: row 2 of the train data: the conversation has no assistant turn, so nothing to learn: add one or "
-        "drop the row")
+        f"error: data file {train}: row 2 of the train data: the conversation has no assistant turn, so nothing to "
+        "learn: add one or drop the row")
     assert not out.exists()
