@@ -215,6 +215,13 @@ def test_performance_tpu_table_is_results_tpu_json():
         lambda r: [r["peak_device_memory_gib"]], rss, lambda r: [r["host_memory_held_from_start_gib"]]])
 
 
+def test_the_readme_tpu_sentence_is_results_tpu_json():
+    gpt2 = {r["row"]: r for r in json_file("results_tpu.json")}["gpt2_small"]
+    assert (f"GPT-2-small shape at 1024 tokens at {gpt2['script_tokens_per_second']:,.0f} tokens/s, MFU "
+            f"{gpt2['script_mfu']:.3f}, its first step {gpt2['first_step_cold_seconds']:.1f} s after start") in \
+        " ".join(read("README.md").split())
+
+
 def test_benchmarks_speed_table_is_results_cpu_json():
     check_table(BENCHMARKS, "| script | size | limit tok/s |", speed_records(), [
         lambda r: [r["limit_tokens_per_second"]], tokens, of_limit, lambda r: [r["startup_cold_seconds"]],
