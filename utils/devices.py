@@ -104,13 +104,17 @@ def _distributed_settings(coordinator_address=None, num_processes=None, process_
     return settings
 
 
+def _count_hosts(workers):
+    """Hosts in a comma-separated worker list (the TPU runtime's variables and metadata both write one)."""
+    return len([worker for worker in workers.split(",") if worker.strip()])
+
+
 def _tpu_hosts_from_environment(environ):
     """How many hosts the TPU runtime's worker variables list (GKE and queued resources set them), or None."""
     workers = environ.get("TPU_PROCESS_ADDRESSES") or environ.get("TPU_WORKER_HOSTNAMES")
     if not workers:
         return None
-    hosts = len([worker for worker in workers.split(",") if worker.strip()])
-    return hosts * int(environ.get("MEGASCALE_NUM_SLICES") or 1)
+    return _count_hosts(workers) * int(environ.get("MEGASCALE_NUM_SLICES") or 1)
 
 
 def _tpu_hosts_from_metadata(environ, timeout=METADATA_TIMEOUT_S):
@@ -127,8 +131,7 @@ def _tpu_hosts_from_metadata(environ, timeout=METADATA_TIMEOUT_S):
             workers = response.read().decode()
     except (OSError, ValueError):  # URLError, timeouts and refused sockets are OSErrors
         return None
-    hosts = len([worker for worker in workers.split(",") if worker.strip()])
-    return hosts or None
+    return _count_hosts(workers) or None
 
 
 def initialize_processes(coordinator_address=None, num_processes=None, process_id=None, environ=None):
