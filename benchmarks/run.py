@@ -150,24 +150,25 @@ class Bench:
         return times
 
 
-def table(records):
-    columns = [("task", "task", "{}"), ("size", "size", "{}"),
-               ("limit tok/s", "limit_tokens_per_second", "{:,.0f}"),
-               ("script tok/s", "script_tokens_per_second", "{:,.0f}"),
-               ("script/limit", "script_vs_limit", "{:.1%}"),
-               ("cold s", "startup_cold_seconds", "{:.1f}"),
-               ("warm s", "startup_compile_cache_seconds", "{:.1f}"),
-               ("warm/cold", "startup_warm_vs_cold", "{:.0%}"),
-               ("eval ex/s", "eval_examples_per_second", "{:,.1f}"),
-               ("greedy ex/s", "generate_beams1_examples_per_second", "{:,.1f}"),
-               ("beam4 ex/s", "generate_beams4_examples_per_second", "{:,.1f}"),
-               ("host GiB", "peak_host_memory_gib", "{:.2f}")]
+def format_table(records, columns):
+    """`records` as a plain-text table; `columns`: (header, record key, format); a missing figure is "-"."""
     rows = [[fmt.format(r[key]) if r.get(key) is not None else "-" for _, key, fmt in columns] for r in records]
     widths = [max(len(header), *(len(row[i]) for row in rows)) for i, (header, _, _) in enumerate(columns)]
     lines = [" | ".join(header.ljust(w) for (header, _, _), w in zip(columns, widths))]
     lines.append("-|-".join("-" * w for w in widths))
     lines += [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     return "\n".join(lines)
+
+
+def table(records):
+    return format_table(records, [
+        ("task", "task", "{}"), ("size", "size", "{}"), ("limit tok/s", "limit_tokens_per_second", "{:,.0f}"),
+        ("script tok/s", "script_tokens_per_second", "{:,.0f}"), ("script/limit", "script_vs_limit", "{:.1%}"),
+        ("cold s", "startup_cold_seconds", "{:.1f}"), ("warm s", "startup_compile_cache_seconds", "{:.1f}"),
+        ("warm/cold", "startup_warm_vs_cold", "{:.0%}"), ("eval ex/s", "eval_examples_per_second", "{:,.1f}"),
+        ("greedy ex/s", "generate_beams1_examples_per_second", "{:,.1f}"),
+        ("beam4 ex/s", "generate_beams4_examples_per_second", "{:,.1f}"),
+        ("host GiB", "peak_host_memory_gib", "{:.2f}")])
 
 
 def main():

@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.run import FIRST_STEP, script_tokens_per_second  # noqa: E402
+from benchmarks.run import FIRST_STEP, environment, format_table, script_tokens_per_second  # noqa: E402
 
 # Model shapes by config overrides; each row trains with the flags after it. Global batches.
 ROWS = {
@@ -59,13 +59,13 @@ def on_tpu():
     return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
 
 
-def make_data(work, block_size=1024):
-    """The LM corpus (~2.7 MB, 40,000 lines) and its tokenizer, which says it takes `block_size` tokens:
+def make_data(work, lines, block_size=1024):
+    """The LM corpus (`lines` lines: 40,000 make ~2.7 MB) and its tokenizer, which says it takes `block_size` tokens:
     the classic scripts cut --block_size / --max_seq_length to the tokenizer's model_max_length."""
     from transformers import AutoTokenizer
 
     corpus = os.path.join(work, "lm")
-    subprocess.run([sys.executable, "data/make_lm_corpus.py", "--output_dir", corpus, "--train_lines", os.environ.get("TPU_BENCH_LINES", "40000")],
+    subprocess.run([sys.executable, "data/make_lm_corpus.py", "--output_dir", corpus, "--train_lines", str(lines)],
                    cwd=ROOT, check=True, capture_output=True)
     tokenizer = AutoTokenizer.from_pretrained(f"{corpus}/tokenizer")
     tokenizer.model_max_length = block_size
@@ -94,11 +94,6 @@ def config_dir(work, name, model_type, overrides, tokenizer):
     return path
 
 
-def environment(work):
-    return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=os.path.join(work, "datasets"))
-
-
 def classic_environment(env):
     """The classic summarization script refuses offline mode when NLTK's punkt is missing (it would
     download it; without a network that fails quietly): it runs without the offline switches."""
@@ -106,14 +101,14 @@ def classic_environment(env):
 
 
 def run(command, env, log_path, cwd=ROOT):
-    started = time.monotonic()
+    """The command's log (stdout and stderr, also written to `log_path`); exits with its tail if it fails."""
     with open(log_path, "w", encoding="utf-8") as log:
         result = subprocess.run(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     with open(log_path, encoding="utf-8") as log:
         text = log.read()
     if result.returncode:
         sys.exit(f"{' '.join(command[:3])} failed (exit {result.returncode}), log {log_path}:\n{text[-3000:]}")
-    return text, time.monotonic() - started
+    return text
 
 
 def gib(value, unit):
@@ -130,12 +125,12 @@ def measure_row(name, work, data, steps, logs, classic, save):
               "--output_dir", out, "--overwrite_output_dir", "--num_train_epochs", "1000", "--save_steps", "1000000",
               "--seed", "42"]
     record = {"row": name, "script": SCRIPTS[task], "overrides": overrides, "flags": flags}
-    env = environment(work)
+    env = environment(os.path.join(work, "datasets"))
 
     # Throughput, the step's speed limit and memory: the script under benchmarks/measure.py, whose step
     # recorder wraps the steps (so its programs are not the plain script's: it gets no compilation cache).
     measured_json = os.path.join(work, f"measure-{name}.json")
-    text, _ = run([sys.executable, "benchmarks/measure.py", "--repeats", "20", measured_json, "--", SCRIPTS[task],
+    text = run([sys.executable, "benchmarks/measure.py", "--repeats", "20", measured_json, "--", SCRIPTS[task],
                    *common, "--max_steps", str(steps), "--logging_steps", str(max(steps // 6, 1))],
                   env, os.path.join(logs, f"{name}-throughput.log"))
     with open(measured_json, encoding="utf-8") as f:
@@ -155,7 +150,7 @@ def measure_row(name, work, data, steps, logs, classic, save):
 
     # Start-up: the plain script twice on one compilation cache, empty (cold), then filled by the first (warm).
     for state in ("cold", "warm"):
-        text, _ = run([sys.executable, SCRIPTS[task], *common, "--max_steps", "2", "--logging_steps", "1",
+        text = run([sys.executable, SCRIPTS[task], *common, "--max_steps", "2", "--logging_steps", "1",
                        "--compilation_cache_dir", cache], env, os.path.join(logs, f"{name}-{state}.log"))
         record[f"first_step_{state}_seconds"] = float(FIRST_STEP.search(text).group(1))
     save(record)
@@ -183,18 +178,14 @@ def measure_row(name, work, data, steps, logs, classic, save):
 
 
 def table(records):
-    columns = [("row", "row", "{}"), ("tok/s", "script_tokens_per_second", "{:,.0f}"), ("MFU", "script_mfu", "{:.3f}"),
-               ("limit tok/s", "limit_tokens_per_second", "{:,.0f}"),
-               ("classic tok/s", "classic_tokens_per_second", "{:,.0f}"), ("x classic", "vs_classic", "{:.2f}"),
-               ("first cold s", "first_step_cold_seconds", "{:.1f}"), ("warm s", "first_step_warm_seconds", "{:.1f}"),
-               ("plan GiB", "planned_device_memory_gib", "{:.2f}"), ("peak GiB", "peak_device_memory_gib", "{:.2f}"),
-               ("host GiB", "peak_host_memory_gib", "{:.1f}"),
-               ("held from start", "host_memory_held_from_start_gib", "{:.1f}")]
-    rows = [[fmt.format(r[key]) if r.get(key) is not None else "-" for _, key, fmt in columns] for r in records]
-    widths = [max(len(header), *(len(row[i]) for row in rows)) for i, (header, _, _) in enumerate(columns)]
-    lines = [" | ".join(header.ljust(w) for (header, _, _), w in zip(columns, widths)),
-             "-|-".join("-" * w for w in widths)]
-    return "\n".join(lines + [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows])
+    return format_table(records, [
+        ("row", "row", "{}"), ("tok/s", "script_tokens_per_second", "{:,.0f}"), ("MFU", "script_mfu", "{:.3f}"),
+        ("limit tok/s", "limit_tokens_per_second", "{:,.0f}"),
+        ("classic tok/s", "classic_tokens_per_second", "{:,.0f}"), ("x classic", "vs_classic", "{:.2f}"),
+        ("first cold s", "first_step_cold_seconds", "{:.1f}"), ("warm s", "first_step_warm_seconds", "{:.1f}"),
+        ("plan GiB", "planned_device_memory_gib", "{:.2f}"), ("peak GiB", "peak_device_memory_gib", "{:.2f}"),
+        ("host GiB", "peak_host_memory_gib", "{:.1f}"),
+        ("held from start", "host_memory_held_from_start_gib", "{:.1f}")])
 
 
 def main():
@@ -202,6 +193,7 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--steps", type=int, default=120, help="Training steps of the timed run.")
+    parser.add_argument("--corpus_lines", type=int, default=40000, help="Lines of the LM corpus made for the rows.")
     parser.add_argument("--classic", help="Folder with the classic examples/flax scripts, to run beside ours.")
     parser.add_argument("--logs", help="Keep each run's log here.")
     parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "results_tpu.json"))
@@ -216,7 +208,7 @@ def main():
     os.makedirs(logs, exist_ok=True)
     records = []
     try:
-        data = make_data(work)
+        data = make_data(work, args.corpus_lines)
         for row in args.rows:
             print(f"{row} ...", file=sys.stderr, flush=True)
 
