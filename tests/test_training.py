@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from tasks.summarization import TASK
 from utils import rundir, saving
 from utils.args import TrainingArguments
-from utils.layout import DataParallel
+from utils.layout import DataParallel, FullySharded, Layout
 from utils.loop import InMemoryData
 from utils.run import training_plan
 from utils.steps import cross_entropy_sums
@@ -118,19 +118,60 @@ def dropping_loss(params, batch, dropout_rng, train, label_smoothing):
     return loss, {"loss": loss, "tokens": tokens}
 
 
+def weights_after_two_steps(tmp_path, seed, layout=None, **overrides):
+    training_args = args(tmp_path, seed=seed, **overrides)
+    data, plan = InMemoryData(examples(), EXAMPLES), training_plan(training_args, EXAMPLES)
+    layout = layout or DataParallel()
+    state, steps = make_steps(dropping_loss, DroppingModel(), init_params(), layout, training_args, plan, data)
+    for _ in range(2):
+        state, _ = steps.train(state, layout.place_batch(data.example_batch(plan.batch_size)))
+    return np.asarray(state.params["w"])
+
+
 def test_the_seed_picks_the_dropout_masks(tmp_path):
     """Two train steps with dropout: the same --seed gives the same weights to the bit, another seed others."""
-    def weights_after_two_steps(seed):
-        training_args = args(tmp_path, seed=seed)
-        data, plan, layout = InMemoryData(examples(), EXAMPLES), training_plan(training_args, EXAMPLES), DataParallel()
-        state, steps = make_steps(dropping_loss, DroppingModel(), init_params(), layout, training_args, plan, data)
-        for _ in range(2):
-            state, _ = steps.train(state, layout.place_batch(data.example_batch(plan.batch_size)))
-        return np.asarray(state.params["w"])
+    first = weights_after_two_steps(tmp_path, seed=0)
+    assert first.tobytes() == weights_after_two_steps(tmp_path, seed=0).tobytes()
+    assert not np.allclose(first, weights_after_two_steps(tmp_path, seed=1), rtol=1e-3)
 
-    first = weights_after_two_steps(seed=0)
-    assert first.tobytes() == weights_after_two_steps(seed=0).tobytes()
-    assert not np.allclose(first, weights_after_two_steps(seed=1), rtol=1e-3)
+
+@pytest.mark.parametrize("layout", [DataParallel, lambda: FullySharded(4)], ids=["dp", "fsdp"])
+def test_dropout_rng_picks_the_generator_of_the_masks(tmp_path, layout):
+    """--dropout_rng rbg draws other masks than threefry, the same ones again for the same seed (with
+    accumulation's micro-batch keys too); auto is threefry off TPUs, the masks of every earlier run."""
+    def weights(generator, seed=0):
+        return weights_after_two_steps(tmp_path, seed, layout(), dropout_rng=generator, gradient_accumulation_steps=2)
+
+    rbg = weights("rbg")
+    assert rbg.tobytes() == weights("rbg").tobytes()
+    assert not np.allclose(rbg, weights("threefry"), rtol=1e-3)
+    assert not np.allclose(rbg, weights("rbg", seed=1), rtol=1e-3)
+    assert weights("auto").tobytes() == weights("threefry").tobytes()
+
+
+def test_auto_draws_dropout_with_rbg_on_tpus_only():
+    layout = DataParallel()
+    assert layout.dropout_generator("auto") == "threefry"
+    layout.platform = "tpu"
+    assert layout.dropout_generator("auto") == "rbg"
+    assert layout.dropout_generator("threefry") == "threefry"
+
+
+def test_a_transformers_model_drops_out_with_an_rbg_key():
+    """transformers' Flax models take the typed key rbg makes as their dropout_rng."""
+    from transformers import BertConfig, FlaxBertModel
+
+    model = FlaxBertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=16), seed=0)
+    ids = np.arange(12, dtype=np.int32).reshape(2, 6)
+    key = Layout().dropout_key(0, 3, "rbg")  # as fsdp draws it (dp also folds in the device)
+
+    def hidden(rng):
+        return np.asarray(model(ids, dropout_rng=rng, train=True).last_hidden_state)
+
+    assert hidden(key).tobytes() == hidden(key).tobytes()
+    assert not np.allclose(hidden(key), hidden(jax.random.fold_in(key, 1)))
+    assert not np.allclose(hidden(key), np.asarray(model(ids).last_hidden_state))
 
 
 def test_eval_with_predict_fn_gives_every_real_row_once(tmp_path):

@@ -21,6 +21,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine", "constant")
 LAYOUTS = ("dp", "fsdp")
+DROPOUT_GENERATORS = ("auto", "threefry", "rbg")
 # `--compile_only`: the TPU slices of one host (a TPU VM), by the names Cloud TPU rents them under,
 # and the topology (chips per dimension) the TPU compiler knows them by (`utils.tpu_plan`). v2 / v3 /
 # v4 / v5p names count cores, v5e / v6e chips.
@@ -126,6 +127,10 @@ class TrainingArguments:
         "directory.", default=None
     )
     seed: int = _help("Random seed for initialization, shuffling and dropout.", default=42)
+    dropout_rng: str = _help(
+        "What draws the dropout masks: 'threefry' (JAX's default: the same masks on any layout and device count), "
+        "'rbg' (XLA's bit generator, far cheaper on TPUs; the masks depend on the layout and device count), or "
+        "'auto': rbg on TPUs, threefry elsewhere.", default="auto")
     push_to_hub: bool = _help("Upload the model to the Hugging Face hub at each save.", default=False)
     hub_model_id: Optional[str] = _help("Repository name on the hub (default: output_dir's name).", default=None)
     hub_token: Optional[str] = _help("Token for pushing to the hub (never logged or saved).", default=None)
@@ -175,6 +180,8 @@ class TrainingArguments:
             raise UsageError(f"--num_train_epochs must be positive, got {self.num_train_epochs} (or set --max_steps)")
         if self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.label_smoothing_factor < 1:
             raise UsageError("--warmup_steps and --weight_decay must be >= 0 and --label_smoothing_factor in [0, 1)")
+        if self.dropout_rng not in DROPOUT_GENERATORS:
+            raise UsageError(f"--dropout_rng {self.dropout_rng!r} is unknown: use one of {', '.join(DROPOUT_GENERATORS)}")
         if self.sharding not in LAYOUTS:
             raise UsageError(f"--sharding {self.sharding!r} is unknown: use one of {', '.join(LAYOUTS)}")
         if self.fsdp_size is not None and (self.sharding != "fsdp" or self.fsdp_size <= 0):

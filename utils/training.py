@@ -76,7 +76,8 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     `loss_fn(params, batch, dropout_rng, train, label_smoothing) -> (loss sum, sums)` with at least
     "loss" and "tokens" in `sums` (`utils.steps.token_weighted_grads`). What every script's steps
     need is applied here, so none can forget it: the train step gets `--label_smoothing_factor`
-    (evaluation 0) and the dropout key of (`--seed`, its step) (`Layout.dropout_key`), and
+    (evaluation 0) and the dropout key of (`--seed`, its step) drawn by `--dropout_rng`'s generator
+    (`Layout.dropout_key`), and
     `--gradient_checkpointing` makes `model` recompute its layers' activations. The optimizer follows
     `plan`'s learning-rate schedule. When training, the train step is compiled now, for batches like
     `train_data`'s (after `transform`): its device memory is known, and checked, before anything is
@@ -90,12 +91,13 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
                                  training_args.adam_beta2, training_args.adam_epsilon, training_args.weight_decay)
     state = layout.create_state(model.__call__, params, optimizer)
     label_smoothing, seed = training_args.label_smoothing_factor, training_args.seed
+    generator = layout.dropout_generator(training_args.dropout_rng)
     accumulation = training_args.gradient_accumulation_steps
 
     train_loss = partial(loss_fn, train=True, label_smoothing=label_smoothing)
 
     def train_step(state, batch):
-        dropout_rng = layout.dropout_key(seed, state.step)
+        dropout_rng = layout.dropout_key(seed, state.step, generator)
         grads, sums = token_weighted_grads(train_loss, state.params, batch, dropout_rng, accumulation, layout)
         return state.apply_gradients(grads=grads), sums
 
