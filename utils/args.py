@@ -22,6 +22,7 @@ PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine", "constant")
 LAYOUTS = ("dp", "fsdp")
 DROPOUT_GENERATORS = ("auto", "threefry", "rbg")
+ATTENTION = ("auto", "splash", "xla")
 # `--compile_only`: the TPU slices of one host (a TPU VM), by the names Cloud TPU rents them under,
 # and the topology (chips per dimension) the TPU compiler knows them by (`utils.tpu_plan`). v2 / v3 /
 # v4 / v5p names count cores, v5e / v6e chips.
@@ -135,6 +136,11 @@ class TrainingArguments:
     hub_model_id: Optional[str] = _help("Repository name on the hub (default: output_dir's name).", default=None)
     hub_token: Optional[str] = _help("Token for pushing to the hub (never logged or saved).", default=None)
     gradient_checkpointing: bool = _help("Recompute activations in the backward pass to save memory.", default=False)
+    attention: str = _help(
+        "The causal self-attention kernel of GPT-2 and Llama models: 'splash' (Pallas' TPU kernel, which never "
+        "writes the score matrix out; where it would compute something else, attention dropout while training, "
+        "generation, a sliding window, lengths not a multiple of 128, the stock attention runs), 'xla' (the "
+        "stock attention), or 'auto': splash on TPUs under --sharding dp.", default="auto")
     sharding: str = _help(
         "Where the train state lives: 'dp' (jax.pmap; every device holds the whole model, its gradients and "
         "optimizer state) or 'fsdp' (jax.jit over a mesh of all devices; parameters, gradients and optimizer "
@@ -182,6 +188,8 @@ class TrainingArguments:
             raise UsageError("--warmup_steps and --weight_decay must be >= 0 and --label_smoothing_factor in [0, 1)")
         if self.dropout_rng not in DROPOUT_GENERATORS:
             raise UsageError(f"--dropout_rng {self.dropout_rng!r} is unknown: use one of {', '.join(DROPOUT_GENERATORS)}")
+        if self.attention not in ATTENTION:
+            raise UsageError(f"--attention {self.attention!r} is unknown: use one of {', '.join(ATTENTION)}")
         if self.sharding not in LAYOUTS:
             raise UsageError(f"--sharding {self.sharding!r} is unknown: use one of {', '.join(LAYOUTS)}")
         if self.fsdp_size is not None and (self.sharding != "fsdp" or self.fsdp_size <= 0):

@@ -15,7 +15,7 @@ from functools import partial
 
 import jax
 
-from utils import devices
+from utils import attention, devices
 from utils.errors import Done, RunError
 from utils.logging import MetricsLogger, throughput_meter
 from utils.memory import does_not_fit, eval_levers, per_device_bytes, plan_memory, readable, train_levers
@@ -78,7 +78,8 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     need is applied here, so none can forget it: the train step gets `--label_smoothing_factor`
     (evaluation 0) and the dropout key of (`--seed`, its step) drawn by `--dropout_rng`'s generator
     (`Layout.dropout_key`), and
-    `--gradient_checkpointing` makes `model` recompute its layers' activations. The optimizer follows
+    `--gradient_checkpointing` makes `model` recompute its layers' activations, and `--attention` picks
+    its attention kernel (`utils.attention`). The optimizer follows
     `plan`'s learning-rate schedule. When training, the train step is compiled now, for batches like
     `train_data`'s (after `transform`): its device memory is known, and checked, before anything is
     written. `predict_fn(params, batch) -> [rows, ...]` (class ids, logits, tags) makes the eval
@@ -87,6 +88,9 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     """
     if training_args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if attention.choose(training_args.attention, model, layout.platform, layout.name):
+        attention.use_splash_attention(model, interpret=layout.platform != "tpu")  # the interpreter: tests on CPUs
+        logger.info("attention: Pallas splash kernel (causal self-attention without dropout)")
     optimizer = create_optimizer(plan.schedule, training_args.adafactor, training_args.adam_beta1,
                                  training_args.adam_beta2, training_args.adam_epsilon, training_args.weight_decay)
     state = layout.create_state(model.__call__, params, optimizer)

@@ -1,0 +1,146 @@
+"""Causal self-attention through Pallas' splash attention kernel on TPUs (GPT-2, Llama).
+
+transformers' Flax attention forms the whole [batch, heads, length, length] score matrix, masks it and
+takes its softmax in HBM: at 1024 tokens that traffic, not the products, is the time (a GPT-2 layer,
+forward and backward on a v5e chip: 6.3 ms; JAX's splash kernel, which never writes the scores out,
+3.3 ms). `use_splash_attention(model)` routes the self-attention of the models' training and scoring
+calls through that kernel, with the causal mask and the padding mask (as segment ids: a real token
+sees only the real tokens before it, as the stock mask has it) and the same scale. Where the kernel
+would compute something else, the stock call runs: attention dropout while training (the kernel has
+none), a generation cache, attention weights asked for, cross-attention, a sliding window, or a length
+that is not a whole number of 128-token blocks.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from utils.errors import UsageError
+
+BLOCK = 128  # the kernel's tile: lengths must be a multiple of it
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(heads, length, interpret):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    block = next(size for size in (512, 256, BLOCK) if length % size == 0)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+    mask = masks.MultiHeadMask([masks.CausalMask((length, length))] * heads)
+    return splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
+
+
+def causal_attention(query, key, value, attention_mask, interpret=False):
+    """softmax(q k^T / sqrt(d) + causal and padding masks) v for [batch, length, heads, head_dim] inputs
+    (keys and values with as many heads as the queries), in the queries' dtype. `attention_mask`
+    [batch, length] (1 real, 0 padding) or None."""
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+
+    batch, length, heads, head_dim = query.shape
+    kernel = _kernel(heads, length, interpret)
+    scaled = (query * jnp.asarray(head_dim ** -0.5, query.dtype)).transpose(0, 2, 1, 3)
+    key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
+    if attention_mask is None:
+        out = jax.vmap(kernel)(scaled, key, value)
+    else:
+        segments = attention_mask.astype(jnp.int32)
+        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(q=s, kv=s)))(scaled, key, value,
+                                                                                                segments)
+    return out.transpose(0, 2, 1, 3).astype(query.dtype)
+
+
+def _plain_self_attention(module, length, deterministic, dropout_rate, init_cache, output_attentions):
+    """Whether the kernel computes what the stock call would."""
+    return (length % BLOCK == 0 and not init_cache and not output_attentions
+            and not module.has_variable("cache", "cached_key") and (deterministic or dropout_rate == 0.0))
+
+
+def _gpt2(module, interpret, hidden_states, key_value_states=None, attention_mask=None, deterministic=True,
+          init_cache=False, output_attentions=False):
+    query, key, value = jnp.split(module.c_attn(hidden_states), 3, axis=2)
+    query, key, value = (module._split_heads(x) for x in (query, key, value))
+    out = causal_attention(query, key, value, attention_mask, interpret)
+    out = module.c_proj(module._merge_heads(out))
+    return (module.resid_dropout(out, deterministic=deterministic),)
+
+
+def _gpt2_applies(module, hidden_states, key_value_states=None, attention_mask=None, deterministic=True,
+                  init_cache=False, output_attentions=False):
+    return (key_value_states is None and module.causal
+            and _plain_self_attention(module, hidden_states.shape[1], deterministic, module.config.attn_pdrop,
+                                      init_cache, output_attentions))
+
+
+def _llama(module, interpret, hidden_states, attention_mask, position_ids, deterministic=True, init_cache=False,
+           output_attentions=False):
+    query = module._split_heads(module.q_proj(hidden_states), module.num_heads)
+    key = module._split_heads(module.k_proj(hidden_states), module.num_key_value_heads)
+    value = module._split_heads(module.v_proj(hidden_states), module.num_key_value_heads)
+    key, query = module.rotary_emb(key, query, position_ids)
+    key = jnp.repeat(key, module.num_key_value_groups, axis=2)
+    value = jnp.repeat(value, module.num_key_value_groups, axis=2)
+    out = causal_attention(query, key, value, attention_mask, interpret)
+    return (module.o_proj(module._merge_heads(out)),)
+
+
+def _llama_applies(module, hidden_states, attention_mask, position_ids, deterministic=True, init_cache=False,
+                   output_attentions=False):
+    return (getattr(module.config, "sliding_window", None) is None
+            and _plain_self_attention(module, hidden_states.shape[1], deterministic, module.config.attention_dropout,
+                                      init_cache, output_attentions))
+
+
+def _routes():
+    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2Attention
+    from transformers.models.llama.modeling_flax_llama import FlaxLlamaAttention
+
+    return {FlaxGPT2Attention: (_gpt2_applies, _gpt2), FlaxLlamaAttention: (_llama_applies, _llama)}
+
+
+def supports(model):
+    """Whether `model` (a transformers Flax model) is of a family whose self-attention can be routed."""
+    return type(model.module).__module__ in {cls.__module__ for cls in _routes()}
+
+
+def choose(choice, model, platform, layout_name):
+    """Whether `--attention` `choice` routes `model`'s attention through the kernel on `platform` ("tpu",
+    "cpu", ...) under the layout named `layout_name`; "auto": on TPUs under dp, for the families it knows.
+    A `UsageError` when "splash" cannot be had."""
+    if choice == "xla":
+        return False
+    if layout_name != "dp":  # under jit over a mesh the kernel would need shard_map's per-device view
+        if choice == "splash":
+            raise UsageError("--attention splash runs under --sharding dp: use --attention auto or xla with fsdp")
+        return False
+    if not supports(model):
+        if choice == "splash":
+            raise UsageError(f"--attention splash: the splash kernel knows GPT-2 and Llama attention, not "
+                             f"{model.config.model_type}'s: use --attention auto or xla")
+        return False
+    return choice == "splash" or platform == "tpu"
+
+
+def use_splash_attention(model, interpret=False):
+    """Make every call of `model` run its causal self-attention through the splash kernel where the
+    kernel computes what the stock call would (the module docstring). `interpret`: Pallas'
+    interpreter, for CPUs (tests)."""
+    routes = _routes()
+    module = model.module
+    apply = module.apply
+
+    def route(next_fun, args, kwargs, context):
+        found = routes.get(type(context.module)) if context.method_name == "__call__" else None
+        if found is None or not found[0](context.module, *args, **kwargs):
+            return next_fun(*args, **kwargs)
+        return found[1](context.module, interpret, *args, **kwargs)
+
+    def apply_with_splash_attention(*args, **kwargs):
+        with nn.intercept_methods(route):
+            return apply(*args, **kwargs)
+
+    # As utils.remat does: the module's own `apply` is the hook that leaves the model class untouched.
+    object.__setattr__(module, "apply", apply_with_splash_attention)
