@@ -8,10 +8,11 @@ import pytest
 from transformers import BertConfig, FlaxBertForMaskedLM, FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, GPT2Config, \
     LlamaConfig
 
-from utils import attention
+from utils import attention, compat
 from utils.errors import UsageError
 
 LENGTH = 128  # one kernel block
+compat.apply()  # as every script does: its Llama attention is the one routed
 
 
 def numpy_attention(q, k, v, mask):
@@ -96,6 +97,9 @@ def test_choose_routes_only_where_the_kernel_runs_and_names_why_not():
     assert not attention.choose("auto", gpt2, "tpu", "fsdp")
     assert not attention.choose("xla", gpt2, "tpu", "dp")
     assert attention.choose("splash", gpt2, "cpu", "dp")
+    assert not attention.choose("auto", gpt2, "tpu", "dp", checkpointing=True)
+    with pytest.raises(UsageError, match="--gradient_checkpointing"):
+        attention.choose("splash", gpt2, "tpu", "dp", checkpointing=True)
     with pytest.raises(UsageError, match="--sharding dp"):
         attention.choose("splash", gpt2, "tpu", "fsdp")
     bert = FlaxBertForMaskedLM(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,

@@ -140,7 +140,7 @@ class TrainingArguments:
         "The causal self-attention kernel of GPT-2 and Llama models: 'splash' (Pallas' TPU kernel, which never "
         "writes the score matrix out; where it would compute something else, attention dropout while training, "
         "generation, a sliding window, lengths not a multiple of 128, the stock attention runs), 'xla' (the "
-        "stock attention), or 'auto': splash on TPUs under --sharding dp.", default="auto")
+        "stock attention), or 'auto': splash on TPUs under --sharding dp without --gradient_checkpointing.", default="auto")
     sharding: str = _help(
         "Where the train state lives: 'dp' (jax.pmap; every device holds the whole model, its gradients and "
         "optimizer state) or 'fsdp' (jax.jit over a mesh of all devices; parameters, gradients and optimizer "

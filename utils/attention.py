@@ -20,6 +20,7 @@ from flax import linen as nn
 from utils.errors import UsageError
 
 BLOCK = 128  # the kernel's tile: lengths must be a multiple of it
+FAMILIES = ("gpt2", "llama")  # model types whose attention `_routes` knows
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,14 +104,18 @@ def _routes():
 
 def supports(model):
     """Whether `model` (a transformers Flax model) is of a family whose self-attention can be routed."""
-    return type(model.module).__module__ in {cls.__module__ for cls in _routes()}
+    return model.config.model_type in FAMILIES
 
 
-def choose(choice, model, platform, layout_name):
+def choose(choice, model, platform, layout_name, checkpointing=False):
     """Whether `--attention` `choice` routes `model`'s attention through the kernel on `platform` ("tpu",
-    "cpu", ...) under the layout named `layout_name`; "auto": on TPUs under dp, for the families it knows.
-    A `UsageError` when "splash" cannot be had."""
+    "cpu", ...) under the layout named `layout_name`; "auto": on TPUs under dp, for the families it knows,
+    without gradient checkpointing. A `UsageError` when "splash" cannot be had."""
     if choice == "xla":
+        return False
+    if checkpointing:  # the kernel's block tables inside nn.checkpoint break the ahead-of-time compiled step
+        if choice == "splash":
+            raise UsageError("--attention splash does not run with --gradient_checkpointing yet: drop one of them")
         return False
     if layout_name != "dp":  # under jit over a mesh the kernel would need shard_map's per-device view
         if choice == "splash":
