@@ -43,6 +43,9 @@ ATTENTION_TARGETS = "|".join((
 ))
 TARGET_RULES = {"attention": ATTENTION_TARGETS, "all-linear": ".*"}
 # The Auto classes whose head a checkpoint of the base model lacks: it is new, so it trains in full.
+# PEFT's task types, by the end of the Auto class's name (none for the others: masked LM, images).
+PEFT_TASK_TYPES = {"SequenceClassification": "SEQ_CLS", "TokenClassification": "TOKEN_CLS",
+                   "QuestionAnswering": "QUESTION_ANS", "CausalLM": "CAUSAL_LM", "Seq2SeqLM": "SEQ_2_SEQ_LM"}
 TASK_HEAD_CLASSES = ("SequenceClassification", "TokenClassification", "QuestionAnswering", "ImageClassification",
                      "MultipleChoice")
 
@@ -61,6 +64,7 @@ class Adapters:
     heads: tuple
     base_model: str | None
     base_dtype: str
+    task_type: str | None  # PEFT's name for the task (`PEFT_TASK_TYPES`)
 
     @property
     def scale(self):
@@ -79,8 +83,9 @@ def _kernel_modules(model):
     def record(next_fun, args, kwargs, context):
         outputs = next_fun(*args, **kwargs)
         module = context.module
-        if (context.method_name == "__call__" and args and hasattr(args[0], "shape") and hasattr(outputs, "shape")
-                and module.has_variable("params", "kernel")):
+        # A module applied on its own (GPT-2's tied output layer, path ()) is no layer of the model's tree.
+        if (context.method_name == "__call__" and module.path and args and hasattr(args[0], "shape")
+                and hasattr(outputs, "shape") and module.has_variable("params", "kernel")):
             kernel_shape = module.get_variable("params", "kernel").shape
             size_in, size_out = args[0].shape[-1], outputs.shape[-1]
             if len(kernel_shape) == 2 and isinstance(module, nn.Dense):
@@ -125,8 +130,9 @@ def plan(model, model_args, auto_class_name):
         raise UsageError(f"--lora_rank {model_args.lora_rank} is larger than layer {'/'.join(narrowest)} "
                          f"({size_in} -> {size_out}): use a rank of at most {min(size_in, size_out)}")
     alpha = model_args.lora_alpha if model_args.lora_alpha is not None else 2.0 * model_args.lora_rank
+    task_type = next((kind for suffix, kind in PEFT_TASK_TYPES.items() if auto_class_name.endswith(suffix)), None)
     return Adapters(model_args.lora_rank, float(alpha), model_args.lora_dropout, rule, targets, heads,
-                    model_args.model_name_or_path, model_args.lora_base_dtype or model_args.param_dtype)
+                    model_args.model_name_or_path, model_args.lora_base_dtype or model_args.param_dtype, task_type)
 
 
 def new_weights(adapters, seed, shapes_only=False):
@@ -257,24 +263,28 @@ def merged(params, adapters):
     return unflatten_dict(out)
 
 
-PEFT_TASK_TYPES = {"SequenceClassification": "SEQ_CLS", "TokenClassification": "TOKEN_CLS",
-                   "QuestionAnswering": "QUESTION_ANS", "CausalLM": "CAUSAL_LM", "Seq2SeqLM": "SEQ_2_SEQ_LM",
-                   "ConditionalGeneration": "SEQ_2_SEQ_LM"}
+# Flax parameter names -> PyTorch's (a Dense kernel is stored in x out, a torch Linear weight out x in).
+TORCH_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
 
 
-def peft_files(params, adapters, model_class_name):
+def peft_files(params, adapters):
     """(adapter_config.json's dict, adapter_model.safetensors' tensors) in PEFT's layout: keys
     `base_model.model.<module path>.lora_A.weight` ([rank, in]) and `.lora_B.weight` ([out, rank]), the
-    PyTorch orientation whatever the kernel's (GPT-2's Conv1D: `fan_in_fan_out`)."""
+    PyTorch orientation whatever the kernel's (GPT-2's Conv1D: `fan_in_fan_out`); a head trained in full
+    under its PyTorch name (`base_model.model.classifier.weight`)."""
     flat = flatten_dict(params)
     tensors = {}
     for path in sorted(adapters.targets):
         name = "base_model.model." + ".".join(path)
         tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(np.asarray(flat[path + ("lora_A",)], np.float32).T)
         tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(np.asarray(flat[path + ("lora_B",)], np.float32).T)
-    task_type = next((kind for suffix, kind in PEFT_TASK_TYPES.items() if suffix in model_class_name), None)
+    for path, value in flat.items():  # the heads trained in full, PyTorch-named (PEFT's modules_to_save)
+        if path[0] in adapters.heads:
+            value = np.asarray(value, np.float32)
+            tensors["base_model.model." + ".".join(path[:-1] + (TORCH_NAMES.get(path[-1], path[-1]),))] = (
+                np.ascontiguousarray(value.T) if path[-1] == "kernel" else value)
     config = {
-        "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": adapters.base_model,
+        "peft_type": "LORA", "task_type": adapters.task_type, "base_model_name_or_path": adapters.base_model,
         "r": adapters.rank, "lora_alpha": adapters.alpha, "lora_dropout": adapters.dropout, "bias": "none",
         "target_modules": sorted(".".join(path) for path in adapters.targets),
         "fan_in_fan_out": any(transposed for _, _, transposed in adapters.targets.values()),

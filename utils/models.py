@@ -376,4 +376,7 @@ def enable_gradient_checkpointing(model):
     if type(model).enable_gradient_checkpointing is FlaxPreTrainedModel.enable_gradient_checkpointing:
         remat.remat_layers(model)
     else:
-        model.enable_gradient_checkpointing()
+        model.enable_gradient_checkpointing()  # a new module: LoRA's adapters are attached to it again
+        adapters = lora.adapters_of(model)
+        if adapters:
+            lora.attach(model, adapters)

@@ -92,7 +92,7 @@ def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process
     adapters = lora.adapters_of(model)
     try:
         if adapters:  # the merged model, which loads like any other, and the adapters alone in PEFT's layout
-            write_peft_adapter(staging, params, adapters, type(model).__name__)
+            write_peft_adapter(staging, params, adapters)
             params = lora.merged(params, adapters)
         model.save_pretrained(staging, params=params)
         if tokenizer is not None:
@@ -104,9 +104,9 @@ def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process
     logger.info("Exported model to %s", output_dir)
 
 
-def write_peft_adapter(directory, params, adapters, model_class_name):
+def write_peft_adapter(directory, params, adapters):
     """adapter_config.json and adapter_model.safetensors (`utils.lora.peft_files`) into `directory`."""
-    config, tensors = lora.peft_files(params, adapters, model_class_name)
+    config, tensors = lora.peft_files(params, adapters)
     with open(os.path.join(directory, PEFT_CONFIG), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     safetensors.numpy.save_file(tensors, os.path.join(directory, PEFT_WEIGHTS), metadata={"format": "pt"})
