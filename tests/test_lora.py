@@ -6,6 +6,7 @@ the adapters alone, an exact resume after kill -9, the merged export evaluating 
 
 import json
 import os
+import signal
 import sys
 
 import jax
@@ -15,8 +16,11 @@ import pytest
 import transformers
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from utils import compat, lora
+import script_launcher
+from script_runner import ROOT, read_json, script_env
+from utils import compat, lora, rundir
 from utils.args import ModelArguments, TrainingArguments
+from utils.checkpoint import Checkpointer, checkpoint_steps
 from utils.errors import UsageError
 from utils.layout import DataParallel, FullySharded
 from utils.loop import InMemoryData
@@ -237,3 +241,74 @@ def test_bad_targets_and_ranks_are_named(flags, words):
     with pytest.raises(UsageError) as error:
         lora.plan(model, ModelArguments(**flags), "FlaxAutoModelForCausalLM")
     assert words in str(error.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End to end: run_flax_glue.py with LoRA (one run shared by the checks), killed and resumed, its export
+# ---------------------------------------------------------------------------------------------------------
+GLUE = ["--model_type", "bert", "--tokenizer_name", "data/glue/tokenizer", "--config_overrides",
+        "hidden_size=64,num_hidden_layers=2,num_attention_heads=4,intermediate_size=128,max_position_embeddings=16",
+        "--max_seq_length", "16", "--task_name", "cola", "--train_file", "data/glue/cola/train.csv",
+        "--validation_file", "data/glue/cola/validation.csv", "--max_eval_samples", "64"]
+TRAIN = ["--do_train", "--do_eval", "--max_steps", "8", "--save_steps", "4", "--total_train_batch_size", "32",
+         "--learning_rate", "1e-2", "--logging_steps", "4", "--lora_rank", "4", "--lora_dropout", "0.1"]
+
+
+def glue_command(output_dir, cache, *extra):
+    return [os.path.join(ROOT, "run_flax_glue.py"), *GLUE, "--output_dir", output_dir, "--compilation_cache_dir",
+            cache, *extra]
+
+
+def run_command(argv, wrapper=()):
+    return script_launcher.run([sys.executable, *wrapper, *map(str, argv)], ROOT, script_env(), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def glue_lora(tmp_path_factory):
+    cache, out = str(tmp_path_factory.mktemp("cache")), str(tmp_path_factory.mktemp("glue_lora"))
+    result = run_command(glue_command(out, cache, *TRAIN, "--overwrite_output_dir"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, cache, result
+
+
+@pytest.mark.slow
+def test_a_lora_run_reports_its_counts_and_checkpoints_the_adapters_and_head_alone(glue_lora):
+    out, _, result = glue_lora
+    results = read_json(os.path.join(out, "all_results.json"))
+    # 2 layers x 4 projections x (64 x 4 + 4 x 64) adapters + the 64 x 2 + 2 classifier
+    assert results["trainable_parameters"] == 2 * 4 * (64 * 4 + 4 * 64) + 64 * 2 + 2
+    assert results["total_parameters"] > 20 * results["trainable_parameters"]
+    assert f"parameters: {results['trainable_parameters']:,} trained of {results['total_parameters']:,}" in result.stderr
+    saved = Checkpointer(os.path.join(out, "checkpoints"), read_only=True).saved_shapes(8)
+    params = [path for path in saved if path.startswith("params/")]
+    assert params and all(path.split("/")[-1] in lora.ADAPTER_LEAVES or path.startswith("params/classifier/")
+                          for path in params)
+
+
+@pytest.mark.slow
+def test_a_lora_run_killed_during_a_save_resumes_exactly(glue_lora, tmp_path):
+    reference, cache, _ = glue_lora
+    out = str(tmp_path / "run")
+    killed = run_command(glue_command(out, cache, *TRAIN), wrapper=[os.path.join(ROOT, "tests", "interrupted_run.py"),
+                                                                   "sigkill-during-save", "8"])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert checkpoint_steps(os.path.join(out, "checkpoints")) == [4]
+    resumed = run_command(glue_command(out, cache, *TRAIN, "--resume_from_checkpoint", "latest"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from the checkpoint of step 4" in resumed.stderr
+    for name in ("flax_model.msgpack", rundir.PEFT_WEIGHTS):
+        with open(os.path.join(out, name), "rb") as a, open(os.path.join(reference, name), "rb") as b:
+            assert a.read() == b.read(), name
+
+
+@pytest.mark.slow
+def test_the_merged_export_loads_as_a_plain_model_and_evaluates_as_the_adapted_one(glue_lora, tmp_path):
+    trained, cache, _ = glue_lora
+    out = str(tmp_path / "eval")
+    result = run_command(glue_command(out, cache, "--do_eval", "--model_name_or_path", trained))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_json(os.path.join(out, "eval_results.json")) == read_json(os.path.join(trained, "eval_results.json"))
+    with open(os.path.join(trained, rundir.PEFT_CONFIG), encoding="utf-8") as f:
+        assert json.load(f)["r"] == 4
+    params = flatten_dict(transformers.FlaxAutoModelForSequenceClassification.from_pretrained(trained).params)
+    assert not any(path[-1] in lora.ADAPTER_LEAVES for path in params)
