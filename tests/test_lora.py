@@ -312,3 +312,49 @@ def test_the_merged_export_loads_as_a_plain_model_and_evaluates_as_the_adapted_o
         assert json.load(f)["r"] == 4
     params = flatten_dict(transformers.FlaxAutoModelForSequenceClassification.from_pretrained(trained).params)
     assert not any(path[-1] in lora.ADAPTER_LEAVES for path in params)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Continuing a PEFT adapter
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def peft_adapter(tmp_path_factory):
+    """(adapter dir, its tensors): a BERT classifier's adapter (random B, a trained head) in PEFT's
+    layout, naming a saved base model."""
+    model, adapters, params = tiny_model("bert")
+    base = str(tmp_path_factory.mktemp("base"))
+    model.save_pretrained(base, params=lora.split(params, lora.trainable_paths(params, adapters))[1])
+    directory = str(tmp_path_factory.mktemp("adapter"))
+    rundir.write_peft_adapter(directory, params, adapters)
+    with open(os.path.join(directory, rundir.PEFT_CONFIG), encoding="utf-8") as f:
+        config = json.load(f)
+    with open(os.path.join(directory, rundir.PEFT_CONFIG), "w", encoding="utf-8") as f:
+        json.dump({**config, "base_model_name_or_path": base}, f)
+    return directory, lora.peft_files(params, adapters)[1]
+
+
+def load_adapter(directory, **flags):
+    model_args = ModelArguments(model_name_or_path=directory, lora_rank=RANK, **flags)
+    config = transformers.AutoConfig.from_pretrained(model_args.model_name_or_path)
+    return load_model(transformers.FlaxAutoModelForSequenceClassification, model_args, config, 0, DataParallel())
+
+
+def test_a_peft_adapter_directory_continues_from_its_weights_on_its_base(peft_adapter):
+    directory, tensors = peft_adapter
+    _, params = load_adapter(directory)
+    flat = flatten_dict(params)
+    for key, value in tensors.items():
+        module, _, name = key.removeprefix("base_model.model.").rpartition(".")  # name: weight or bias
+        path = tuple(module.split("."))
+        leaf = flat[path if module.endswith(lora.ADAPTER_LEAVES) else path + ({"weight": "kernel"}.get(name, name),)]
+        np.testing.assert_array_equal(np.asarray(leaf).T if np.ndim(leaf) == 2 else leaf, value, err_msg=key)
+
+
+def test_an_adapter_for_other_layers_or_another_rank_is_refused(peft_adapter):
+    directory, _ = peft_adapter
+    with pytest.raises(UsageError) as error:
+        load_adapter(directory, lora_target="attention/self/(query|key)$")
+    assert f"the adapter in {directory} does not match this base model: it holds" in str(error.value)
+    with pytest.raises(UsageError) as error:
+        ModelArguments(model_name_or_path=directory, lora_rank=RANK * 2)
+    assert f"the adapter in {directory} has rank {RANK}, this run --lora_rank {RANK * 2}" in str(error.value)

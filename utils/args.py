@@ -94,6 +94,33 @@ class ModelArguments:
         if self.lora_base_dtype is not None and self.lora_base_dtype not in PARAM_DTYPES:
             raise UsageError(f"--lora_base_dtype {self.lora_base_dtype!r} is not supported: use one of "
                              f"{', '.join(PARAM_DTYPES)}")
+        self._continue_peft_adapter()
+
+    def _continue_peft_adapter(self):
+        """--model_name_or_path naming a PEFT adapter (adapter_config.json, no model of its own): the run
+        continues that adapter on the base its config names (`utils.lora.load_peft_weights`)."""
+        path = self.model_name_or_path
+        self.lora_adapter_dir = None
+        if not (path and os.path.isfile(os.path.join(path, "adapter_config.json"))
+                and not os.path.isfile(os.path.join(path, "config.json"))):
+            return
+        config_file = os.path.join(path, "adapter_config.json")
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"{config_file} is not a readable JSON file ({error}): point --model_name_or_path at a "
+                             "PEFT adapter directory or a model")
+        if config.get("peft_type") != "LORA" or not config.get("base_model_name_or_path"):
+            raise UsageError(f"{config_file} is not a LoRA adapter naming its base model (peft_type LORA, "
+                             "base_model_name_or_path): pass the base model as --model_name_or_path instead")
+        if config.get("r") != self.lora_rank:
+            raise UsageError(f"the adapter in {path} has rank {config.get('r')}, this run --lora_rank "
+                             f"{self.lora_rank}: continue it with --lora_rank {config.get('r')}")
+        self.lora_adapter_dir = path
+        self.model_name_or_path = config["base_model_name_or_path"]
+        if self.lora_alpha is None:
+            self.lora_alpha = float(config.get("lora_alpha", 2 * self.lora_rank))
 
 
 @dataclass

@@ -14,6 +14,7 @@ alone, and checkpoints hold only those (`checkpointed`, `restored`). The export 
 (`merged`: a normal checkpoint) and also writes them in PEFT's layout (`peft_files`).
 """
 
+import os
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -149,6 +150,41 @@ def new_weights(adapters, seed, shapes_only=False):
             weights[path] = {"lora_A": rng.uniform(-bound, bound, shapes["lora_A"]).astype(np.float32),
                              "lora_B": np.zeros(shapes["lora_B"], np.float32)}
     return unflatten_dict({path + (name,): value for path, leaves in weights.items() for name, value in leaves.items()})
+
+
+def load_peft_weights(directory, adapters, params):
+    """{flat path: float32 host array} of the adapters (and heads) of the PEFT adapter in `directory`,
+    for the model whose parameters (adapters included, any placement) are `params`; an adapter made
+    for another base (layers or shapes this model lacks) is a UsageError naming the first difference."""
+    import safetensors.numpy  # only a run that continues an adapter reads one
+
+    try:
+        tensors = safetensors.numpy.load_file(os.path.join(directory, "adapter_model.safetensors"))
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot read {directory}/adapter_model.safetensors ({error}): is it a PEFT adapter?")
+    flat = flatten_dict(params)
+    by_name = {"base_model.model." + ".".join(path[:-1] + (TORCH_NAMES.get(path[-1], path[-1]),)): path
+               for path in flat if path[-1] not in ADAPTER_LEAVES}
+    by_name.update({f"base_model.model.{'.'.join(path[:-1])}.{path[-1]}.weight": path
+                    for path in flat if path[-1] in ADAPTER_LEAVES})
+    loaded = {}
+    for key, value in tensors.items():
+        path = by_name.get(key)
+        value = np.asarray(value, np.float32)
+        value = value.T if path and (path[-1] in ADAPTER_LEAVES or path[-1] == "kernel") else value
+        if path is None or (path[-1] not in ADAPTER_LEAVES and path[0] not in adapters.heads):
+            raise UsageError(f"the adapter in {directory} does not match this base model: it holds {key}, which is no "
+                             f"adapted layer or head of it (other --lora_target, or another base model)")
+        if value.shape != tuple(flat[path].shape):
+            raise UsageError(f"the adapter in {directory} does not match this base model: {key} has shape "
+                             f"{value.shape[::-1] if path[-1] in ADAPTER_LEAVES else value.shape} where the model "
+                             "needs another (another base model or --lora_target)")
+        loaded[path] = value
+    missing = [path for path in flat if path[-1] in ADAPTER_LEAVES and path not in loaded]
+    if missing:
+        raise UsageError(f"the adapter in {directory} does not match this run: it has no adapter for "
+                         f"{'/'.join(missing[0][:-1])} (pass the --lora_target it was trained with)")
+    return loaded
 
 
 def _adapted(adapters, next_fun, args, kwargs, context):

@@ -363,6 +363,13 @@ def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatc
     if adapters is None:
         return model, params
     new = lora.new_weights(adapters, seed, shapes_only=bool(layout.plan))
+    if model_args.lora_adapter_dir and not layout.plan:  # continuing a PEFT adapter: its weights and heads
+        loaded = lora.load_peft_weights(model_args.lora_adapter_dir, adapters, lora.join(new, params))
+        new = unflatten_dict({**flatten_dict(new), **{k: v for k, v in loaded.items() if k[-1] in lora.ADAPTER_LEAVES}})
+        heads = {k: v.astype(param_dtype) for k, v in loaded.items() if k[-1] not in lora.ADAPTER_LEAVES}
+        if heads:
+            params = lora.join(layout.place_params(unflatten_dict(heads)), params)
+        logger.info("LoRA: continuing the adapter in %s", model_args.lora_adapter_dir)
     lora.attach(model, adapters)
     logger.info("LoRA: rank %d, alpha %g, adapters on %d layers (%s), trained in full: %s", adapters.rank,
                 adapters.alpha, len(adapters.targets), adapters.target_rule, ", ".join(adapters.heads) or "nothing else")
