@@ -358,3 +358,33 @@ def test_an_adapter_for_other_layers_or_another_rank_is_refused(peft_adapter):
     with pytest.raises(UsageError) as error:
         ModelArguments(model_name_or_path=directory, lora_rank=RANK * 2)
     assert f"the adapter in {directory} has rank {RANK}, this run --lora_rank {RANK * 2}" in str(error.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# docs/lora.md's figures are the benchmarks' JSON
+# ---------------------------------------------------------------------------------------------------------
+def read_doc():
+    with open(os.path.join(ROOT, "docs", "lora.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_the_cpu_table_is_lora_cpu_json():
+    rows = read_json(os.path.join(ROOT, "benchmarks", "lora_cpu.json"))["rows"]
+    for config in ("glue_tiny", "chat_tiny"):
+        full, adapted = rows[f"{config} full"], rows[f"{config} lora"]
+        line = (f"| `{config}` | {full['steps_per_second']} | {adapted['steps_per_second']} | "
+                f"{rows[config + ' lora/full steps per second']} | {full['trainable_parameters']:,} | "
+                f"{adapted['trainable_parameters']:,} of {adapted['total_parameters']:,} | "
+                f"{full['train_step_device_bytes'] / 2**20:.1f} MiB | {adapted['train_step_device_bytes'] / 2**20:.1f} MiB |")
+        assert line in read_doc()
+
+
+def test_a_resume_with_other_lora_settings_is_named():
+    from utils.resume import fingerprint_difference, run_fingerprint
+
+    _, adapters, _ = tiny_model("gpt2")
+    config = transformers.AutoConfig.for_model("gpt2", **CASES["gpt2"][1])
+    saved = run_fingerprint(config, 64, 8, 1, adapters=adapters)
+    assert fingerprint_difference(saved, run_fingerprint(config, 64, 8, 1, adapters=adapters)) is None
+    difference = fingerprint_difference(saved, run_fingerprint(config, 64, 8, 1))
+    assert difference.startswith("adapters is {'rank': 4, 'alpha': 8.0") and "(set by --lora_rank" in difference
