@@ -388,3 +388,22 @@ def test_a_resume_with_other_lora_settings_is_named():
     assert fingerprint_difference(saved, run_fingerprint(config, 64, 8, 1, adapters=adapters)) is None
     difference = fingerprint_difference(saved, run_fingerprint(config, 64, 8, 1))
     assert difference.startswith("adapters is {'rank': 4, 'alpha': 8.0") and "(set by --lora_rank" in difference
+
+
+GIB = 2**30
+
+
+def test_the_tpu_plan_tables_are_memory_tpu_lora_json():
+    lora_plan = read_json(os.path.join(ROOT, "benchmarks", "memory_tpu_lora.json"))
+    full_plan = read_json(os.path.join(ROOT, "benchmarks", "memory_tpu.json"))
+    doc = read_doc()
+    for row in lora_plan["sizes"]:
+        full = next(r for r in full_plan["sizes"] if r["model"] == row["model"] and r["layout"] == "fsdp"
+                    and r["gradient_checkpointing"])
+        line = (f"| {row['model']} | {row['parameters'] / 1e6:,.0f}M | {full['bytes'] / GIB:.2f} GiB | "
+                f"{row['bytes'] / GIB:.2f} GiB | {row['bytes'] / full['bytes']:.2f} |")
+        assert line in doc
+    for row in lora_plan["largest"]["llama fsdp remat on adamw"]["tried"]:
+        shape = " x ".join(map(str, row["shape"][:2]))
+        assert (f"| {shape} | {row['parameters'] / 1e9:.1f}B | {row['bytes'] / GIB:.2f} GiB | "
+                f"{row['bytes_per_layer'] / 2**20:.1f} MiB | {'yes' if row['fits'] else 'no'} |") in doc
