@@ -23,6 +23,10 @@ master weights, bfloat16 compute, AdamW (T5 also with Adafactor), per-device bat
   setting asked for (target: fsdp + checkpointing >= 4B parameters for a decoder).
 - speed: tokens/s of the tiny clm config trained by the real script under each layout (CPU only).
 
+`--lora_rank R` measures LoRA instead of full fine-tuning (`utils.lora`: the default attention
+targets, a bfloat16 frozen base, float32 adapters with AdamW, nothing kept for the base), into
+benchmarks/memory_{plan}_lora.json; its Llama ladder goes on to 33B-, 52B- and 78B-class rungs.
+
 Each compile takes minutes on 2 CPU cores (a whole 24-layer step on the TPU plan: over an hour on
 a busy machine): run it under `nice`. `--depths 4 8` makes each row from compiles at those depths
 (bytes are affine in the layer count for a fixed width: fixed + layers x per layer; a third depth
@@ -38,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -52,7 +57,8 @@ from flax.training.train_state import TrainState  # noqa: E402
 from transformers import (FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, FlaxT5ForConditionalGeneration,  # noqa: E402
                           GPT2Config, LlamaConfig, T5Config)
 
-from utils import compat, tpu_plan  # noqa: E402
+from utils import compat, lora, tpu_plan  # noqa: E402
+from utils.args import ModelArguments  # noqa: E402
 from utils.layout import DataParallel, FullySharded  # noqa: E402
 from utils.models import cast_floats, enable_gradient_checkpointing  # noqa: E402
 from utils.steps import cross_entropy_sums, token_weighted_grads  # noqa: E402
@@ -68,6 +74,10 @@ FAMILIES = {
     "llama": [(22, 2048, 5632), (26, 3200, 8640), (32, 4096, 11008), (40, 5120, 13824), (48, 6656, 17920)],
     "t5": [(12, 768), (24, 1024), (24, 1536), (24, 2048), (24, 3072), (32, 4096), (40, 5120)],
 }
+# LoRA's Llama ladder: the full fine-tuning one, then LLaMA-33B's shape, a 52B and a 78B (whose bfloat16
+# base alone, 155 GB, exceeds a v3-8's 128 GiB).
+LORA_FAMILIES = {**FAMILIES, "llama": FAMILIES["llama"] + [(60, 6656, 17920), (64, 8192, 22016), (80, 8192, 28672)]}
+LORA_RANK = [0]  # --lora_rank: 0 measures full fine-tuning
 SIZES = {"GPT-2 medium": ("gpt2", (24, 1024)), "T5-large": ("t5", (24, 1024)),
          "Llama-style 1.1B": ("llama", (22, 2048, 5632))}
 
@@ -119,7 +129,22 @@ def train_step_memory(model, layout, optimizer="adamw"):
 
     tx = optax.adafactor(1e-3) if optimizer == "adafactor" else optax.adamw(1e-4)
     params = jax.eval_shape(lambda: cast_floats(model.init_weights(jax.random.PRNGKey(0), (1, 8)), jnp.float32))
-    shapes = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.__call__, params=p, tx=tx), params)
+    create = TrainState.create
+    if LORA_RANK[0]:  # as utils.models.load_model and utils.training.make_steps make a LoRA run's state
+        adapters = lora.plan(model, ModelArguments(lora_rank=LORA_RANK[0], lora_base_dtype="bfloat16"),
+                             "FlaxAutoModelForSeq2SeqLM" if seq2seq else "FlaxAutoModelForCausalLM")
+        lora.attach(model, adapters)
+        base = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
+        params = lora.join(lora.new_weights(adapters, 0, shapes_only=True), base)
+        create = partial(lora.FrozenBaseState.create, trainable=lora.trainable_paths(params, adapters))
+
+        def train_step(state, batch):
+            rng = layout.dropout_key(0, state.step)
+            trained, frozen = lora.trained_and_frozen(state)
+            grads, sums = token_weighted_grads(lambda t, b, r: loss_fn(lora.join(t, frozen), b, r), trained, batch,
+                                               rng, 1, layout, split_layers=False)
+            return state.apply_gradients(grads=grads), sums
+    shapes = jax.eval_shape(lambda p: create(apply_fn=model.__call__, params=p, tx=tx), params)
     rows = jax.device_count()
     batch = {"input_ids": np.ones((rows, SEQUENCE), np.int32),
              "labels": np.ones((rows, TARGET if seq2seq else SEQUENCE), np.int32)}
@@ -191,7 +216,7 @@ def at_full_depth(family, shape, layout_name, remat, plan, optimizer, depths, co
     # 2 and 4 layers gave 127 MiB a layer, below its 236 MiB of state).
     layer_parameters = (rows[1]["parameters"] - rows[0]["parameters"]) / (d2 - d1)
     state_per_layer = 12 * layer_parameters / (1 if layout_name == "dp" else jax.device_count())
-    if optimizer == "adamw" and per_layer < state_per_layer:
+    if optimizer == "adamw" and not LORA_RANK[0] and per_layer < state_per_layer:
         result["below_state"] = True
         print(f"  !! {per_layer / 2**20:.1f} MiB per layer is below the layer's own state "
               f"({state_per_layer / 2**20:.1f} MiB): compile deeper (--depths)", flush=True)
@@ -237,7 +262,8 @@ def largest(plan, args, save):
             for layout_name in args.layouts:
                 for remat in args.remat:
                     key = f"{family} {layout_name} remat {'on' if remat else 'off'} {optimizer}"
-                    ladder, low, high, tried = FAMILIES[family], -1, len(FAMILIES[family]), []
+                    ladder = (LORA_FAMILIES if LORA_RANK[0] else FAMILIES)[family]
+                    low, high, tried = -1, len(ladder), []
                     while high - low > 1:  # rungs <= low fit, rungs >= high do not
                         middle = args.start_rung if (args.start_rung is not None and not tried) else (low + high) // 2
                         row = at_full_depth(family, ladder[middle], layout_name, remat, plan, optimizer, args.depths,
@@ -283,14 +309,17 @@ def main():
                         help="compile each row at these depths (layers; two, or three to check the fit) and fit "
                              "bytes = fixed + layers x per layer to its own depth, instead of compiling it whole")
     parser.add_argument("--start_rung", type=int, default=None, help="largest: the ladder's rung to try first")
+    parser.add_argument("--lora_rank", type=int, default=0, help="measure LoRA of this rank instead of full "
+                                                                  "fine-tuning (into memory_{plan}_lora.json)")
     parser.add_argument("--out", default=None, help="default: benchmarks/memory_{plan}.json (merged into)")
     args = parser.parse_args()
+    LORA_RANK[0] = args.lora_rank
     args.remat = [value == "on" for value in args.remat]
     compat.apply()
     plan = tpu_plan.load(TPU) if args.plan == "tpu" else None
     if plan:
         DEVICE_BYTES[0] = plan.device_bytes
-    out = args.out or os.path.join(ROOT, "benchmarks", f"memory_{args.plan}.json")
+    out = args.out or os.path.join(ROOT, "benchmarks", f"memory_{args.plan}{'_lora' if args.lora_rank else ''}.json")
     results = {}
     if os.path.exists(out):
         with open(out, encoding="utf-8") as f:
@@ -298,6 +327,8 @@ def main():
     devices = plan.devices if plan else jax.devices()
     results.update(device_count=len(devices), device_kind=devices[0].device_kind, device_bytes=DEVICE_BYTES[0],
                    topology=TPU if plan else None)
+    if args.lora_rank:
+        results.update(lora_rank=args.lora_rank, lora_base_dtype="bfloat16")
 
     def save(part, value):
         previous = results.get(part)

@@ -41,8 +41,8 @@ def fingerprint(train_examples=160, config=None, global_batch_size=16, seed=42, 
 
 def test_fingerprint_names_what_fixes_the_run():
     saved = fingerprint()
-    assert set(saved) == {"model config", "global batch size", "training examples", "seed", "optimizer"}
-    assert saved["global batch size"] == 16 and saved["training examples"] == 160
+    assert set(saved) == {"model config", "global batch size", "training examples", "seed", "optimizer", "adapters"}
+    assert saved["global batch size"] == 16 and saved["training examples"] == 160 and saved["adapters"] is None
     assert saved["seed"] == 42 and saved["optimizer"] == "adamw"
     assert saved["model config"]["d_model"] == 32 and "transformers_version" not in saved["model config"]
 

@@ -20,6 +20,8 @@ SECRET_FIELDS = ("hub_token", "token")
 DTYPES = ("float32", "float16", "bfloat16")
 PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine", "constant")
+# The LoRA flags beside --lora_rank, and their values when LoRA is off.
+LORA_DEFAULTS = {"lora_alpha": None, "lora_dropout": 0.0, "lora_target": "attention", "lora_base_dtype": None}
 LAYOUTS = ("dp", "fsdp")
 DROPOUT_GENERATORS = ("auto", "threefry", "rbg")
 ATTENTION = ("auto", "splash", "xla")
@@ -56,12 +58,71 @@ class ModelArguments:
     )
     token: Optional[str] = _help("Hugging Face token for private models (never logged or saved).", default=None)
     trust_remote_code: bool = _help("Allow custom code from the hub (read it first).", default=False)
+    lora_rank: int = _help(
+        "LoRA: rank of the low-rank adapters trained beside the frozen model (0: off, the whole model trains). "
+        "Only the adapters and a new task head (classification, tagging, QA) are trained.", default=0)
+    lora_alpha: Optional[float] = _help("LoRA scale numerator: the adapters add (alpha / rank) x A B "
+                                        "(default: 2 x rank).", default=None)
+    lora_dropout: float = _help("LoRA: dropout on the adapters' input while training.", default=0.0)
+    lora_target: str = _help(
+        "LoRA: the layers that get adapters. 'attention' (each family's attention projections: GPT-2 c_attn / "
+        "c_proj, T5 q / k / v / o, BERT-likes, ViT and BigBird query / key / value and the attention output "
+        "dense, BART, Whisper, wav2vec2, CLIP, Llama and Mistral q_proj / k_proj / v_proj / o_proj / out_proj), "
+        "'all-linear' (every dense layer but the output head), or a regex searched in module paths such as "
+        "'transformer/h/0/attn/c_attn'.", default="attention")
+    lora_base_dtype: Optional[str] = _help(
+        "LoRA: storage dtype of the frozen base weights, float32 or bfloat16 (default: --param_dtype); the "
+        "adapters stay float32.", default=None)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype {self.dtype!r} is not supported: use one of {', '.join(DTYPES)}")
         if self.param_dtype not in PARAM_DTYPES:
             raise UsageError(f"--param_dtype {self.param_dtype!r} is not supported: use one of {', '.join(PARAM_DTYPES)}")
+        self._check_lora()
+
+    def _check_lora(self):
+        if self.lora_rank < 0:
+            raise UsageError(f"--lora_rank must be positive (or 0 to train the whole model), got {self.lora_rank}")
+        if not self.lora_rank:
+            given = [name for name, default in LORA_DEFAULTS.items() if getattr(self, name) != default]
+            if given:
+                raise UsageError(f"--{given[0]} applies to LoRA only: pass --lora_rank R (e.g. 8) too, or drop it")
+            return
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            raise UsageError(f"--lora_alpha must be positive, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise UsageError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_base_dtype is not None and self.lora_base_dtype not in PARAM_DTYPES:
+            raise UsageError(f"--lora_base_dtype {self.lora_base_dtype!r} is not supported: use one of "
+                             f"{', '.join(PARAM_DTYPES)}")
+        self._continue_peft_adapter()
+
+    def _continue_peft_adapter(self):
+        """--model_name_or_path naming a PEFT adapter (adapter_config.json, no model of its own): the run
+        continues that adapter on the base its config names (`utils.lora.load_peft_weights`)."""
+        path = self.model_name_or_path
+        self.lora_adapter_dir = None
+        if not (path and os.path.isfile(os.path.join(path, "adapter_config.json"))
+                and not os.path.isfile(os.path.join(path, "config.json"))):
+            return
+        config_file = os.path.join(path, "adapter_config.json")
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"{config_file} is not a readable JSON file ({error}): point --model_name_or_path at a "
+                             "PEFT adapter directory or a model")
+        if config.get("peft_type") != "LORA" or not config.get("base_model_name_or_path"):
+            raise UsageError(f"{config_file} is not a LoRA adapter naming its base model (peft_type LORA, "
+                             "base_model_name_or_path): pass the base model as --model_name_or_path instead")
+        if config.get("r") != self.lora_rank:
+            raise UsageError(f"the adapter in {path} has rank {config.get('r')}, this run --lora_rank "
+                             f"{self.lora_rank}: continue it with --lora_rank {config.get('r')}")
+        self.lora_adapter_dir = path
+        self.model_name_or_path = config["base_model_name_or_path"]
+        if self.lora_alpha is None:
+            self.lora_alpha = float(config.get("lora_alpha", 2 * self.lora_rank))
 
 
 @dataclass

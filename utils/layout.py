@@ -201,9 +201,9 @@ class Layout:
 
         return jax.tree_util.tree_map(shape, host_rows)
 
-    def _abstract_state(self, apply_fn, params, tx):
+    def _abstract_state(self, apply_fn, params, tx, create):
         """What `create_state` would make of the parameter shapes `params`, placed (`abstract_state`)."""
-        return self.abstract_state(jax.eval_shape(partial(TrainState.create, apply_fn=apply_fn, tx=tx), params=params))
+        return self.abstract_state(jax.eval_shape(partial(create, apply_fn=apply_fn, tx=tx), params=params))
 
     def dropout_key(self, seed, step, generator="threefry"):
         """The dropout key of the train step that `state.step` is `step` in, traced inside that step: a
@@ -252,12 +252,12 @@ class DataParallel(Layout):
     def place_params(self, host_params):
         return host_params
 
-    def create_state(self, apply_fn, params, tx):
-        """The state on every device."""
+    def create_state(self, apply_fn, params, tx, create=TrainState.create):
+        """The state on every device (`create`: how a state is made of them, e.g. `utils.lora.FrozenBaseState`'s)."""
         if self.plan:
-            return self._abstract_state(apply_fn, params, tx)
+            return self._abstract_state(apply_fn, params, tx, create)
         with jax.default_device(host_cpu()):  # the optimizer state made beside the fresh weights, then copied
-            return self._replicate(TrainState.create(apply_fn=apply_fn, params=params, tx=tx))
+            return self._replicate(create(apply_fn=apply_fn, params=params, tx=tx))
 
     def _replicate(self, state):
         n = jax.local_device_count()
@@ -384,18 +384,19 @@ class FullySharded(Layout):
         """Pretrained weights from host memory, each leaf sent in shards to the devices that hold them."""
         return jax.tree_util.tree_map(lambda x: jax.device_put(x, self.sharding_of(np.shape(x))), host_params)
 
-    def create_state(self, apply_fn, params, tx):
+    def create_state(self, apply_fn, params, tx, create=TrainState.create):
         """The optimizer state made next to its (sharded) parameter, inside one compiled program."""
         if self.plan:
-            state = self._abstract_state(apply_fn, params, tx)
+            state = self._abstract_state(apply_fn, params, tx, create)
             self._log_split(state)
             return state
 
-        def create(params):
-            return TrainState.create(apply_fn=apply_fn, params=params, tx=tx)
+        def create_placed(params):
+            return create(apply_fn=apply_fn, params=params, tx=tx)
 
         # Donated: the parameters move into the state instead of being held twice.
-        state = jax.jit(create, out_shardings=self._shardings(jax.eval_shape(create, params)), donate_argnums=0)(params)
+        state = jax.jit(create_placed, out_shardings=self._shardings(jax.eval_shape(create_placed, params)),
+                        donate_argnums=0)(params)
         self._log_split(state)
         return state
 

@@ -12,7 +12,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers import AutoConfig, AutoTokenizer, FlaxPreTrainedModel
 from transformers.models.auto import modeling_flax_auto
 
-from utils import decoder_positions, devices, hub_access, remat, weights
+from utils import decoder_positions, devices, hub_access, lora, remat, weights
 from utils.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -324,9 +324,23 @@ def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatc
     other shapes than `config`'s (another number of labels) is replaced by a fresh one, with a
     warning (`_drop_mismatched_head`). Planning for a TPU (`layout.plan`), the parameters are shapes
     from `config` alone: no weights are read or made.
+
+    With `--lora_rank`, the adapters `utils.lora` plans for the model are checked first, then added to
+    the parameters (float32) and attached to the model; the frozen base is stored in `--lora_base_dtype`.
     """
     param_dtype = jnp.dtype(model_args.param_dtype)
     kwargs = dict(seed=seed, dtype=devices.to_dtype(model_args.dtype), trust_remote_code=model_args.trust_remote_code)
+    adapters = None
+    if model_args.lora_rank:  # checked on the model of `config` before any weight is read
+        adapters = lora.plan(_from_config(auto_class, config, kwargs), model_args, auto_class.__name__)
+    base_dtype = jnp.dtype(model_args.lora_base_dtype or model_args.param_dtype)
+
+    def cast(params):
+        if adapters is None:
+            return cast_floats(params, param_dtype)
+        return {name: cast_floats(group, param_dtype if name in adapters.heads else base_dtype)
+                for name, group in params.items()}
+
     if model_args.model_name_or_path and not layout.plan:
         name = model_args.model_name_or_path
         # Read with the checkpoint's own config, whose shapes its weights have; then fitted to `config`'s.
@@ -339,11 +353,27 @@ def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatc
             model = _from_config(auto_class, config, kwargs)
             params = _drop_mismatched_head(model, params, name)
         params = _with_missing_initialised(model, params, name)
-        return model, layout.place_params(cast_floats(params, param_dtype))
-    model = _from_config(auto_class, config, kwargs)
-    if model._is_initialized and not layout.plan:
-        return model, layout.place_params(cast_floats(model.params, param_dtype))
-    return model, layout.init_params(lambda: cast_floats(model.init_weights(model.key, model.input_shape), param_dtype))
+        params = layout.place_params(cast(params))
+    else:
+        model = _from_config(auto_class, config, kwargs)
+        if model._is_initialized and not layout.plan:
+            params = layout.place_params(cast(model.params))
+        else:
+            params = layout.init_params(lambda: cast(model.init_weights(model.key, model.input_shape)))
+    if adapters is None:
+        return model, params
+    new = lora.new_weights(adapters, seed, shapes_only=bool(layout.plan))
+    if model_args.lora_adapter_dir and not layout.plan:  # continuing a PEFT adapter: its weights and heads
+        loaded = lora.load_peft_weights(model_args.lora_adapter_dir, adapters, lora.join(new, params))
+        new = unflatten_dict({**flatten_dict(new), **{k: v for k, v in loaded.items() if k[-1] in lora.ADAPTER_LEAVES}})
+        heads = {k: v.astype(param_dtype) for k, v in loaded.items() if k[-1] not in lora.ADAPTER_LEAVES}
+        if heads:
+            params = lora.join(layout.place_params(unflatten_dict(heads)), params)
+        logger.info("LoRA: continuing the adapter in %s", model_args.lora_adapter_dir)
+    lora.attach(model, adapters)
+    logger.info("LoRA: rank %d, alpha %g, adapters on %d layers (%s), trained in full: %s", adapters.rank,
+                adapters.alpha, len(adapters.targets), adapters.target_rule, ", ".join(adapters.heads) or "nothing else")
+    return model, lora.join(new if layout.plan else layout.place_params(new), params)
 
 
 def enable_gradient_checkpointing(model):
@@ -353,4 +383,7 @@ def enable_gradient_checkpointing(model):
     if type(model).enable_gradient_checkpointing is FlaxPreTrainedModel.enable_gradient_checkpointing:
         remat.remat_layers(model)
     else:
-        model.enable_gradient_checkpointing()
+        model.enable_gradient_checkpointing()  # a new module: LoRA's adapters are attached to it again
+        adapters = lora.adapters_of(model)
+        if adapters:
+            lora.attach(model, adapters)

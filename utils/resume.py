@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 
+from utils import lora
 from utils.checkpoint import Checkpointer, checkpoint_steps, locate_checkpoint
 from utils.errors import UsageError
 
@@ -52,16 +53,18 @@ _FINGERPRINT_HINTS = {
     "training examples": "the training data, --max_train_samples and --streaming",
     "seed": "--seed",
     "optimizer": "--adafactor",
+    "adapters": "--lora_rank, --lora_alpha, --lora_dropout, --lora_target and --lora_base_dtype",
 }
 
 
-def run_fingerprint(config, train_examples=None, global_batch_size=None, seed=None, adafactor=False):
+def run_fingerprint(config, train_examples=None, global_batch_size=None, seed=None, adafactor=False, adapters=None):
     """The settings a resumed run must share with the checkpoint it continues, by name.
 
     The model config (shapes and everything the model computes with); when training
     (`train_examples`: their number, or "streamed") also the global batch size (accumulation
     included), the number of training examples and the seed (together they fix the examples and
-    dropout masks of every step) and the optimizer (`--adafactor`: the structure of its state).
+    dropout masks of every step), the optimizer (`--adafactor`: the structure of its state) and the
+    LoRA adapters (`utils.lora.Adapters`, None without).
     Anything else may change, the layout and the number of devices included: a resumed run
     continues exactly what its own layout and devices would have done from that step.
     """
@@ -73,6 +76,7 @@ def run_fingerprint(config, train_examples=None, global_batch_size=None, seed=No
             "training examples": train_examples,
             "seed": seed,
             "optimizer": "adafactor" if adafactor else "adamw",
+            "adapters": adapters.describe() if adapters else None,
         })
     return fingerprint
 
@@ -107,7 +111,7 @@ def resume_or_start(resume, fingerprint, state, total_steps, layout, train_data=
     if resume is None:
         return state, 0
     where = f"{resume.directory}/{resume.step}"
-    target = layout.checkpoint_target(state)
+    target = layout.checkpoint_target(lora.checkpointed(state))  # with LoRA: no frozen base
     reader = Checkpointer(resume.directory, read_only=True)
     try:
         saved = reader.read_meta(resume.step).get("fingerprint", {})
@@ -123,13 +127,13 @@ def resume_or_start(resume, fingerprint, state, total_steps, layout, train_data=
             raise UsageError(f"the checkpoint {where} is at step {resume.step}, past the {total_steps} steps of this "
                              "run: raise --max_steps or --num_train_epochs")
         # The fresh state only told the shapes and places: its memory goes before the restore needs it.
-        jax.tree_util.tree_map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
+        jax.tree_util.tree_map(lambda x: x.delete() if isinstance(x, jax.Array) else None, lora.checkpointed(state))
         restored, meta = reader.restore(resume.step, target)
         _restore_stream(reader, resume, meta, train_data)
     finally:
         reader.close()
     logger.info("resumed from the checkpoint of step %d in %s", resume.step, resume.directory)
-    return layout.from_checkpoint(restored), int(meta["step"])
+    return lora.restored(state, layout.from_checkpoint(restored)), int(meta["step"])
 
 
 def _restore_stream(reader, resume, meta, train_data):

@@ -14,8 +14,10 @@ import os
 import shutil
 import tempfile
 
+import safetensors.numpy
+
 from utils import devices
-from utils import model_card
+from utils import lora, model_card
 from utils.args import public_args, save_args
 from utils.checkpoint import CHECKPOINT_SUBDIR, disk_full_is_fatal
 from utils.errors import UsageError, at_exit
@@ -35,7 +37,10 @@ RUN_OUTPUTS = (
     "flax_model.msgpack.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "chat_template.*", "vocab.*", "merges.txt", "*.model", "*.spm", "preprocessor_config.json",
     model_card.CARD,
+    # LoRA's adapters in PEFT's layout, beside the merged model
+    "adapter_config.json", "adapter_model.safetensors",
 )
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
 def is_run_output(name, task_outputs=()):
@@ -84,7 +89,11 @@ def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process
     # Written beside and then moved into place, so a failed write (a full disk) leaves the previous
     # export whole: each file is replaced by a rename, which needs no space.
     staging = tempfile.mkdtemp(prefix=".export-", dir=output_dir)
+    adapters = lora.adapters_of(model)
     try:
+        if adapters:  # the merged model, which loads like any other, and the adapters alone in PEFT's layout
+            write_peft_adapter(staging, params, adapters)
+            params = lora.merged(params, adapters)
         model.save_pretrained(staging, params=params)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
@@ -93,6 +102,14 @@ def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("Exported model to %s", output_dir)
+
+
+def write_peft_adapter(directory, params, adapters):
+    """adapter_config.json and adapter_model.safetensors (`utils.lora.peft_files`) into `directory`."""
+    config, tensors = lora.peft_files(params, adapters)
+    with open(os.path.join(directory, PEFT_CONFIG), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    safetensors.numpy.save_file(tensors, os.path.join(directory, PEFT_WEIGHTS), metadata={"format": "pt"})
 
 
 def write_results(output_dir, prefix, metrics, is_main_process):

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from utils import devices, preemption
+from utils import devices, lora, preemption
 from utils.checkpoint import Checkpointer, all_finite, checkpoint_steps, disk_full_is_fatal, find_checkpoint_dir
 from utils.errors import RunError, Stopped, at_exit
 
@@ -109,7 +109,8 @@ class Saver:
 
     def save(self, step, state, reason):
         """Checkpoint `state` at `step` for `reason` (`SavePolicy.reason`), export and push it."""
-        if not all_finite((state.params, state.opt_state)):
+        saved = lora.checkpointed(state)  # a frozen base is not saved: the model's weights give it back
+        if not all_finite((saved.params, saved.opt_state)):
             raise RunError(f"the parameters became non-finite in step {step} (its loss was still finite): lower "
                            f"--learning_rate; {self.kept()}")
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
@@ -120,7 +121,7 @@ class Saver:
             meta["data"] = devices.gather_json(stream["meta"])
             data = {name: devices.gather_rows(rows) for name, rows in stream["arrays"].items()}
         with self._disk_full_is_fatal():
-            self.checkpointer.save(step, self.layout.checkpoint_tree(state), meta, data)
+            self.checkpointer.save(step, self.layout.checkpoint_tree(saved), meta, data)
             if reason == STOP:  # the grace period before a machine goes is short: the checkpoint only
                 self.close()
                 signal = preemption.stop_signal()

@@ -6,6 +6,8 @@ the global batch) before dividing, so each token weighs the same whatever device
 lands on (the classic scripts averaged per device, which over-weights short sequences).
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -39,14 +41,16 @@ def split_micro_batches(batch, steps, shards=1):
     return jax.tree_util.tree_map(split, batch)
 
 
-def token_weighted_grads(loss_fn, params, batch, rng, accumulation_steps, layout):
+def token_weighted_grads(loss_fn, params, batch, rng, accumulation_steps, layout, split_layers=True):
     """Gradients of the mean token loss over the global batch, and the batch's metric sums.
 
     `loss_fn(params, batch, rng) -> (loss_sum, sums)` where `sums` is a dict of per-batch sums
     holding at least "loss" and "tokens"; `layout` (`utils.layout`) sums over the global batch and
     says how its rows lie over the devices. With accumulation the rows are split into
     `accumulation_steps` micro-batches scanned in sequence: one compiled body, activation memory of
-    a single micro-batch, and exactly the gradient of the whole batch.
+    a single micro-batch, and exactly the gradient of the whole batch. `split_layers=False` leaves the
+    layers' gradients to XLA (`Layout.split_layer_gradients` would compute and keep those of parameters
+    `params` does not hold: a frozen base's).
     """
     # Why a scan and not optax.MultiSteps (one pmap call per micro-batch), measured with
     # benchmarks/gradient_accumulation.py (tiny T5, 1M params, 4 micro-batches of 8 x 112 tokens,
@@ -57,7 +61,8 @@ def token_weighted_grads(loss_fn, params, batch, rng, accumulation_steps, layout
     # micro-batches in `state.step`, and average per-micro-batch means instead of weighting tokens.
     grad_fn = jax.grad(loss_fn, has_aux=True)
     rows = len(jax.tree_util.tree_leaves(batch)[0]) // accumulation_steps
-    with layout.keep_batch_split(rows), layout.split_layer_gradients():
+    split = layout.split_layer_gradients() if split_layers else contextlib.nullcontext()
+    with layout.keep_batch_split(rows), split:
         grads, sums = _summed_grads(grad_fn, params, batch, rng, accumulation_steps, layout)
     sums, grads = layout.batch_sum((sums, grads))
     # In the gradient's own dtype: a float32 count would turn bf16 gradients (--param_dtype bfloat16)

@@ -14,8 +14,9 @@ import time
 from functools import partial
 
 import jax
+from flax.training.train_state import TrainState
 
-from utils import attention, devices
+from utils import attention, devices, lora
 from utils.errors import Done, RunError
 from utils.logging import MetricsLogger, throughput_meter
 from utils.memory import does_not_fit, eval_levers, per_device_bytes, plan_memory, readable, train_levers
@@ -77,10 +78,11 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     "loss" and "tokens" in `sums` (`utils.steps.token_weighted_grads`). What every script's steps
     need is applied here, so none can forget it: the train step gets `--label_smoothing_factor`
     (evaluation 0) and the dropout key of (`--seed`, its step) drawn by `--dropout_rng`'s generator
-    (`Layout.dropout_key`), and
-    `--gradient_checkpointing` makes `model` recompute its layers' activations, and `--attention` picks
-    its attention kernel (`utils.attention`). The optimizer follows
-    `plan`'s learning-rate schedule. When training, the train step is compiled now, for batches like
+    (`Layout.dropout_key`), `--gradient_checkpointing` makes `model` recompute its layers' activations,
+    and `--attention` picks its attention kernel (`utils.attention`). The optimizer follows
+    `plan`'s learning-rate schedule; with LoRA (adapters attached by `utils.models.load_model`) it
+    trains the adapters and heads alone (`utils.lora.FrozenBaseState`). When training, the train step is
+    compiled now, for batches like
     `train_data`'s (after `transform`): its device memory is known, and checked, before anything is
     written. `predict_fn(params, batch) -> [rows, ...]` (class ids, logits, tags) makes the eval
     step return its per-row outputs beside the sums, in the same compiled step. With
@@ -94,7 +96,10 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
         logger.info("attention: Pallas splash kernel (causal self-attention without dropout)")
     optimizer = create_optimizer(plan.schedule, training_args.adafactor, training_args.adam_beta1,
                                  training_args.adam_beta2, training_args.adam_epsilon, training_args.weight_decay)
-    state = layout.create_state(model.__call__, params, optimizer)
+    adapters = lora.adapters_of(model)
+    create = (partial(lora.FrozenBaseState.create, trainable=lora.trainable_paths(params, adapters)) if adapters
+              else TrainState.create)
+    state = layout.create_state(model.__call__, params, optimizer, create)
     label_smoothing, seed = training_args.label_smoothing_factor, training_args.seed
     generator = layout.dropout_generator(training_args.dropout_rng)
     accumulation = training_args.gradient_accumulation_steps
@@ -103,7 +108,13 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
 
     def train_step(state, batch):
         dropout_rng = layout.dropout_key(seed, state.step, generator)
-        grads, sums = token_weighted_grads(train_loss, state.params, batch, dropout_rng, accumulation, layout)
+        trained, frozen = lora.trained_and_frozen(state)  # the gradients of what trains, only
+
+        def trained_loss(trained, batch, dropout_rng):
+            return train_loss(lora.join(trained, frozen), batch, dropout_rng)
+
+        grads, sums = token_weighted_grads(trained_loss, trained, batch, dropout_rng, accumulation, layout,
+                                           split_layers=not frozen)
         return state.apply_gradients(grads=grads), sums
 
     def eval_step(params, batch):
@@ -120,6 +131,15 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     p_eval_step = layout.compile_step("eval_step", eval_step)
     eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
     return state, Steps(p_train_step, p_eval_step, layout, eval_batch_size, predict_fn is not None)
+
+
+def parameter_counts(layout, state):
+    """{"trainable_parameters", "total_parameters"} of `state` (its global shapes, in any layout), logged:
+    with LoRA the adapters and heads (`utils.lora.checkpointed`) of the whole model, adapters included."""
+    shapes = layout.checkpoint_target(state)
+    trainable, total = lora.count(lora.checkpointed(shapes).params), lora.count(shapes.params)
+    logger.info("parameters: %s trained of %s (%.3g%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
+    return {"trainable_parameters": trainable, "total_parameters": total}
 
 
 def report_plan(training_args, layout, state=None, batches=None):
@@ -157,7 +177,8 @@ def report_plan(training_args, layout, state=None, batches=None):
         metrics.log(0, {k: v for k, v in figures.items() if not k.endswith("_refused")}, split="memory")
         metrics.close()
         with open(os.path.join(out, "all_results.json"), "w", encoding="utf-8") as f:
-            json.dump({"compile_only": plan.name, **figures, "fits": fits}, f, indent=2)
+            json.dump({"compile_only": plan.name, **parameter_counts(layout, state), **figures, "fits": fits}, f,
+                      indent=2)
     where = f"{plan.describe()}, --sharding {layout.name}: the"
     for name, (memory, refused) in plans.items():
         step = name.replace("_", " ")
@@ -212,11 +233,13 @@ class TrainingRun:
         args, plan, train_data = self.args, self.plan, self.train_data
         self.config = config
         fingerprint = run_fingerprint(config, train_data and (train_data.size or "streamed"), plan.batch_size,
-                                      args.seed, args.adafactor)
+                                      args.seed, args.adafactor, lora.adapters_of(model))
+        counts = parameter_counts(self.layout, state)
         state, self.start_step = resume_or_start(resume, fingerprint, state, plan.total_steps, self.layout, train_data)
         self.step = self.start_step
         self.dir = RunDirectory(args, self.all_args, self.task, model, tokenizer, self.is_main, plan.total_steps,
                                 resume, self.layout.train_step_memory)
+        self.dir.add_results(**counts)
         if args.do_train:
             self.saver = Saver(args.output_dir, args.save_total_limit, self.dir, self.layout, train_data, fingerprint,
                                plan.steps_per_epoch, plan.total_steps, self.start_step, self.is_main)
