@@ -346,6 +346,19 @@ def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatc
     return model, layout.init_params(lambda: cast_floats(model.init_weights(model.key, model.input_shape), param_dtype))
 
 
+def pretrained_params(auto_class, model_args, config, seed):
+    """Host parameters of the checkpoint `--model_name_or_path` (any format) read with `config`, the
+    weights it lacks initialised fresh (a warning names them): what a model composed of pretrained
+    parts (a dual encoder's text and vision encoders) is assembled from."""
+    kwargs = dict(seed=seed, dtype=devices.to_dtype(model_args.dtype), trust_remote_code=model_args.trust_remote_code)
+    name = model_args.model_name_or_path
+    try:
+        model, params = _pretrained(auto_class, model_args, config, kwargs)
+    except (OSError, ValueError) as e:
+        raise _hub_error("model", name, e)
+    return _with_missing_initialised(model, params, name)
+
+
 def enable_gradient_checkpointing(model):
     """--gradient_checkpointing: recompute each layer's activations in the backward pass. The
     families transformers implements it for do it their way; the others (GPT-2, Llama, OPT, BART,
