@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tasks import Task
+from tasks.demo import Answer, BadInput, Predictor, escape_markdown, require_text, show_answer
 from tasks import image_classification as images
 from utils import dataset_loading, devices, hub_access
 from utils.errors import UsageError
@@ -515,3 +516,148 @@ def prediction_lines(query_names, candidate_names, query_embeds, candidate_embed
         lines.extend(f"{one_line(query)}\t{rank}\t{score:.4f}\t{one_line(candidate_names[i])}"
                      for rank, (i, score) in enumerate(zip(row, row_scores), start=1))
     return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# The demo page (demo.py): image search and zero-shot labels
+# ---------------------------------------------------------------------------------------------
+
+
+def _validation_images(output_dir, run_args):
+    """The run's validation images (`ImageTextSplit`) where its arguments name a local file or folder, else None."""
+    import types
+
+    import datasets
+
+    args = types.SimpleNamespace(**{name: run_args.get(name) for name in ("image_column", "caption_column",
+                                                                         "label_column")})
+    file, folder = run_args.get("validation_file"), run_args.get("validation_dir")
+    if file and os.path.isfile(file):
+        dataset = datasets.load_dataset("json" if ".json" in file else "csv", data_files=file, split="train")
+        return dataset_split(args, dataset, "validation", run_args.get("data_dir") or os.path.dirname(
+            os.path.abspath(file)))
+    if folder and os.path.isdir(folder):
+        return dataset_split(args, _folder_dataset(folder, None), "validation", None)
+    return None
+
+
+def _features(model):
+    """(image features of channels-first pixels, text features), normalised, jitted. transformers 4.57's dual
+    encoder `get_image_features` wants channels-last pixels (its forward pass transposes, it does not);
+    CLIP's transposes itself."""
+    from transformers import FlaxVisionTextDualEncoderModel
+
+    channels_last = isinstance(model, FlaxVisionTextDualEncoderModel)
+
+    def image(params, pixels):
+        pixels = jnp.transpose(pixels, (0, 2, 3, 1)) if channels_last else pixels
+        return _normalised(model.get_image_features(pixels, params=params))
+
+    def text(params, input_ids, attention_mask):
+        return _normalised(model.get_text_features(input_ids, attention_mask, params=params))
+
+    return jax.jit(image), jax.jit(text)
+
+
+class ImageSearch(Predictor):
+    """run_hybrid_clip.py's model: a query against a set of images (the uploaded ones, else the run's
+    validation images), the `TOP` best with their cosine scores; or one image against comma-separated
+    labels (zero-shot: softmax of the model's scaled similarities). Images are transformed as the
+    script evaluates them, with the image processor saved beside the model; queries are padded to the
+    run's --max_seq_length (one compiled shape each)."""
+
+    auto_class = "FlaxAutoModel"
+    TOP = 5
+
+    def __init__(self, output_dir, run_args):
+        from transformers import AutoImageProcessor
+
+        super().__init__(output_dir, run_args)
+        processor = AutoImageProcessor.from_pretrained(output_dir)
+        vision = self.config.vision_config
+        size = run_args.get("image_size") or getattr(vision, "image_size", None) or images.processor_size(processor)
+        self.transforms = images.Transforms(size, images.Normalisation(processor))
+        self.max_seq_length = run_args.get("max_seq_length") or 72
+        self._image, self._text = _features(self.model)
+        self.gallery = _validation_images(output_dir, run_args)
+        self.gallery_embeds = None
+
+    def _embed_images(self, sources):
+        return np.stack([np.asarray(self._image(self.params, self.transforms.eval(source)[None]))[0]
+                         for source in sources])
+
+    def _embed_texts(self, texts):
+        tokens = tokenize(self.tokenizer, texts, self.max_seq_length)
+        return np.asarray(self._text(self.params, tokens["input_ids"], tokens["attention_mask"]))
+
+    def _read(self, image_bytes):
+        try:
+            return self.transforms.eval(bytes(image_bytes))
+        except images.Image.DecompressionBombError as e:
+            raise BadInput(f"an image is too large to decode ({e}): upload a smaller one") from e
+        except (images.UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+            raise BadInput(f"a file is not an image that can be read ({type(e).__name__}): upload PNG, JPEG, GIF, "
+                           "BMP, WebP or TIFF files") from e
+
+    def predict(self, query, uploads=(), labels=""):
+        """Labels given: zero-shot on the first upload. Else: the query's best images (uploads or the gallery)."""
+        uploads = [u for u in uploads if u]
+        names = [name.strip() for name in labels.split(",") if name.strip()]
+        if names:
+            if not uploads:
+                raise BadInput("zero-shot labels need an image: upload one")
+            pixels = self._read(uploads[0])
+            image = np.asarray(self._image(self.params, pixels[None]))[0]
+            scale = min(float(np.exp(np.asarray(self.params["logit_scale"]))), MAX_LOGIT_SCALE)
+            logits = scale * self._embed_texts(names) @ image
+            probabilities = np.exp(logits - logits.max())
+            probabilities /= probabilities.sum()
+            order = np.argsort(-probabilities, kind="stable")
+            answer = Answer(details=[(names[i], float(probabilities[i])) for i in order])
+        else:
+            require_text(query, "query")
+            if uploads:
+                embeds = np.stack([np.asarray(self._image(self.params, self._read(u)[None]))[0] for u in uploads])
+                shown = [f"upload {i + 1}" for i in range(len(uploads))]
+            elif self.gallery is not None:
+                embeds, shown = self.gallery_embeds, self.gallery.shown
+            else:
+                raise BadInput("no images to search: upload some (the run's validation images are not here)")
+            best, scores = top_matches(self._embed_texts([query]), embeds, self.TOP)
+            answer = Answer(details=[(shown[i], float(score)) for i, score in zip(best[0], scores[0])])
+        answer.text = answer.details[0][0]
+        return answer
+
+    def gallery_image(self, name):
+        """The gallery image shown as `name` (its source: a path or encoded bytes)."""
+        return self.gallery.sources[self.gallery.shown.index(name)]
+
+    def warm_up(self):
+        side = self.transforms.size
+        jax.block_until_ready(self._image(self.params, np.zeros((1, 3, side, side), np.float32)))
+        self._embed_texts(["warm up"])
+        if self.gallery is not None:
+            self.gallery_embeds = self._embed_images(self.gallery.sources)
+
+
+PREDICTOR = ImageSearch
+
+
+def demo_form(st, predictor):
+    with st.form("request"):
+        query = st.text_input("Query (search the images)", key="query")
+        labels = st.text_input("Or labels, comma-separated (zero-shot on the first image)", key="labels")
+        uploads = st.file_uploader("Images (default: the run's validation images)", key="images",
+                                   accept_multiple_files=True)
+        submitted = st.form_submit_button("Match")
+    if submitted:
+        def show():
+            files = [upload.getvalue() for upload in uploads or []]
+            answer = predictor(query, files, labels)
+            show_answer(st, answer)
+            column = "label" if labels.strip() else "image"
+            st.table({column: [escape_markdown(name) for name, _ in answer.details],
+                      "score": [f"{score:.3f}" for _, score in answer.details]})
+            if not labels.strip() and not files:
+                st.image([predictor.gallery_image(name) for name, _ in answer.details], width=96)
+        return show
