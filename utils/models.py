@@ -286,7 +286,14 @@ def _pretrained(auto_class, model_args, config, kwargs):
     load_kwargs = dict(config=config, cache_dir=model_args.cache_dir, token=model_args.token, _do_init=False, **kwargs)
     if filename is None or filename in weights.FLAX_MSGPACK:
         # Flax weights (or nothing found, which transformers explains best): transformers reads them.
-        return auto_class.from_pretrained(name, **load_kwargs)
+        try:
+            return auto_class.from_pretrained(name, **load_kwargs)
+        except ValueError:
+            # FlaxVisionTextDualEncoderModel refuses to be built without its weights: it reads them on the host
+            # (any other error comes back from this second try).
+            with weights.on_host():
+                model = auto_class.from_pretrained(name, **{**load_kwargs, "_do_init": True})
+            return model, model.params
     # PyTorch or safetensors weights: the model from its config, the weights read here.
     model = _from_config(auto_class, config, kwargs)
     return model, weights.read_converted(model, name, filename, path, model_args.cache_dir, model_args.token)
