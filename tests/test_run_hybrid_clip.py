@@ -95,7 +95,7 @@ def test_the_export_loads_in_transformers_own_classes_and_ranks_alike(trained):
     # The model's forward pass transposes channels-first pixels (its get_image_features does not).
     output = model(tokens["input_ids"][: len(rows)], pixels, tokens["attention_mask"][: len(rows)])
     images = np.asarray(output.image_embeds)
-    text = np.asarray(model.get_text_features(tokens["input_ids"], tokens["attention_mask"]))
+    text = np.array(model.get_text_features(tokens["input_ids"], tokens["attention_mask"]))
     text /= np.linalg.norm(text, axis=-1, keepdims=True)
     owner = np.repeat(np.arange(len(rows)), [len(row["captions"]) for row in rows])
     scores = images @ text.T
