@@ -250,3 +250,13 @@ def test_the_caption_an_image_gets_is_a_pure_draw_of_seed_epoch_and_image():
     assert first[2] == 3 and 0 <= first[1] < 3 and 4 <= first[0] < 9 and first[0] == first[3]
     drawn = {int(image_text.caption_choice(starts, np.array([2]), seed=7, epoch=e)[0]) for e in range(60)}
     assert drawn == set(range(4, 9))  # over epochs, every caption of the image
+
+
+def test_an_image_folder_with_captions_gives_the_images_of_the_classic_file():
+    folder = os.path.join(DATA, "images", "validation")
+    found = image_text.dataset_split(DataArgs(), image_text._folder_dataset(folder, None), "validation", None)
+    with open(os.path.join(DATA, "valid_dataset.json"), encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f]
+    assert found.captions == [line["captions"] for line in lines]
+    assert found.labels == [line["label"] for line in lines]
+    assert [found.sources[i] for i in (0, 199)] == [os.path.join(DATA, lines[i]["image_path"]) for i in (0, 199)]
