@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = "run_hybrid_clip.py"
 DATA = os.path.join(ROOT, "data", "image_text")
-# The whole config on one device: the tiny model leaves its plateau (loss ln 64) only after 100-200 steps.
+# The whole config (200 steps) on one device, where it runs fastest.
 RUN = ["--logging_steps", 25, "--eval_steps", 1000]
 CHANCE_AT_10 = 10 / 200  # recall@10 of a model that ranks the 200 validation images at random
 
