@@ -264,10 +264,13 @@ def main(argv=None):
         metrics, image_embeds, caption_embeds = evaluate(state.params, "test")
         shown, texts = splits["test"].shown, [c for per_image in splits["test"].captions for c in per_image]
         k = data_args.predict_top_k
+        # Tabs separate the columns: each line's fields are made one-line by `prediction_lines`, not here.
         run.write_text(image_text.IMAGE_TO_TEXT_FILE, image_text.prediction_lines(
-            shown, texts, image_embeds, caption_embeds, k, ("image", "rank", "score", "caption")), collapse_whitespace=False)
+            shown, texts, image_embeds, caption_embeds, k, ("image", "rank", "score", "caption")),
+            collapse_whitespace=False)
         run.write_text(image_text.TEXT_TO_IMAGE_FILE, image_text.prediction_lines(
-            texts, shown, caption_embeds, image_embeds, k, ("caption", "rank", "score", "image")), collapse_whitespace=False)
+            texts, shown, caption_embeds, image_embeds, k, ("caption", "rank", "score", "image")),
+            collapse_whitespace=False)
         run.report("test", metrics)
     run.finish()
 
