@@ -44,6 +44,7 @@ MODULES = {
     "token-classification": "tasks.token_classification",
     "question-answering": "tasks.question_answering",
     "image-classification": "tasks.image_classification",
+    "image-text": "tasks.image_text",
 }
 
 # Model class name ending -> task; a conditional-generation model is told apart by its arguments.
@@ -55,6 +56,8 @@ _HEADS = (
     ("ForTokenClassification", "token-classification"),
     ("ForQuestionAnswering", "question-answering"),
     ("ForImageClassification", "image-classification"),
+    ("VisionTextDualEncoderModel", "image-text"),
+    ("CLIPModel", "image-text"),
 )
 _SEQ2SEQ_HEADS = ("ForConditionalGeneration", "EncoderDecoderModel")
 

@@ -19,6 +19,7 @@ from PIL import Image
 import run_clm_flax as clm
 import run_flax_glue as glue
 import run_flax_ner as ner
+import run_hybrid_clip as clip
 import run_image_classification as image
 import run_mlm_flax as mlm
 import run_qa
@@ -31,6 +32,7 @@ from test_errors_cli import (LM_TOKENIZER, QA_TOKENIZER, T5_TOKENIZER, TINY_BERT
 GLUE_TOKENIZER = os.path.join(ROOT, "data", "glue", "tokenizer")
 NER_TOKENIZER = os.path.join(ROOT, "data", "ner", "tokenizer")
 SCRIPTS = (summarization, clm, mlm, t5_mlm, glue, ner, run_qa, image)
+IMAGE_TEXT_TOKENIZER = os.path.join(ROOT, "data", "image_text", "tokenizer")
 
 
 def write_csv(path, header, rows):
@@ -59,6 +61,9 @@ NER = ["--model_type", "bert", "--config_overrides", TINY_BERT, "--tokenizer_nam
 QA = ["--model_type", "bert", "--config_overrides", TINY_BERT + ",max_position_embeddings=64", "--tokenizer_name",
       QA_TOKENIZER, "--max_seq_length", 32, "--doc_stride", 8, "--do_train", "--train_file", "{train}"]
 IMAGE = ["--model_type", "vit", "--config_overrides", TINY_VIT, "--do_train", "--train_file", "{train}"]
+CLIP = ["--text_model_type", "bert", "--text_config_overrides", TINY_BERT, "--vision_model_type", "vit",
+        "--vision_config_overrides", TINY_VIT, "--tokenizer_name", IMAGE_TEXT_TOKENIZER, "--do_train", "--train_file",
+        "{train}"]
 SUMMARIZATION = ["--model_type", "t5", "--config_overrides", TINY_T5, "--tokenizer_name", TOKENIZER, "--do_train",
                  "--train_file", "{train}"]
 CLM = ["--model_type", "gpt2", "--config_overrides", "n_embd=32,n_layer=1,n_head=2,n_positions=64", "--block_size",
@@ -85,6 +90,12 @@ def ner_train(d, rows):
 def image_rows(d, rows):
     """A csv of image paths (relative to it) and labels; `rows` are (writer of an image into `d`, label)."""
     return write_csv(d / "train.csv", ["image", "label"], [(make(d), label) for make, label in rows])
+
+
+def caption_rows(d, rows, column="captions"):
+    """Classic json lines of image paths (relative to the file) and captions; `rows` are (writer of an
+    image into `d`, captions)."""
+    return write_jsonl(d / "train_dataset.json", [{"image_path": make(d), column: captions} for make, captions in rows])
 
 
 def good_image(i, label):
@@ -165,6 +176,20 @@ CASES = [
      "train", r"row 1 of the train data has no image in column 'image'"),
     ("image: header only", image, IMAGE, {"train": lambda d: write_csv(d / "train.csv", ["image", "label"], [])},
      "train", r"but no rows"),
+    # Image-text pairs
+    ("clip: missing image file", clip, CLIP,
+     {"train": lambda d: caption_rows(d, [(good_image(0, "")[0], ["a cat"]), ((lambda d: "nothere.png"), ["a dog"])])},
+     "nothere.png", r"image .*nothere\.png cannot be read \(FileNotFoundError"),
+    ("clip: not an image", clip, CLIP,
+     {"train": lambda d: caption_rows(d, [(good_image(0, "")[0], ["a cat"]), (corrupt_image, ["a dog"])])},
+     "corrupt.png", r"image .*corrupt\.png cannot be read \(UnidentifiedImageError"),
+    ("clip: no caption column", clip, CLIP,
+     {"train": lambda d: caption_rows(d, [(good_image(0, "")[0], ["a cat"])], column="description")},
+     "train", r"the train data has no 'captions' / 'caption' / 'text' column \(its columns: image_path, "
+              r"description\): name it with --caption_column"),
+    ("clip: empty caption", clip, CLIP,
+     {"train": lambda d: caption_rows(d, [(good_image(0, "")[0], ["a cat"]), (good_image(1, "")[0], [])])},
+     "train", r"row 1 of the train data has no caption in column 'captions'"),
     # Texts
     ("summarization: header only", summarization, SUMMARIZATION,
      {"train": lambda d: write_csv(d / "train.csv", ["document", "summary"], [])}, "train", r"but no rows"),
@@ -196,6 +221,7 @@ def test_bad_data_is_one_error_naming_the_file(monkeypatch, capsys, tmp_path, pr
 
     for module in SCRIPTS:
         monkeypatch.setattr(module, "load_model", tripwire)
+    monkeypatch.setattr(clip.image_text, "load_dual_encoder", tripwire)
     data = tmp_path / "data"
     data.mkdir()
     paths = {placeholder: write(data) for placeholder, write in writers.items()}

@@ -12,6 +12,7 @@ import pytest
 import run_clm_flax
 import run_flax_glue
 import run_flax_ner
+import run_hybrid_clip
 import run_image_classification
 import run_qa
 import run_mlm_flax
@@ -31,6 +32,7 @@ SCRIPTS = {
     "glue": (run_flax_glue, ("Data (glue)",)),
     "ner": (run_flax_ner, ("Data (ner)",)),
     "image": (run_image_classification, ("Data (image classification)",)),
+    "hybrid clip": (run_hybrid_clip, ("Model (hybrid clip)", "Data (hybrid clip)")),
     "qa": (run_qa, ("Data (question answering)",)),
     "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm and t5 mlm)")),
     "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm and t5 mlm)")),
@@ -64,7 +66,12 @@ def test_every_argument_is_documented_with_its_default(name):
     documented = documented_defaults(sections + COMMON)
     for dataclass in (arguments_of(script, ModelArguments), TrainingArguments, arguments_of(script, BaseDataArguments)):
         for field in dataclasses.fields(dataclass):
-            expected = "(required)" if field.default is dataclasses.MISSING else f"`{field.default!r}`"
+            if field.default is not dataclasses.MISSING:
+                expected = f"`{field.default!r}`"
+            elif field.default_factory is not dataclasses.MISSING:  # a list
+                expected = f"`{field.default_factory()!r}`"
+            else:
+                expected = "(required)"
             assert documented.get(field.name) == expected, f"{name}: --{field.name} (default {expected})"
 
 

@@ -310,6 +310,9 @@ def _accepts(annotation, value):
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        return isinstance(value, list) and all(_accepts(item, v) for v in value)
     return isinstance(value, annotation)
 
 

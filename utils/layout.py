@@ -9,8 +9,8 @@
   device holds 1/fsdp_size of the state; the batch is one global array split over all devices,
   and sums over it are global sums without any collective in the step's code.
 
-The scripts define each step once, for both: `layout.batch_sum` is the one collective they name,
-and `utils.steps.token_weighted_grads` asks the layout how to cut micro-batches. Everything else
+The scripts define each step once, for both: `layout.batch_sum` and `layout.all_rows` (a loss over
+the pairs of the global batch's rows, such as a contrastive one) are the collectives they name, and `utils.steps.token_weighted_grads` asks the layout how to cut micro-batches. Everything else
 that differs lives here: making and placing the state (fresh weights initialised straight into
 their sharding; pretrained ones placed leaf by leaf from host memory), compiling the steps (the
 train step ahead of time, so its per-device memory (`utils.memory`) is known and checked before
@@ -302,6 +302,11 @@ class DataParallel(Layout):
     def batch_sum(self, tree):
         return jax.lax.psum(tree, AXIS)
 
+    def all_rows(self, x):
+        """(every device's rows of `x` in global batch order, the index of this device's first row
+        among them); its gradient flows back to the device each row came from."""
+        return jax.lax.all_gather(x, AXIS, tiled=True), jax.lax.axis_index(AXIS) * x.shape[0]
+
     def keep_batch_split(self, rows):
         return contextlib.nullcontext()  # each device computes on its own rows already
 
@@ -438,6 +443,9 @@ class FullySharded(Layout):
     # -- steps ----------------------------------------------------------------------------------------
     def batch_sum(self, tree):
         return tree  # the step sees the whole global batch: its sums are already global
+
+    def all_rows(self, x):
+        return x, 0  # the step sees every row of the global batch already
 
     @contextlib.contextmanager
     def keep_batch_split(self, rows):

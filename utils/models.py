@@ -286,7 +286,14 @@ def _pretrained(auto_class, model_args, config, kwargs):
     load_kwargs = dict(config=config, cache_dir=model_args.cache_dir, token=model_args.token, _do_init=False, **kwargs)
     if filename is None or filename in weights.FLAX_MSGPACK:
         # Flax weights (or nothing found, which transformers explains best): transformers reads them.
-        return auto_class.from_pretrained(name, **load_kwargs)
+        try:
+            return auto_class.from_pretrained(name, **load_kwargs)
+        except ValueError:
+            # FlaxVisionTextDualEncoderModel refuses to be built without its weights: it reads them on the host
+            # (any other error comes back from this second try).
+            with weights.on_host():
+                model = auto_class.from_pretrained(name, **{**load_kwargs, "_do_init": True})
+            return model, model.params
     # PyTorch or safetensors weights: the model from its config, the weights read here.
     model = _from_config(auto_class, config, kwargs)
     return model, weights.read_converted(model, name, filename, path, model_args.cache_dir, model_args.token)
@@ -374,6 +381,19 @@ def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatc
     logger.info("LoRA: rank %d, alpha %g, adapters on %d layers (%s), trained in full: %s", adapters.rank,
                 adapters.alpha, len(adapters.targets), adapters.target_rule, ", ".join(adapters.heads) or "nothing else")
     return model, lora.join(new if layout.plan else layout.place_params(new), params)
+
+
+def pretrained_params(auto_class, model_args, config, seed):
+    """Host parameters of the checkpoint `--model_name_or_path` (any format) read with `config`, the
+    weights it lacks initialised fresh (a warning names them): what a model composed of pretrained
+    parts (a dual encoder's text and vision encoders) is assembled from."""
+    kwargs = dict(seed=seed, dtype=devices.to_dtype(model_args.dtype), trust_remote_code=model_args.trust_remote_code)
+    name = model_args.model_name_or_path
+    try:
+        model, params = _pretrained(auto_class, model_args, config, kwargs)
+    except (OSError, ValueError) as e:
+        raise _hub_error("model", name, e)
+    return _with_missing_initialised(model, params, name)
 
 
 def enable_gradient_checkpointing(model):
