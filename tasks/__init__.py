@@ -44,6 +44,7 @@ MODULES = {
     "token-classification": "tasks.token_classification",
     "question-answering": "tasks.question_answering",
     "image-classification": "tasks.image_classification",
+    "image-captioning": "tasks.image_captioning",
 }
 
 # Model class name ending -> task; a conditional-generation model is told apart by its arguments.
@@ -55,6 +56,7 @@ _HEADS = (
     ("ForTokenClassification", "token-classification"),
     ("ForQuestionAnswering", "question-answering"),
     ("ForImageClassification", "image-classification"),
+    ("VisionEncoderDecoderModel", "image-captioning"),
 )
 _SEQ2SEQ_HEADS = ("ForConditionalGeneration", "EncoderDecoderModel")
 
