@@ -157,10 +157,10 @@ def fit_lengths(data_args, config):
 # ----------------------------------------------------------------------------------------------
 # Data: the images and their captions
 # ----------------------------------------------------------------------------------------------
-def _default(names, known, position, split, what, flag):
-    found = next((name for name in known if name in names), None)
-    if found is None and len(names) > position:
-        found = names[position]  # the classic script: the first column the images, the second the captions
+def _column(names, known, of_two, split, what, flag):
+    """The first of the `known` column names among `names`; else, when there are two columns, `of_two`
+    (the classic script's order: images, then captions); with more, which one is meant is not clear."""
+    found = next((name for name in known if name in names), of_two if len(names) == 2 else None)
     if found is None:
         raise UsageError(f"the {split} data has no {what} column (its columns: {', '.join(names)}): name it with "
                          f"--{flag}")
@@ -168,12 +168,13 @@ def _default(names, known, position, split, what, flag):
 
 
 def resolve_columns(data_args, columns):
-    """(image column, caption column): explicit, a usual name, or the first and second column. `columns`
-    maps each split to its column names; a test split may lack captions (predictions alone)."""
+    """(image column, caption column): explicit, a usual name (`IMAGE_COLUMNS`, `CAPTION_COLUMNS`), or
+    of two columns the first and the second. `columns` maps each split to its column names; a test
+    split may lack captions (captions are then only predicted)."""
     split, names = next(iter(columns.items()))
-    image = data_args.image_column or _default(names, IMAGE_COLUMNS, 0, split, "image", "image_column")
-    caption = data_args.caption_column or _default([n for n in names if n != image], CAPTION_COLUMNS, 0, split,
-                                                   "caption", "caption_column")
+    image = data_args.image_column or _column(names, IMAGE_COLUMNS, names[0], split, "image", "image_column")
+    caption = data_args.caption_column or _column(names, CAPTION_COLUMNS, names[-1], split, "caption",
+                                                  "caption_column")
     file_formats.require_columns(columns, [("image_column", image)])
     file_formats.require_columns({s: names for s, names in columns.items() if s != "test"},
                                  [("caption_column", caption)])

@@ -124,6 +124,9 @@ def test_columns_default_to_usual_names_then_the_first_two():
     assert captioning.resolve_columns(Args, {"train": ["label", "captions", "image_path"]}) == ("image_path",
                                                                                                  "captions")
     assert captioning.resolve_columns(Args, {"train": ["picture", "words"]}) == ("picture", "words")
+    with pytest.raises(UsageError, match=r"the train data has no caption column \(its columns: image_path, label, "
+                                         r"split\): name it with --caption_column"):
+        captioning.resolve_columns(Args, {"train": ["image_path", "label", "split"]})
     Args.caption_column = "sentence"
     with pytest.raises(UsageError, match="--caption_column 'sentence' is not a column of the train data"):
         captioning.resolve_columns(Args, {"train": ["image_path", "captions"]})
