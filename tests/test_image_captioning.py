@@ -286,3 +286,17 @@ def test_killed_after_a_checkpoint_then_resumed_ends_bitwise_as_the_run_nothing_
     losses = {row["step"]: row["loss"] for row in read_metrics(out)}
     assert {step: losses[step] for step in (40, 50, 60)} == {
         row["step"]: row["loss"] for row in read_metrics(trained) if row["step"] in (40, 50, 60)}
+
+
+@pytest.mark.slow
+def test_the_demo_captions_an_upload_as_the_script_did(trained):
+    from tasks.demo import BadInput, load
+
+    task, predictor = load(str(trained))
+    assert task == "image-captioning"
+    row = json.loads(open(os.path.join(DATA, "test_dataset.json")).readline())
+    with open(os.path.join(DATA, row["image_path"]), "rb") as f:
+        answer = predictor(f.read())
+    assert answer.text == (trained / "generated_predictions.txt").read_text().splitlines()[0]
+    with pytest.raises(BadInput, match="not an image that can be read"):
+        predictor(b"GIF89a, or so it says")
