@@ -70,10 +70,10 @@ class DataTrainingArguments(BaseDataArguments):
     data_dir: Optional[str] = field(default=None, metadata={"help": "The data directory of a hub dataset."})
     image_column: Optional[str] = field(
         default=None, metadata={"help": "Column with the images, or their paths relative to the data file (default: "
-                                        "'image_path', 'image', 'img' or 'file_name', else the first column)."})
+                                        "'image_path', 'image', 'img' or 'file_name'; of two columns, the first)."})
     caption_column: Optional[str] = field(
         default=None, metadata={"help": "Column with the captions: one per row, or a list (default: 'captions', "
-                                        "'caption', 'text' or 'sentences', else the second column)."})
+                                        "'caption', 'text' or 'sentences'; of two columns, the second)."})
     test_file: Optional[str] = field(
         default=None, metadata={"help": "Local test file (json, jsonl or csv), also compressed; its captions, if "
                                         "any, are scored."})

@@ -231,8 +231,9 @@ def load_splits(data_args, training_args, files, cache_dir, workers):
     is decoded once here (`tasks.image_classification.check_readable`): a missing or broken one stops
     the run, named, before anything is written."""
     splits = needed_splits(training_args)
+    hub_options = {"data_dir": data_args.data_dir} if data_args.data_dir and data_args.dataset_name else {}
     raw = dataset_loading.load_splits(data_args, {split: files[split] for split in splits}, cache_dir,
-                                      allowed=FILE_FORMATS)
+                                      allowed=FILE_FORMATS, **hub_options)
     raw = phase_datasets(raw, {split: split for split in splits}, data_args)
     columns = resolve_columns(data_args, {split: raw[split].column_names for split in splits})
     found = {}
