@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Fine-tune a Flax vision encoder-decoder (ViT + GPT-2, ViT + BERT, ...) to caption images, without torch.
+"""Fine-tune a Flax vision encoder-decoder (ViT + GPT-2, ViT + BART's decoder, ...) to caption images, without torch.
 
     python run_image_captioning_flax.py configs/image_captioning_tiny.json
     python run_image_captioning_flax.py --encoder_model_name_or_path google/vit-base-patch16-224-in21k \\

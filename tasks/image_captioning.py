@@ -2,8 +2,8 @@
 cross-attention (`FlaxVisionEncoderDecoderModel`), the images and their captions, the loss over the
 caption tokens, generation, ROUGE and BLEU, the generated captions, and the demo predictor.
 
-- model: built from a vision encoder (ViT, BEiT, DINOv2) and any decoder that takes cross-attention
-  (GPT-2, BERT / RoBERTa / ELECTRA as decoders, BART's decoder), each pretrained (any checkpoint
+- model: built from a vision encoder (ViT, BEiT, DINOv2) and a decoder that takes cross-attention
+  (GPT-2, BART's decoder, XGLM: `DECODER_TYPES`), each pretrained (any checkpoint
   format, `utils.models.load_composed_model`) or from its config; or a saved captioning model.
 - data: rows of an image (a path relative to the data file, or the image itself) and its captions
   (one caption or a list of them). Rows of the same image are one image with several captions (a csv
@@ -43,8 +43,10 @@ logger = logging.getLogger(__name__)
 
 # Vision encoders whose output is a sequence of patch states the decoder can attend to.
 ENCODER_TYPES = ("vit", "beit", "dinov2")
-# Decoders with cross-attention among transformers' Flax causal LMs.
-DECODER_TYPES = ("gpt2", "bert", "roberta", "xlm-roberta", "roberta-prelayernorm", "electra", "bart", "mbart")
+# Decoders with cross-attention among transformers' Flax causal LMs that its vision encoder-decoder can
+# generate with: its `decode` passes the encoder's states as the decoder's fourth positional argument,
+# which BERT, RoBERTa, ELECTRA and BigBird take as token types (generation then fails on their shapes).
+DECODER_TYPES = ("gpt2", "gpt-sw3", "bart", "xglm")
 IMAGE_COLUMNS = ("image_path", "image", "img", "file_name")
 CAPTION_COLUMNS = ("captions", "caption", "text", "sentences")
 LABEL_COLUMNS = ("labels", "decoder_input_ids", "decoder_attention_mask")

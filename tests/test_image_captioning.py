@@ -300,3 +300,20 @@ def test_the_demo_captions_an_upload_as_the_script_did(trained):
     assert answer.text == (trained / "generated_predictions.txt").read_text().splitlines()[0]
     with pytest.raises(BadInput, match="not an image that can be read"):
         predictor(b"GIF89a, or so it says")
+
+
+def test_a_decoder_transformers_cannot_generate_with_is_refused_up_front():
+    """transformers' Flax vision encoder-decoder hands a BERT decoder the encoder's states as token types
+    when it generates: such a decoder is refused before any work, a GPT-2 is taken."""
+    from run_image_captioning_flax import CaptioningModelArguments
+
+    def arguments(decoder):
+        return CaptioningModelArguments(encoder_model_type="vit", decoder_model_type=decoder)
+
+    with pytest.raises(UsageError, match="model type 'bert' cannot be trained by this script: use one of gpt2"):
+        captioning.load_captioning_config(arguments("bert"), _tokenizer())
+    config = captioning.load_captioning_config(arguments("gpt2"), _tokenizer())
+    assert config.decoder.add_cross_attention and config.decoder.is_decoder
+    assert config.decoder.vocab_size == len(_tokenizer())
+    tokens = captioning.special_tokens(_tokenizer())
+    assert (config.decoder_start_token_id, config.eos_token_id, config.pad_token_id) == tokens
