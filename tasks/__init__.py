@@ -45,6 +45,7 @@ MODULES = {
     "question-answering": "tasks.question_answering",
     "image-classification": "tasks.image_classification",
     "image-text": "tasks.image_text",
+    "image-captioning": "tasks.image_captioning",
 }
 
 # Model class name ending -> task; a conditional-generation model is told apart by its arguments.
@@ -58,6 +59,7 @@ _HEADS = (
     ("ForImageClassification", "image-classification"),
     ("VisionTextDualEncoderModel", "image-text"),
     ("CLIPModel", "image-text"),
+    ("VisionEncoderDecoderModel", "image-captioning"),
 )
 _SEQ2SEQ_HEADS = ("ForConditionalGeneration", "EncoderDecoderModel")
 

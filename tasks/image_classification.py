@@ -692,6 +692,20 @@ def prediction_lines(shown, class_ids, names):
 # ----------------------------------------------------------------------------------------------
 # The demo page (demo.py): the predictor and the form asking for its input
 # ----------------------------------------------------------------------------------------------
+def uploaded_pixels(transforms, image_bytes):
+    """The eval-transformed pixels of an uploaded image (its encoded bytes); `BadInput` when there is
+    none, or it is no image that can be read."""
+    if not image_bytes:
+        raise BadInput("no image: upload a PNG, JPEG, GIF, BMP, WebP or TIFF file")
+    try:
+        return transforms.eval(bytes(image_bytes))
+    except Image.DecompressionBombError as e:
+        raise BadInput(f"the image is too large to decode ({e}): upload a smaller one") from e
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise BadInput(f"the file is not an image that can be read ({type(e).__name__}): upload a PNG, JPEG, "
+                       "GIF, BMP, WebP or TIFF file") from e
+
+
 class ImageClassifier(Predictor):
     """run_image_classification.py's model on one uploaded image, transformed as the script's
     evaluation and prediction transform it (`tasks.image_classification.Transforms.eval` with the image
@@ -717,15 +731,7 @@ class ImageClassifier(Predictor):
         return None  # images need none: the transform is read from the saved image processor
 
     def predict(self, image_bytes):
-        if not image_bytes:
-            raise BadInput("no image: upload a PNG, JPEG, GIF, BMP, WebP or TIFF file")
-        try:
-            pixels = self.transforms.eval(bytes(image_bytes))
-        except Image.DecompressionBombError as e:
-            raise BadInput(f"the image is too large to decode ({e}): upload a smaller one") from e
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-            raise BadInput(f"the file is not an image that can be read ({type(e).__name__}): upload a PNG, JPEG, "
-                           "GIF, BMP, WebP or TIFF file") from e
+        pixels = uploaded_pixels(self.transforms, image_bytes)
         probabilities, label_ids = (np.asarray(x)[0] for x in self._top(self.params, pixels[None]))
         answer = Answer(details=[(self.config.id2label[int(i)], float(p)) for i, p in zip(label_ids, probabilities)])
         answer.text = answer.details[0][0]

@@ -20,6 +20,7 @@ import run_clm_flax as clm
 import run_flax_glue as glue
 import run_flax_ner as ner
 import run_hybrid_clip as clip
+import run_image_captioning_flax as captioning
 import run_image_classification as image
 import run_mlm_flax as mlm
 import run_qa
@@ -71,6 +72,9 @@ CLM = ["--model_type", "gpt2", "--config_overrides", "n_embd=32,n_layer=1,n_head
 MLM = ["--model_type", "roberta", "--config_overrides", "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,"
        "intermediate_size=64,max_position_embeddings=34", "--max_seq_length", 32, "--tokenizer_name", LM_TOKENIZER,
        "--do_train", "--train_file", "{train}"]
+CAPTIONING = ["--encoder_model_type", "vit", "--encoder_config_overrides", TINY_VIT, "--decoder_model_type", "gpt2",
+              "--decoder_config_overrides", "n_embd=16,n_layer=1,n_head=2,n_positions=16", "--tokenizer_name",
+              os.path.join(ROOT, "data", "image_text", "tokenizer"), "--do_train", "--train_file", "{train}"]
 T5_MLM = ["--model_type", "t5", "--config_overrides", TINY_T5, "--tokenizer_name", T5_TOKENIZER, "--max_seq_length", 32,
           "--do_train", "--train_file", "{train}"]
 WITH_VALIDATION = ["--do_eval", "--validation_file", "{valid}"]
@@ -190,6 +194,21 @@ CASES = [
     ("clip: empty caption", clip, CLIP,
      {"train": lambda d: caption_rows(d, [(good_image(0, "")[0], ["a cat"]), (good_image(1, "")[0], [])])},
      "train", r"row 1 of the train data has no caption in column 'captions'"),
+    # Image captioning
+    ("captioning: missing image file", captioning, CAPTIONING,
+     {"train": lambda d: write_jsonl(d / "train.jsonl", [{"image_path": good_image(0, "")[0](d), "captions": ["a"]},
+                                                         {"image_path": "gone.png", "captions": ["b"]}])},
+     "gone.png", r"image .*gone\.png cannot be read \(FileNotFoundError"),
+    ("captioning: not an image", captioning, CAPTIONING,
+     {"train": lambda d: write_jsonl(d / "train.jsonl", [{"image_path": corrupt_image(d), "captions": ["a"]}])},
+     "corrupt.png", r"image .*corrupt\.png cannot be read \(UnidentifiedImageError"),
+    ("captioning: caption column absent", captioning, CAPTIONING + ["--caption_column", "caption"],
+     {"train": lambda d: write_jsonl(d / "train.jsonl", [{"image_path": good_image(0, "")[0](d), "captions": ["a"]}])},
+     "train", r"--caption_column 'caption' is not a column of the train data; its columns: image_path, captions"),
+    ("captioning: row without a caption", captioning, CAPTIONING,
+     {"train": lambda d: write_csv(d / "train.csv", ["image_path", "caption"],
+                                   [(good_image(0, "")[0](d), "a"), (good_image(1, "")[0](d), "")])},
+     "train", r"row 1 of the train data has no caption in column 'caption'"),
     # Texts
     ("summarization: header only", summarization, SUMMARIZATION,
      {"train": lambda d: write_csv(d / "train.csv", ["document", "summary"], [])}, "train", r"but no rows"),
@@ -222,6 +241,7 @@ def test_bad_data_is_one_error_naming_the_file(monkeypatch, capsys, tmp_path, pr
     for module in SCRIPTS:
         monkeypatch.setattr(module, "load_model", tripwire)
     monkeypatch.setattr(clip.image_text, "load_dual_encoder", tripwire)
+    monkeypatch.setattr(captioning, "load_composed_model", tripwire)
     data = tmp_path / "data"
     data.mkdir()
     paths = {placeholder: write(data) for placeholder, write in writers.items()}

@@ -13,6 +13,7 @@ import run_clm_flax
 import run_flax_glue
 import run_flax_ner
 import run_hybrid_clip
+import run_image_captioning_flax
 import run_image_classification
 import run_qa
 import run_mlm_flax
@@ -33,6 +34,7 @@ SCRIPTS = {
     "ner": (run_flax_ner, ("Data (ner)",)),
     "image": (run_image_classification, ("Data (image classification)",)),
     "hybrid clip": (run_hybrid_clip, ("Model (hybrid clip)", "Data (hybrid clip)")),
+    "captioning": (run_image_captioning_flax, ("Model and data (image captioning)",)),
     "qa": (run_qa, ("Data (question answering)",)),
     "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm and t5 mlm)")),
     "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm and t5 mlm)")),

@@ -1,13 +1,17 @@
-"""Evaluation metrics computed offline: ROUGE, sentence splitting, perplexity, token-weighted means.
+"""Evaluation metrics computed offline: ROUGE, BLEU, sentence splitting, perplexity, token-weighted means.
 
 ROUGE reproduces Hugging Face `evaluate.load("rouge").compute(..., use_stemmer=True)` (which needs
-the network to load) by calling `rouge_score` the same way: `RougeScorer` per pair, then the `mid`
-F-measure of a `BootstrapAggregator`, here scaled to percent.
+the network to load) by calling `rouge_score` the same way: `RougeScorer` per pair (`score_multi`,
+the best reference, where a prediction has several), then the `mid` F-measure of a
+`BootstrapAggregator`, here scaled to percent. BLEU is sacreBLEU's corpus BLEU with its defaults
+(13a tokens, exponential smoothing, closest reference length), written here: sacrebleu is a test
+reference only.
 """
 
 import functools
 import math
-from collections import defaultdict
+import re
+from collections import Counter, defaultdict
 
 import numpy as np
 
@@ -79,11 +83,12 @@ def _seeded_aggregate(aggregator):
         np.random.set_state(state)
 
 
-def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
+def rouge(predictions: list[str], references: list) -> dict[str, float]:
     """ROUGE-1/2/L/Lsum F-measures in percent, as `evaluate`'s rouge with `use_stemmer=True`.
 
-    Takes raw decoded strings; sentence splitting for rougeLsum happens here. The bootstrap is
-    seeded with `ROUGE_BOOTSTRAP_SEED`, so equal inputs always give equal scores.
+    Takes raw decoded strings; a reference may be a list of strings (the prediction scores against
+    the best of them, as `evaluate` does). Sentence splitting for rougeLsum happens here. The
+    bootstrap is seeded with `ROUGE_BOOTSTRAP_SEED`, so equal inputs always give equal scores.
     """
     if not predictions or not references:
         raise ValueError("rouge() needs at least one prediction and one reference")
@@ -95,10 +100,81 @@ def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
 
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
     aggregator = scoring.BootstrapAggregator()
-    for prediction, reference in zip(rouge_text(predictions), rouge_text(references)):
-        aggregator.add_scores(scorer.score(reference, prediction))
+    for prediction, reference in zip(rouge_text(predictions), references):
+        if isinstance(reference, str):
+            aggregator.add_scores(scorer.score(rouge_text([reference])[0], prediction))
+        else:
+            aggregator.add_scores(scorer.score_multi(rouge_text(reference), prediction))
     result = _seeded_aggregate(aggregator)
     return {key: float(result[key].mid.fmeasure * 100) for key in ROUGE_TYPES}
+
+
+# ---------------------------------------------------------------------------------------------
+# BLEU
+# ---------------------------------------------------------------------------------------------
+
+BLEU_ORDER = 4
+# mteval-v13a's tokenization (sacreBLEU's default "13a"): symbols split off; periods and commas
+# split off unless between digits; a dash after a digit split off.
+_BLEU_SPLITS = (
+    (re.compile(r"([\{-\~\[-\` -\&\(-\+\:-\@\/])"), r" \1 "),
+    (re.compile(r"([^0-9])([\.,])"), r"\1 \2 "),
+    (re.compile(r"([\.,])([^0-9])"), r" \1 \2"),
+    (re.compile(r"([0-9])(-)"), r"\1 \2 "),
+)
+
+
+def bleu_tokens(text: str) -> list[str]:
+    """`text` split into tokens as mteval-v13a (sacreBLEU's default tokenizer) splits it."""
+    text = text.rstrip().replace("<skipped>", "").replace("-\n", "").replace("\n", " ")
+    for entity, character in (("&quot;", '"'), ("&amp;", "&"), ("&lt;", "<"), ("&gt;", ">")):
+        text = text.replace(entity, character)
+    text = f" {text} "
+    for pattern, replacement in _BLEU_SPLITS:
+        text = pattern.sub(replacement, text)
+    return text.split()
+
+
+def _ngrams(tokens, order):
+    return Counter(tuple(tokens[i:i + n]) for n in range(1, order + 1) for i in range(len(tokens) - n + 1))
+
+
+def bleu(predictions: list[str], references: list) -> float:
+    """Corpus BLEU in percent, as sacreBLEU's `corpus_bleu` with its defaults.
+
+    `references[i]`: the reference of prediction i, or a list of them (any number per prediction).
+    Each n-gram's matches are clipped by its largest count in one reference; the brevity penalty
+    takes, per prediction, the reference length closest to its own (the shorter on a tie). A
+    precision without matches is smoothed as mteval does (1 / 2^k of the n-grams, k counting such
+    orders); no match at all gives 0.
+    """
+    if len(predictions) != len(references):
+        raise ValueError(f"bleu() got {len(predictions)} predictions but {len(references)} references")
+    correct, total = [0] * BLEU_ORDER, [0] * BLEU_ORDER
+    prediction_length = reference_length = 0
+    for prediction, reference in zip(predictions, references):
+        tokens = bleu_tokens(prediction)
+        candidates = [bleu_tokens(text) for text in ([reference] if isinstance(reference, str) else reference)]
+        most = Counter()
+        for candidate in candidates:
+            most |= _ngrams(candidate, BLEU_ORDER)  # union: the largest count of each n-gram
+        for ngram, count in _ngrams(tokens, BLEU_ORDER).items():
+            total[len(ngram) - 1] += count
+            correct[len(ngram) - 1] += min(count, most[ngram])
+        prediction_length += len(tokens)
+        reference_length += min((len(c) for c in candidates), key=lambda n: (abs(n - len(tokens)), n))
+    if not any(correct):
+        return 0.0
+    log_precisions, halvings = 0.0, 1
+    for matched, counted in zip(correct, total):
+        if counted == 0:
+            return 0.0  # predictions too short for this order: sacreBLEU's score is 0 too
+        if matched == 0:
+            halvings *= 2
+            matched = 1 / halvings
+        log_precisions += math.log(matched / counted)
+    brevity = 1.0 if prediction_length >= reference_length else math.exp(1 - reference_length / prediction_length)
+    return 100.0 * brevity * math.exp(log_precisions / BLEU_ORDER)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -396,6 +396,62 @@ def pretrained_params(auto_class, model_args, config, seed):
     return _with_missing_initialised(model, params, name)
 
 
+def _overlaid(fresh, loaded, name, what):
+    """`fresh` parameters with `loaded`'s in their place; a warning names what `loaded` lacks (kept fresh)."""
+    fresh, loaded = flatten_dict(unfreeze(fresh)), flatten_dict(loaded)
+    missing = sorted("/".join(key) for key in set(fresh) - set(loaded))
+    if missing:
+        logger.warning("weights of %s that %s lacks, initialised fresh (train them): %s", what, name,
+                       ", ".join(missing))
+    return unflatten_dict({**fresh, **{key: loaded[key] for key in set(fresh) & set(loaded)}})
+
+
+def load_composed_model(model_class, config, model_args, parts, seed, layout):
+    """(model, params) of a model made of others (`FlaxVisionEncoderDecoderModel`): the whole
+    checkpoint --model_name_or_path, or each part's. `parts` maps a part's name (its sub-config and
+    its parameters' key: "encoder", "decoder") to (the Auto class that reads its checkpoint, the
+    `ModelArguments` naming that checkpoint, or None for a part from its config alone).
+
+    transformers builds such a model only with weights (`_do_init=False` is refused), so it is made
+    on the host with fresh ones; pretrained weights, in any checkpoint format (`utils.weights`), then
+    replace them part by part, and what a part's checkpoint lacks (a GPT-2's cross-attention) stays
+    fresh, with a warning. Weights are stored in --param_dtype and placed by `layout` like
+    `load_model`'s; planning for a TPU, only their shapes are kept."""
+    param_dtype = jnp.dtype(model_args.param_dtype)
+    kwargs = dict(seed=seed, dtype=devices.to_dtype(model_args.dtype))
+    name = model_args.model_name_or_path
+    with weights.on_host():
+        if name and not layout.plan:
+            filename, path = weights.find_weights(name, model_args.cache_dir, model_args.token)
+            try:
+                if filename is None or filename in weights.FLAX_MSGPACK:
+                    model = model_class.from_pretrained(name, config=config, cache_dir=model_args.cache_dir,
+                                                        token=model_args.token, **kwargs)
+                    params = model.params
+                else:
+                    model = model_class(config, **kwargs)
+                    loaded = weights.read_converted(model, name, filename, path, model_args.cache_dir,
+                                                    model_args.token)
+                    params = _overlaid(model.params, loaded, name, type(model).__name__)
+            except (OSError, ValueError) as e:
+                raise _hub_error("model", name, e)
+        else:
+            model = model_class(config, **kwargs)
+            params = unfreeze(model.params)
+            for part, (auto_class, part_args) in parts.items():
+                if part_args is None or layout.plan:
+                    continue
+                part_name = part_args.model_name_or_path
+                try:
+                    _, loaded = _pretrained(auto_class, part_args, getattr(config, part), dict(kwargs))
+                except (OSError, ValueError) as e:
+                    raise _hub_error(f"{part} model", part_name, e)
+                params[part] = _overlaid(params[part], loaded, part_name, f"the {part}")
+    if layout.plan:
+        return model, layout.init_params(lambda: cast_floats(model.params, param_dtype))
+    return model, layout.place_params(cast_floats(params, param_dtype))
+
+
 def enable_gradient_checkpointing(model):
     """--gradient_checkpointing: recompute each layer's activations in the backward pass. The
     families transformers implements it for do it their way; the others (GPT-2, Llama, OPT, BART,
