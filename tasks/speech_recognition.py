@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tasks import Task, audio
+from tasks.demo import Answer, BadInput, Predictor, show_answer
 from tasks.image_classification import ImageData
 from tasks.lm import token_sums
 from utils import dataset_loading, file_formats
@@ -378,3 +379,61 @@ def recognition_metrics(references, hypotheses, normalize=False):
     if normalize:
         references, hypotheses = [normalize_text(t) for t in references], [normalize_text(t) for t in hypotheses]
     return {"wer": word_error_rate(references, hypotheses), "cer": character_error_rate(references, hypotheses)}
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo page (demo.py): the predictor and the form asking for its input
+# ----------------------------------------------------------------------------------------------
+class Transcriber(Predictor):
+    """run_speech_recognition_seq2seq.py's predict path for one clip: read and resampled by
+    `tasks.audio`, the features of the feature extractor saved beside the model, generation from the
+    run's prompt (its --language and --task) with its --max_label_length and --num_beams."""
+
+    auto_class = "FlaxAutoModelForSpeechSeq2Seq"
+
+    def __init__(self, output_dir, run_args):
+        from transformers import AutoFeatureExtractor
+
+        super().__init__(output_dir, run_args)
+        self.extractor = AutoFeatureExtractor.from_pretrained(output_dir)
+        self.features = Features(self.extractor)
+        set_prefix(self.tokenizer, run_args.get("language"), run_args.get("task") or "transcribe")
+        start = self.config.decoder_start_token_id
+        prompt = prompt_ids(self.tokenizer, start)
+        settings = generation_settings(self.model, label_length(run_args["max_label_length"], self.config),
+                                       run_args.get("num_beams") or self.model.generation_config.num_beams)
+        self._generate = jax.jit(lambda params, inputs: generate_ids(self.model, params, inputs, prompt, settings))
+
+    def predict(self, clip_bytes):
+        if not clip_bytes:
+            raise BadInput("no audio: upload a WAV file (or record one)")
+        clip_bytes = bytes(clip_bytes)
+        try:
+            seconds = audio.clip_seconds(clip_bytes)
+            inputs = self.features(clip_bytes)
+        except (audio.AudioError, EOFError, ValueError) as e:
+            raise BadInput(f"the file is not audio that can be read ({e}): upload a WAV file") from e
+        answer = Answer()
+        limit = chunk_seconds(self.extractor)
+        if seconds > limit:
+            answer.notes.append(f"the clip lasts {seconds:.1f} s; the model hears at most {limit:g} s, so only the "
+                                f"first {limit:g} s were transcribed")
+        ids = self._generate(self.params, inputs[None])
+        answer.text = decode_texts(self.tokenizer, np.asarray(ids))[0]
+        return answer
+
+    def warm_up(self):
+        jax.block_until_ready(self._generate(self.params, np.zeros((1, *self.features.shape), np.float32)))
+
+
+PREDICTOR = Transcriber
+
+
+def demo_form(st, predictor):
+    with st.form("request"):
+        upload = st.file_uploader("Audio (WAV)", key="audio")
+        recorded = st.audio_input("Or record", key="recording") if hasattr(st, "audio_input") else None
+        submitted = st.form_submit_button("Transcribe")
+    if submitted:
+        clip = recorded if recorded is not None else upload
+        return lambda: show_answer(st, predictor(clip.getvalue() if clip is not None else b""))
