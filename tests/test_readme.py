@@ -14,6 +14,7 @@ import run_flax_glue
 import run_flax_ner
 import run_image_classification
 import run_qa
+import run_speech_recognition_seq2seq
 import run_mlm_flax
 import run_summarization_flax
 import run_t5_mlm_flax
@@ -31,6 +32,7 @@ SCRIPTS = {
     "glue": (run_flax_glue, ("Data (glue)",)),
     "ner": (run_flax_ner, ("Data (ner)",)),
     "image": (run_image_classification, ("Data (image classification)",)),
+    "speech": (run_speech_recognition_seq2seq, ("Data (speech recognition)",)),
     "qa": (run_qa, ("Data (question answering)",)),
     "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm and t5 mlm)")),
     "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm and t5 mlm)")),
