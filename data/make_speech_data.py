@@ -15,7 +15,7 @@ wrapped as a `WhisperTokenizerFast` with Whisper's special tokens (so `set_prefi
 task)` works as with a real Whisper checkpoint), plus a `WhisperFeatureExtractor` whose 2-second
 chunk the tiny configs' encoder is sized to.
 
-    python data/make_speech_data.py [--train_size 240] [--seed 42]
+    python data/make_speech_data.py [--train_size 240] [--validation_size 40] [--test_size 24] [--seed 42]
 """
 
 import argparse
@@ -41,14 +41,12 @@ VERBS = "run jump sleep swim sing eat".split()
 VOICES = ["en-us", "en-gb", "en-gb-x-rp", "en-us-nyc"]
 SAMPLE_RATE = 8000  # stored; the feature extractor's rate is 16 kHz
 CHUNK_SECONDS = 2  # the feature extractor's chunk (Whisper pads or cuts every clip to it)
-SPLIT_SIZES = {"validation": 40, "test": 24}
 
 
-def sentences(train_size, seed):
-    """{split: sentences}: every split's word combinations distinct from the others'."""
+def sentences(sizes, seed):
+    """{split: sentences} of `sizes` ({split: how many}): every split's word combinations distinct from the others'."""
     combos = list(itertools.product(NUMBERS, COLOURS, ANIMALS, VERBS))
     random.Random(seed).shuffle(combos)
-    sizes = {"train": train_size, **SPLIT_SIZES}
     out, start = {}, 0
     for split, size in sizes.items():
         out[split] = [" ".join(words) for words in combos[start:start + size]]
@@ -100,6 +98,8 @@ def train_tokenizer(texts, output_dir):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train_size", type=int, default=240)
+    parser.add_argument("--validation_size", type=int, default=40)
+    parser.add_argument("--test_size", type=int, default=24)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--output_dir", default=os.path.join(ROOT, "data", "speech"))
     args = parser.parse_args(argv)
@@ -109,7 +109,8 @@ def main(argv=None):
     clips = os.path.join(args.output_dir, "clips")
     shutil.rmtree(clips, ignore_errors=True)
     os.makedirs(clips)
-    for split, texts in sentences(args.train_size, args.seed).items():
+    for split, texts in sentences(
+            {"train": args.train_size, "validation": args.validation_size, "test": args.test_size}, args.seed).items():
         rows = []
         for i, text in enumerate(texts):
             name = f"{split}_{i:04d}.wav"

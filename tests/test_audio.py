@@ -3,6 +3,7 @@ packed by hand) read back as the arrays they hold; resampling against the analyt
 log-mel features against the feature extractor's own; clips of data files and datasets; bad clips."""
 
 import io
+import shutil
 import os
 import struct
 import sys
@@ -171,3 +172,37 @@ def test_a_column_of_numbers_is_no_audio_column():
 
     with pytest.raises(UsageError, match="neither audio nor paths"):
         audio.AudioSources(datasets.Dataset.from_dict({"audio": [1, 2]}), "audio")
+
+
+# ---------------------------------------------------------------------------------------------
+# The data generator (Debian's espeak-ng: installed by .ci/run; outside CI the test skips without it)
+# ---------------------------------------------------------------------------------------------
+ESPEAK = shutil.which("espeak-ng")
+if ESPEAK is None and os.environ.get("CI"):
+    raise RuntimeError("CI must run the speech data generator's test, but espeak-ng is missing (apt-get install "
+                       "espeak-ng)")
+
+
+@pytest.mark.skipif(ESPEAK is None, reason="the speech data generator needs espeak-ng (apt-get install espeak-ng)")
+def test_the_data_generator_speaks_unseen_sentences_with_transcripts(tmp_path):
+    import csv
+
+    from transformers import AutoFeatureExtractor, AutoTokenizer
+
+    sys.path.insert(0, os.path.join(ROOT, "data"))
+    import make_speech_data
+
+    make_speech_data.main(["--train_size", "6", "--validation_size", "4", "--test_size", "4", "--output_dir",
+                           str(tmp_path)])
+    texts = {}
+    for split, size in (("train", 6), ("validation", 4), ("test", 4)):
+        with open(tmp_path / f"{split}.csv", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+        assert len(rows) == size
+        texts[split] = {row["text"] for row in rows}
+        samples, rate = audio.read_wav(str(tmp_path / rows[0]["audio"]))
+        assert rate == 8000 and 0.5 < len(samples) / rate < 2.5 and np.abs(samples).max() > 0.05
+    assert not texts["train"] & texts["validation"] and not texts["validation"] & texts["test"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    assert tokenizer.convert_tokens_to_ids("<|en|>") == tokenizer.convert_tokens_to_ids("<|startoftranscript|>") + 1
+    assert AutoFeatureExtractor.from_pretrained(tmp_path / "tokenizer").nb_max_frames == 200
