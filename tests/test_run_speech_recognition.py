@@ -134,3 +134,21 @@ def test_a_file_that_is_not_audio_is_named(fails, tmp_path):
 def test_a_missing_audio_file_is_named(fails, tmp_path):
     train = data_file(tmp_path, [["gone.wav", "one red cat"]])
     fails(["--train_file", train], r"audio file .*gone\.wav of the train data \(row 0\) not found: check the path")
+
+
+@pytest.mark.slow
+def test_the_demo_transcribes_as_the_script_predicts(trained):
+    """The demo's predictor on a test clip's bytes writes the line generated_predictions.txt holds for it;
+    a file that is not audio is a message, not a crash."""
+    from tasks import demo
+
+    out = trained[0]
+    task, predictor = demo.load(str(out))
+    assert task == "speech-recognition"
+    with open(os.path.join(DATA, "test.csv"), encoding="utf-8") as f:
+        first = next(csv.DictReader(f))
+    with open(os.path.join(DATA, first["audio"]), "rb") as f:
+        answer = predictor(f.read())
+    assert answer.text == (out / speech.PREDICTIONS_FILE).read_text().splitlines()[0]
+    with pytest.raises(demo.BadInput, match="not audio that can be read"):
+        predictor(b"plain text")
