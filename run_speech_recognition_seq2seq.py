@@ -34,7 +34,7 @@ from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.loop import host_means
 from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
-from utils.run import check_before_work, set_up, training_plan
+from utils.run import check_before_work, needed_splits, set_up, training_plan
 from utils.training import TrainingRun, make_steps
 
 
@@ -100,7 +100,9 @@ def main(argv=None):
     files = {split: getattr(data_args, flag) for split, flag in speech.SPLIT_FILES.items()}
     preflight = check_before_work(training_args, data_args, TASK, files, allowed=speech.FILE_FORMATS,
                                   model_args=model_args)
-    speech.resolve_columns(data_args, preflight.columns)  # a missing column fails now
+    # A missing column in a file a phase reads fails now.
+    speech.resolve_columns(data_args, {split: columns for split, columns in preflight.columns.items()
+                                       if split in needed_splits(training_args)})
     logger, is_main = set_up(training_args)
     layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
 

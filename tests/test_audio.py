@@ -88,7 +88,8 @@ def test_write_wav_round_trips(tmp_path):
     audio.write_wav(tmp_path / "w.wav", samples, 8000)
     with wave.open(str(tmp_path / "w.wav")) as w:  # the standard library reads what it writes
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getnframes()) == (8000, 1, 2, 1000)
-    np.testing.assert_allclose(audio.read_wav(str(tmp_path / "w.wav"))[0], samples, atol=2 / 32768)  # written x 32767, read / 32768
+    # Written x 32767 and rounded, read / 32768.
+    np.testing.assert_allclose(audio.read_wav(str(tmp_path / "w.wav"))[0], samples, atol=2 / 32768)
 
 
 @pytest.mark.parametrize("bad, why", [(b"not a wav file at all", "not a WAV file"),
