@@ -46,6 +46,7 @@ MODULES = {
     "image-classification": "tasks.image_classification",
     "image-text": "tasks.image_text",
     "image-captioning": "tasks.image_captioning",
+    "speech-recognition": "tasks.speech_recognition",
 }
 
 # Model class name ending -> task; a conditional-generation model is told apart by its arguments.
@@ -76,8 +77,11 @@ def task_of(architecture, run_args):
         if architecture.endswith(ending):
             return task
     if architecture.endswith(_SEQ2SEQ_HEADS):
-        # run_t5_mlm_flax.py's arguments have the span lengths, run_summarization_flax.py's the columns.
-        return "span-corruption" if "mean_noise_span_length" in run_args else "summarization"
+        # run_t5_mlm_flax.py's arguments have the span lengths, run_speech_recognition_seq2seq.py's the audio
+        # column, run_summarization_flax.py's the text columns.
+        if "mean_noise_span_length" in run_args:
+            return "span-corruption"
+        return "speech-recognition" if "audio_column_name" in run_args else "summarization"
     return None
 
 

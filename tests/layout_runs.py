@@ -81,11 +81,21 @@ SCRIPTS = {
         "--test_file", "data/chat/test.jsonl", "--block_size", 64, "--max_train_samples", 160,
         "--max_eval_samples", 21, "--max_predict_samples", 13, "--do_predict", "--predict_with_generate",
         "--max_new_tokens", 4]),
+    # Clips read, resampled and featurised by threads ahead of the step; transcripts generated.
+    "speech": ("run_speech_recognition_seq2seq.py", [
+        "--model_type", "whisper", "--tokenizer_name", "data/speech/tokenizer", "--feature_extractor_name",
+        "data/speech/tokenizer", "--config_overrides",
+        "d_model=64,encoder_layers=1,decoder_layers=1,encoder_attention_heads=2,decoder_attention_heads=2,"
+        "encoder_ffn_dim=256,decoder_ffn_dim=256,max_target_positions=16,dropout=0.0",
+        "--train_file", "data/speech/train.csv", "--validation_file", "data/speech/validation.csv",
+        "--test_file", "data/speech/test.csv", "--language", "english", "--max_duration_in_seconds", 2,
+        "--max_label_length", 12, "--max_train_samples", 48, "--max_eval_samples", 16, "--max_predict_samples", 8,
+        "--do_predict", "--predict_with_generate"]),
 }
 # What each script predicts, one line per example: the same lines in every layout.
 PREDICTIONS = {"summarization": "generated_predictions.txt", "glue": "predict_results_cola.txt",
                "ner": "predictions.txt", "image": "predict_results.txt", "qa": "predict_predictions.json",
-               "chat": "generated_predictions.txt"}
+               "chat": "generated_predictions.txt", "speech": "generated_predictions.txt"}
 
 
 def command(name, output_dir, *extra):

@@ -16,6 +16,7 @@ import run_hybrid_clip
 import run_image_captioning_flax
 import run_image_classification
 import run_qa
+import run_speech_recognition_seq2seq
 import run_mlm_flax
 import run_summarization_flax
 import run_t5_mlm_flax
@@ -35,6 +36,7 @@ SCRIPTS = {
     "image": (run_image_classification, ("Data (image classification)",)),
     "hybrid clip": (run_hybrid_clip, ("Model (hybrid clip)", "Data (hybrid clip)")),
     "captioning": (run_image_captioning_flax, ("Model and data (image captioning)",)),
+    "speech": (run_speech_recognition_seq2seq, ("Data (speech recognition)",)),
     "qa": (run_qa, ("Data (question answering)",)),
     "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm and t5 mlm)")),
     "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm and t5 mlm)")),

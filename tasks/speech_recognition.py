@@ -1,0 +1,439 @@
+"""Speech recognition (`run_speech_recognition_seq2seq.py`): the audio and transcript columns, the
+clips kept, the transcripts as decoder labels, features computed on the fly, the loss, generation
+with a per-call prompt and settings, WER and CER offline, the generated lines.
+
+- clips: `load_clips` reads each phase's split (a data file whose audio column holds paths relative
+  to it, or a hub dataset with an `Audio` or path column, decoded by `tasks.audio`, never by
+  `datasets`), checks every clip once (a missing file or one that is not audio is an error naming
+  it), and keeps those between --min_duration_in_seconds and --max_duration_in_seconds with a
+  transcript, counting the rest in the log. The longest clip a model takes is its feature
+  extractor's chunk (Whisper pads or cuts every clip to it): --max_duration_in_seconds is lowered to
+  it with a warning, so a longer clip is skipped, never silently cut.
+- labels: `encode_labels` tokenizes the transcripts (lower-cased with --do_lower_case) with the
+  tokenizer's prefix (Whisper: <|startoftranscript|><|lang|><|task|><|notimestamps|>), cuts them to
+  --max_label_length tokens (how many were cut is logged) and shifts them right behind the decoder
+  start token, as the model's own `shift_tokens_right`.
+- features: `SpeechData` (training batches) and `FeatureColumn` (eval batches) load, resample and
+  run the model's feature extractor on each clip in a pool of threads, ahead of the step; nothing
+  is cached whole. The features have no randomness: a batch is a pure function of (seed, step).
+- generation: `generate_ids` starts every row from the tokenizer's prompt (`prompt_ids`) and takes
+  its settings (`generation_settings`: max length, beams) as an argument built per call, so nothing
+  is written into the model's shared generation config (Whisper's own `generate` writes its task
+  and language there, and they leak into the next call).
+- metrics: `word_error_rate` / `character_error_rate` over the corpus (edits summed over every
+  transcript, divided by the reference words / characters, as jiwer computes them), with
+  `--do_normalize_eval` lower-casing and dropping punctuation on both sides first.
+"""
+
+import copy
+import logging
+import os
+import re
+import unicodedata
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tasks import Task, audio
+from tasks.demo import Answer, BadInput, Predictor, show_answer
+from tasks.image_classification import ImageData
+from tasks.lm import token_sums
+from utils import dataset_loading, file_formats
+from utils.errors import UsageError
+from utils.models import fit_length
+from utils.run import needed_splits, phase_datasets
+
+PREDICTIONS_FILE = "generated_predictions.txt"
+# Whisper tokenizers also save their English spelling normaliser beside the vocabulary.
+TASK = Task("speech-recognition", "automatic-speech-recognition", outputs=(PREDICTIONS_FILE, "normalizer.json"))
+FILE_FORMATS = ("json", "csv")
+MODEL_TYPES = ("whisper",)
+SPLIT_FILES = {"train": "train_file", "validation": "validation_file", "test": "test_file"}
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model, feature extractor, tokenizer
+# ----------------------------------------------------------------------------------------------
+def load_feature_extractor(model_args):
+    """The feature extractor of --feature_extractor_name or the model (a model trained from scratch
+    needs --feature_extractor_name: its input features are the extractor's)."""
+    from transformers import AutoFeatureExtractor
+
+    name = model_args.feature_extractor_name or model_args.model_name_or_path
+    if not name:
+        raise UsageError("no feature extractor: pass --feature_extractor_name (a folder or hub id with a "
+                         "preprocessor_config.json) for a model trained from scratch")
+    try:
+        return AutoFeatureExtractor.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"could not load feature extractor {name!r}: {first}") from e
+
+
+def chunk_seconds(extractor):
+    """The longest clip the extractor gives the model whole (Whisper pads or cuts to `n_samples`)."""
+    return extractor.n_samples / extractor.sampling_rate
+
+
+def fit_config(config, extractor, tokenizer, pretrained):
+    """Whisper's encoder takes exactly the extractor's frames (two per position) of its mel bins. A
+    model from scratch is sized to them, and decodes from <|startoftranscript|> with no token
+    suppression (the default ids are a real Whisper vocabulary's); a pretrained one must match."""
+    frames = extractor.nb_max_frames
+    if pretrained:
+        if config.num_mel_bins != extractor.feature_size or 2 * config.max_source_positions != frames:
+            raise UsageError(f"the feature extractor gives {extractor.feature_size} mel bins x {frames} frames but the "
+                             f"model takes {config.num_mel_bins} x {2 * config.max_source_positions}: use the "
+                             "model's own feature extractor (--feature_extractor_name)")
+        return config
+    config.num_mel_bins, config.max_source_positions = extractor.feature_size, frames // 2
+    start = tokenizer.convert_tokens_to_ids("<|startoftranscript|>")
+    if start is not None and start != tokenizer.unk_token_id:
+        config.decoder_start_token_id = start
+    config.suppress_tokens, config.begin_suppress_tokens = None, None
+    return config
+
+
+def label_length(max_label_length, config):
+    """--max_label_length, lowered (with a warning) so the start token and the labels fit the decoder's positions."""
+    return fit_length(max_label_length, config.max_target_positions - 1, "max_label_length", logger)
+
+
+class Processor:
+    """The feature extractor and the tokenizer, saved beside the model (what the export and the demo read)."""
+
+    def __init__(self, extractor, tokenizer):
+        self.extractor, self.tokenizer = extractor, tokenizer
+
+    def save_pretrained(self, output_dir):
+        self.extractor.save_pretrained(output_dir)
+        self.tokenizer.save_pretrained(output_dir)
+
+
+def set_prefix(tokenizer, language, task):
+    """A Whisper tokenizer's prefix: <|startoftranscript|>, the language (when given), the task, no timestamps."""
+    if hasattr(tokenizer, "set_prefix_tokens"):
+        try:
+            tokenizer.set_prefix_tokens(language=language, task=task, predict_timestamps=False)
+        except ValueError as e:
+            raise UsageError(f"--language {language!r} / --task {task!r}: {e}") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# Clips
+# ----------------------------------------------------------------------------------------------
+class Clips(NamedTuple):
+    """The usable clips of a split: `sources` (`tasks.audio.AudioSources`), their transcripts and
+    the name each is shown by (errors)."""
+    sources: object
+    texts: list
+    shown: list
+
+
+def resolve_columns(data_args, columns):
+    """(audio column, text column); both must be in every split ({split: column names})."""
+    needed = (("audio_column_name", data_args.audio_column_name), ("text_column_name", data_args.text_column_name))
+    file_formats.require_columns(columns, needed)
+    return data_args.audio_column_name, data_args.text_column_name
+
+
+def max_duration(data_args, extractor):
+    """--max_duration_in_seconds, at most the extractor's chunk (with a warning where it is lowered)."""
+    limit = chunk_seconds(extractor)
+    if data_args.max_duration_in_seconds > limit:
+        logger.warning("--max_duration_in_seconds %g is more than the %g seconds the model takes: clips longer than "
+                       "%g s are skipped", data_args.max_duration_in_seconds, limit, limit)
+        return limit
+    return data_args.max_duration_in_seconds
+
+
+def load_clips(data_args, training_args, extractor, cache_dir, workers):
+    """{split: Clips} of the phases asked for, read from data files or a hub dataset, every clip
+    checked, the unusable ones (too long, too short, no transcript) skipped and counted."""
+    splits = needed_splits(training_args)
+    files = {split: getattr(data_args, SPLIT_FILES[split]) for split in splits}
+    raw = dataset_loading.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS)
+    raw = phase_datasets(raw, {split: split for split in splits}, data_args)
+    audio_column, text_column = resolve_columns(data_args, {split: raw[split].column_names for split in splits})
+    longest, shortest = max_duration(data_args, extractor), data_args.min_duration_in_seconds
+    clips = {}
+    for split in splits:
+        file = files[split]
+        sources = audio.AudioSources(raw[split], audio_column, os.path.dirname(os.path.abspath(file)) if file else None)
+        seconds = audio.check_clips(sources, split, workers)
+        texts = [str(text or "").strip() for text in raw[split][text_column]]
+        too_long, too_short = seconds > longest, seconds < shortest
+        untranscribed = np.array([not text for text in texts]) & ~too_long & ~too_short
+        keep = np.flatnonzero(~(too_long | too_short | untranscribed))
+        if len(keep) < len(texts):
+            logger.warning("%s: skipped %d of %d clips: %d longer than %g s, %d shorter than %g s, %d without a "
+                           "transcript", split, len(texts) - len(keep), len(texts), too_long.sum(), longest,
+                           too_short.sum(), shortest, untranscribed.sum())
+        if len(keep) == 0:
+            raise UsageError(f"the {split} data has no usable clip ({len(texts)} read): every clip is longer than "
+                             f"{longest:g} s, shorter than {shortest:g} s or has no transcript")
+        kept = sources.select(keep)
+        clips[split] = Clips(kept, [texts[i] for i in keep], [kept.name(i) for i in range(len(keep))])
+        logger.info("%s: %d clips, %.1f s of audio", split, len(keep), seconds[keep].sum())
+    return clips
+
+
+# ----------------------------------------------------------------------------------------------
+# Labels
+# ----------------------------------------------------------------------------------------------
+def transcript(text, do_lower_case):
+    return text.lower() if do_lower_case else text
+
+
+def encode_labels(tokenizer, texts, max_length, decoder_start_token_id, split=""):
+    """{"labels", "decoder_input_ids", "decoder_attention_mask"} int32 [rows, max_length]: each
+    transcript's token ids after the decoder start token (which the tokenizer's prefix may begin
+    with), cut to `max_length` (how many were cut is logged), padded; the decoder inputs are the
+    labels shifted right behind the start token, the mask 1 on every label token."""
+    labels = np.zeros((len(texts), max_length), np.int32)
+    mask = np.zeros((len(texts), max_length), np.int32)
+    cut = 0
+    for row, ids in enumerate(tokenizer(list(texts))["input_ids"]):
+        if ids and ids[0] == decoder_start_token_id:
+            ids = ids[1:]
+        cut += len(ids) > max_length
+        ids = ids[:max_length]
+        labels[row, :len(ids)], mask[row, :len(ids)] = ids, 1
+    if cut:
+        logger.warning("%s: %d of %d transcripts are longer than --max_label_length %d tokens: cut to it", split,
+                       cut, len(texts), max_length)
+    decoder_input_ids = np.empty_like(labels)
+    decoder_input_ids[:, 0] = decoder_start_token_id
+    decoder_input_ids[:, 1:] = labels[:, :-1]
+    return {"labels": labels, "decoder_input_ids": decoder_input_ids, "decoder_attention_mask": mask}
+
+
+def prompt_ids(tokenizer, decoder_start_token_id):
+    """The tokens every generated transcript starts from: the start token, then the tokenizer's prefix
+    (Whisper: language, task, no timestamps): what an empty transcript encodes to, less its end."""
+    ids = tokenizer("")["input_ids"]
+    if ids and ids[0] == decoder_start_token_id:
+        ids = ids[1:]
+    ending = set(tokenizer.all_special_ids) & {tokenizer.eos_token_id, tokenizer.sep_token_id}
+    while ids and ids[-1] in ending:
+        ids = ids[:-1]
+    return np.array([decoder_start_token_id, *ids], np.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Features
+# ----------------------------------------------------------------------------------------------
+class Features:
+    """A clip -> the model's input features: loaded, resampled to the extractor's rate, extracted."""
+
+    def __init__(self, extractor):
+        self.extractor = extractor
+        self.input_name = extractor.model_input_names[0]
+        # Whisper's features computed for all frames at once (`tasks.audio.whisper_log_mel`: the same numbers).
+        self.whisper = type(extractor).__name__ == "WhisperFeatureExtractor" and not getattr(extractor, "dither", 0.0)
+
+    def __call__(self, source):
+        samples = audio.load(source, self.extractor.sampling_rate)
+        if self.whisper:
+            return audio.whisper_log_mel(samples, self.extractor)
+        return self.extractor(samples, sampling_rate=self.extractor.sampling_rate,
+                              return_tensors="np")[self.input_name][0]
+
+    @property
+    def shape(self):
+        return (self.extractor.feature_size, self.extractor.nb_max_frames)
+
+
+class FeatureColumn:
+    """A column of input features: `column[indices]` computes those clips' features (on a pool of
+    `workers` threads) into float32 [len(indices), mel bins, frames]. What `utils.batch_order.gather` reads."""
+
+    def __init__(self, sources, features, workers=None):
+        self.sources, self.features = sources, features
+        self.workers = workers or audio.default_workers()
+        self._pool = None
+
+    def __len__(self):
+        return len(self.sources)
+
+    @property
+    def shape(self):
+        return (len(self), *self.features.shape)
+
+    def __getitem__(self, indices):
+        indices = np.atleast_1d(np.asarray(indices))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="eval-audio")
+        rows = list(self._pool.map(lambda i: self.features(self.sources[int(i)]), indices))
+        return np.stack(rows).astype(np.float32) if rows else np.zeros((0, *self.features.shape), np.float32)
+
+
+class SpeechData(ImageData):
+    """The training clips of a run, for `utils.training`: `ImageData`'s seeded epoch order and its
+    pool of threads preparing batches ahead of the step, with each batch's features computed from
+    its clips and its labels taken from the encoded transcripts."""
+
+    def __init__(self, sources, labels, features, workers=None):
+        self.sources, self.labels, self.features = sources, labels, features
+        self.size = len(sources)
+        self.workers = workers or audio.default_workers()
+
+    def host_batch(self, indices, seed, epoch):
+        indices = np.asarray(indices, np.int64)
+        batch = {self.features.input_name: np.stack([self.features(self.sources[int(i)]) for i in indices])}
+        return {**batch, **{name: column[indices] for name, column in self.labels.items()}}
+
+
+def eval_columns(clips, labels, features, workers=None):
+    """{split: input features (`FeatureColumn`) and label arrays} of the splits evaluated or predicted."""
+    return {split: {features.input_name: FeatureColumn(found.sources, features, workers), **labels[split]}
+            for split, found in clips.items() if split != "train"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------
+MODEL_INPUTS = ("decoder_input_ids", "decoder_attention_mask")
+
+
+def transcript_loss(logits, labels, decoder_attention_mask, example_weight=None, label_smoothing=0.0):
+    """(loss sum, {"loss", "tokens"}) over the label tokens (the prefix's included, as the classic);
+    padding counts nothing, padded rows (`example_weight` 0) neither."""
+    return token_sums(logits, labels, decoder_attention_mask, example_weight, label_smoothing)
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------------
+def generation_settings(model, label_length, num_beams):
+    """A generation config of its own for the predict path: the model's, copied, generating up to the
+    labels' length after the start token, with `num_beams`, and no forced tokens (the prompt carries
+    them). The model's stays untouched."""
+    settings = copy.deepcopy(model.generation_config)
+    settings.max_length = label_length + 1
+    settings.num_beams = num_beams
+    settings.forced_decoder_ids = None
+    settings.return_timestamps = False
+    settings._from_model_config = False
+    return settings
+
+
+def generate_ids(model, params, inputs, prompt, settings):
+    """The generated token ids [rows, settings.max_length] of `inputs` (input features), each row
+    started from `prompt` (traceable). Through the generic Flax `generate`: Whisper's override
+    writes task, language and forced tokens into the config it is given."""
+    from transformers.generation.flax_utils import FlaxGenerationMixin
+
+    rows = inputs.shape[0]
+    decoder_input_ids = jnp.broadcast_to(jnp.asarray(prompt), (rows, len(prompt)))
+    return FlaxGenerationMixin.generate(model, inputs, generation_config=settings, params=params,
+                                        decoder_input_ids=decoder_input_ids).sequences
+
+
+def decode_texts(tokenizer, ids):
+    """The transcript of each row of generated `ids`, special tokens dropped, surrounding spaces stripped."""
+    return [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------
+def normalize_text(text):
+    """Lower case, punctuation and symbols replaced by spaces, whitespace collapsed (--do_normalize_eval)."""
+    kept = "".join(" " if unicodedata.category(c)[0] in "PS" else c for c in text.lower())
+    return re.sub(r"\s+", " ", kept).strip()
+
+
+def edit_distance(reference, hypothesis):
+    """Levenshtein distance between two sequences (substitutions, insertions, deletions all cost 1)."""
+    previous = np.arange(len(hypothesis) + 1)
+    for i, token in enumerate(reference, start=1):
+        current = np.empty_like(previous)
+        current[0] = i
+        for j, other in enumerate(hypothesis, start=1):
+            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (token != other))
+        previous = current
+    return int(previous[-1])
+
+
+def error_rate(references, hypotheses):
+    """Edits summed over every pair of sequences, over the reference tokens summed (the corpus rate)."""
+    edits = sum(edit_distance(ref, hyp) for ref, hyp in zip(references, hypotheses))
+    return edits / max(sum(len(ref) for ref in references), 1)
+
+
+def word_error_rate(references, hypotheses):
+    return error_rate([r.split() for r in references], [h.split() for h in hypotheses])
+
+
+def character_error_rate(references, hypotheses):
+    return error_rate(references, hypotheses)
+
+
+def recognition_metrics(references, hypotheses, normalize=False):
+    """{"wer", "cer"} of the generated `hypotheses` against the `references` (optionally normalised)."""
+    if normalize:
+        references, hypotheses = [normalize_text(t) for t in references], [normalize_text(t) for t in hypotheses]
+    return {"wer": word_error_rate(references, hypotheses), "cer": character_error_rate(references, hypotheses)}
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo page (demo.py): the predictor and the form asking for its input
+# ----------------------------------------------------------------------------------------------
+class Transcriber(Predictor):
+    """run_speech_recognition_seq2seq.py's predict path for one clip: read and resampled by
+    `tasks.audio`, the features of the feature extractor saved beside the model, generation from the
+    run's prompt (its --language and --task) with its --max_label_length and --num_beams."""
+
+    auto_class = "FlaxAutoModelForSpeechSeq2Seq"
+
+    def __init__(self, output_dir, run_args):
+        from transformers import AutoFeatureExtractor
+
+        super().__init__(output_dir, run_args)
+        self.extractor = AutoFeatureExtractor.from_pretrained(output_dir)
+        self.features = Features(self.extractor)
+        set_prefix(self.tokenizer, run_args.get("language"), run_args.get("task") or "transcribe")
+        start = self.config.decoder_start_token_id
+        prompt = prompt_ids(self.tokenizer, start)
+        settings = generation_settings(self.model, label_length(run_args["max_label_length"], self.config),
+                                       run_args.get("num_beams") or self.model.generation_config.num_beams)
+        self._generate = jax.jit(lambda params, inputs: generate_ids(self.model, params, inputs, prompt, settings))
+
+    def predict(self, clip_bytes):
+        if not clip_bytes:
+            raise BadInput("no audio: upload a WAV file (or record one)")
+        clip_bytes = bytes(clip_bytes)
+        try:
+            seconds = audio.clip_seconds(clip_bytes)
+            inputs = self.features(clip_bytes)
+        except (audio.AudioError, EOFError, ValueError) as e:
+            raise BadInput(f"the file is not audio that can be read ({e}): upload a WAV file") from e
+        answer = Answer()
+        limit = chunk_seconds(self.extractor)
+        if seconds > limit:
+            answer.notes.append(f"the clip lasts {seconds:.1f} s; the model hears at most {limit:g} s, so only the "
+                                f"first {limit:g} s were transcribed")
+        ids = self._generate(self.params, inputs[None])
+        answer.text = decode_texts(self.tokenizer, np.asarray(ids))[0]
+        return answer
+
+    def warm_up(self):
+        jax.block_until_ready(self._generate(self.params, np.zeros((1, *self.features.shape), np.float32)))
+
+
+PREDICTOR = Transcriber
+
+
+def demo_form(st, predictor):
+    with st.form("request"):
+        upload = st.file_uploader("Audio (WAV)", key="audio")
+        recorded = st.audio_input("Or record", key="recording") if hasattr(st, "audio_input") else None
+        submitted = st.form_submit_button("Transcribe")
+    if submitted:
+        clip = recorded if recorded is not None else upload
+        return lambda: show_answer(st, predictor(clip.getvalue() if clip is not None else b""))
