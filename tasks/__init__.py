@@ -40,6 +40,7 @@ MODULES = {
     "causal-lm": "tasks.causal_lm",
     "masked-lm": "tasks.masked_lm",
     "span-corruption": "tasks.span_corruption",
+    "denoising": "tasks.denoising",
     "text-classification": "tasks.text_classification",
     "token-classification": "tasks.token_classification",
     "question-answering": "tasks.question_answering",
@@ -71,8 +72,11 @@ def task_of(architecture, run_args):
         if architecture.endswith(ending):
             return task
     if architecture.endswith(_SEQ2SEQ_HEADS):
-        # run_t5_mlm_flax.py's arguments have the span lengths, run_summarization_flax.py's the columns.
-        return "span-corruption" if "mean_noise_span_length" in run_args else "summarization"
+        # run_t5_mlm_flax.py's arguments have the span lengths, run_bart_dlm_flax.py's the Poisson mean,
+        # run_summarization_flax.py's the columns.
+        if "mean_noise_span_length" in run_args:
+            return "span-corruption"
+        return "denoising" if "poisson_lambda" in run_args else "summarization"
     return None
 
 
