@@ -17,6 +17,7 @@ import run_qa
 import run_mlm_flax
 import run_summarization_flax
 import run_t5_mlm_flax
+import run_bart_dlm_flax
 import train_tokenizer
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments
 
@@ -32,9 +33,10 @@ SCRIPTS = {
     "ner": (run_flax_ner, ("Data (ner)",)),
     "image": (run_image_classification, ("Data (image classification)",)),
     "qa": (run_qa, ("Data (question answering)",)),
-    "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm and t5 mlm)")),
-    "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm and t5 mlm)")),
-    "t5 mlm": (run_t5_mlm_flax, ("Data (t5 mlm only)", "Data (clm, mlm and t5 mlm)")),
+    "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm, t5 mlm and bart dlm)")),
+    "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm, t5 mlm and bart dlm)")),
+    "t5 mlm": (run_t5_mlm_flax, ("Data (t5 mlm only)", "Data (clm, mlm, t5 mlm and bart dlm)")),
+    "bart dlm": (run_bart_dlm_flax, ("Data (bart dlm only)", "Data (clm, mlm, t5 mlm and bart dlm)")),
 }
 
 
