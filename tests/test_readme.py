@@ -374,6 +374,24 @@ def test_the_results_prose_is_results_configs_cpu_json():
             f"{results['transfer']['most_frequent_label_share']})") in tasks
 
 
+def test_the_bart_denoising_prose_is_results_configs_cpu_json():
+    results = json_file("results_configs_cpu.json")
+    untrained = results["untrained"]["configs/bart_dlm_tiny.json"]
+    transfer = results["transfer_bart_dlm"]
+    scores = {run["from"]: run["results"] for run in transfer["runs"]}
+    readme = " ".join(read("README.md").split())
+    assert (f"Untrained (`--do_train false`) the same BART scores perplexity {untrained['eval_perplexity']} "
+            f"(accuracy {untrained['eval_accuracy']})") in readme
+    exported, scratch = scores[transfer["export"]], scores["scratch"]
+    assert (f"`test_rougeL` {exported['test_rougeL']} (`test_loss` {exported['test_loss']}) fine-tuned from the "
+            f"export, {scratch['test_rougeL']} (`test_loss` {scratch['test_loss']}) from scratch") in readme
+    assert exported["test_rougeL"] > scratch["test_rougeL"]
+    benchmarks = " ".join(read(BENCHMARKS).split())
+    for command in (transfer["tokenizer"], transfer["pretraining"], transfer["fine_tuning"]["export"],
+                    transfer["fine_tuning"]["scratch"]):
+        assert command in benchmarks
+
+
 def test_demo_latency_table_is_results_demo_cpu_json():
     records = {row["output_dir"]: row for row in json_file("results_demo_cpu.json")["rows"]}
     check_table(BENCHMARKS, "| model | model p50 / p95 (ms) |", records, [
