@@ -40,6 +40,7 @@ MODULES = {
     "causal-lm": "tasks.causal_lm",
     "masked-lm": "tasks.masked_lm",
     "span-corruption": "tasks.span_corruption",
+    "denoising": "tasks.denoising",
     "text-classification": "tasks.text_classification",
     "token-classification": "tasks.token_classification",
     "question-answering": "tasks.question_answering",
@@ -77,10 +78,12 @@ def task_of(architecture, run_args):
         if architecture.endswith(ending):
             return task
     if architecture.endswith(_SEQ2SEQ_HEADS):
-        # run_t5_mlm_flax.py's arguments have the span lengths, run_speech_recognition_seq2seq.py's the audio
-        # column, run_summarization_flax.py's the text columns.
+        # run_t5_mlm_flax.py's arguments have the span lengths, run_bart_dlm_flax.py's the Poisson mean,
+        # run_speech_recognition_seq2seq.py's the audio column, run_summarization_flax.py's the text columns.
         if "mean_noise_span_length" in run_args:
             return "span-corruption"
+        if "poisson_lambda" in run_args:
+            return "denoising"
         return "speech-recognition" if "audio_column_name" in run_args else "summarization"
     return None
 

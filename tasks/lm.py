@@ -204,15 +204,16 @@ def _map(dataset, function, data_args, desc, remove_columns=None):
                        remove_columns=remove_columns, load_from_cache_file=not data_args.overwrite_cache, desc=desc)
 
 
-def tokenize_and_group(dataset, tokenizer, text_column, block_size, data_args):
-    """Every non-blank text tokenized (special tokens included), concatenated, cut into blocks.
+def tokenize_and_group(dataset, tokenizer, text_column, block_size, data_args, encode=encode_texts):
+    """Every non-blank text tokenized (special tokens included) by `encode(tokenizer, texts)`,
+    concatenated, cut into blocks.
 
     With `preprocessing_num_workers` each worker's part of the rows is grouped on its own, so the
     blocks at the parts' borders differ from a run without workers (and from the streamed `Blocks`').
     """
 
     def tokenize(examples):
-        return {"input_ids": encode_texts(tokenizer, examples[text_column])}
+        return {"input_ids": encode(tokenizer, examples[text_column])}
 
     tokens = _map(dataset, tokenize, data_args, "tokenizing", remove_columns=dataset.column_names)
     return _map(tokens, partial(group_texts, block_size=block_size), data_args, f"grouping into blocks of {block_size}")
@@ -243,10 +244,14 @@ class Blocks:
         self.tokenizer, self.width = tokenizer, block_size
 
     def __call__(self, texts):
-        ids = encode_texts(self.tokenizer, texts)
+        ids = self.encode(texts)
         tokens = sum(map(len, ids))
         flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32, count=tokens)
         return {"input_ids": flat[: tokens // self.width * self.width].reshape(-1, self.width)}
+
+    def encode(self, texts):
+        """The token ids of each kept text (`encode_texts`; a subclass may encode otherwise)."""
+        return encode_texts(self.tokenizer, texts)
 
     def copy(self):
         return type(self)(copy.deepcopy(self.tokenizer), self.width)

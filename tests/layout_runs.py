@@ -43,6 +43,13 @@ SCRIPTS = {
         "d_model=128,d_ff=32,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.0",
         "--train_file", "data/lm/train.txt", "--validation_file", "data/lm/validation.txt", "--max_seq_length", 32,
         "--max_train_samples", 320, "--max_eval_samples", 40]),
+    # BART denoising: d_model 128, so the attention kernels split too; random tokens and permutation on.
+    "bart dlm": ("run_bart_dlm_flax.py", [
+        "--model_type", "bart", "--tokenizer_name", "data/lm/tokenizer", "--config_overrides",
+        "d_model=128,encoder_layers=1,decoder_layers=1,encoder_attention_heads=2,decoder_attention_heads=2,"
+        "encoder_ffn_dim=32,decoder_ffn_dim=32,max_position_embeddings=32,dropout=0.0,attention_dropout=0.0",
+        "--train_file", "data/lm/train.txt", "--validation_file", "data/lm/validation.txt", "--max_seq_length", 32,
+        "--random_token_ratio", 0.1, "--max_train_samples", 320, "--max_eval_samples", 40]),
     # intermediate_size 256: the 64 x 256 feed-forward kernels are large enough to split as well.
     "glue": ("run_flax_glue.py", [
         "--model_type", "bert", "--tokenizer_name", "data/glue/tokenizer", "--config_overrides",

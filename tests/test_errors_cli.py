@@ -28,6 +28,7 @@ import run_mlm_flax as mlm
 import run_qa
 import run_summarization_flax as summarization
 import run_t5_mlm_flax as t5_mlm
+import run_bart_dlm_flax as bart_dlm
 from script_runner import ROOT, directory_state, run_script, script_env
 from tasks.summarization import TASK
 from utils import hub_access
@@ -91,7 +92,7 @@ def stop_at_model(monkeypatch, error):
     def load_model(*args, **kwargs):
         raise error
 
-    for script in (summarization, clm, mlm, t5_mlm, glue, run_qa):
+    for script in (summarization, clm, mlm, t5_mlm, bart_dlm, glue, run_qa):
         monkeypatch.setattr(script, "load_model", load_model)
 
 
@@ -491,6 +492,35 @@ def test_t5_mlm_text_shorter_than_one_raw_block(fails, tmp_path):
     short.write_text("The cat sleeps.\n" * 4, encoding="utf-8")  # 3 lines to train on: 15 tokens
     fails(t5_args(train=short), r"the train data has fewer than 34 tokens, the raw block that --max_seq_length 32 "
                                 r"needs: lower --max_seq_length or add text", script=t5_mlm)
+
+
+def bart_args(*args, train=LM_TRAIN):
+    return ["--model_type", "bart", "--config_overrides", "d_model=32,encoder_layers=1,decoder_layers=1",
+            "--tokenizer_name", LM_TOKENIZER, "--train_file", train, "--do_train", "--per_device_train_batch_size", 1,
+            "--max_seq_length", 32, *args]
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--mlm_probability", 1], r"--mlm_probability must be at least 0 and below 1, got 1"),
+    (["--permute_sentence_ratio", 1.5], r"--permute_sentence_ratio must be between 0 and 1, got 1.5"),
+    (["--poisson_lambda", 0], r"--poisson_lambda \(the mean span length\) must be positive, got 0"),
+    (["--random_token_ratio", -0.1], r"--random_token_ratio must be between 0 and 1, got -0.1"),
+    (["--sentence_separator", "<sep-not-there>"], r"--sentence_separator '<sep-not-there>' is not a token of the "
+                                                  r"tokenizer"),
+    (["--tokenizer_name", T5_TOKENIZER], r"the tokenizer has no mask token, which BART denoising needs"),
+    (["--model_type", "t5", "--config_overrides", TINY_T5], r"model type 't5' cannot be trained by this script: "
+                                                            r"use one of bart, mbart$"),
+    (["--do_predict"], r"--do_predict does not apply to language modeling"),
+])
+def test_bart_dlm_bad_inputs(fails, args, pattern):
+    fails(bart_args(*args), pattern, script=bart_dlm)
+
+
+def test_bart_dlm_text_shorter_than_one_example(fails, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("The cat sleeps.\n" * 4, encoding="utf-8")
+    fails(bart_args(train=short), r"the train data has fewer than 30 tokens, the text of one example of "
+                                  r"--max_seq_length 32: lower --max_seq_length or add text", script=bart_dlm)
 
 
 # ---------------------------------------------------------------------------------------------

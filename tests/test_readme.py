@@ -20,6 +20,7 @@ import run_speech_recognition_seq2seq
 import run_mlm_flax
 import run_summarization_flax
 import run_t5_mlm_flax
+import run_bart_dlm_flax
 import train_tokenizer
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments
 
@@ -38,9 +39,10 @@ SCRIPTS = {
     "captioning": (run_image_captioning_flax, ("Model and data (image captioning)",)),
     "speech": (run_speech_recognition_seq2seq, ("Data (speech recognition)",)),
     "qa": (run_qa, ("Data (question answering)",)),
-    "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm and t5 mlm)")),
-    "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm and t5 mlm)")),
-    "t5 mlm": (run_t5_mlm_flax, ("Data (t5 mlm only)", "Data (clm, mlm and t5 mlm)")),
+    "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm, t5 mlm and bart dlm)")),
+    "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm, t5 mlm and bart dlm)")),
+    "t5 mlm": (run_t5_mlm_flax, ("Data (t5 mlm only)", "Data (clm, mlm, t5 mlm and bart dlm)")),
+    "bart dlm": (run_bart_dlm_flax, ("Data (bart dlm only)", "Data (clm, mlm, t5 mlm and bart dlm)")),
 }
 
 
@@ -381,6 +383,24 @@ def test_the_results_prose_is_results_configs_cpu_json():
     assert (f"export classifies {transfer['outputs/mlm_tiny']} of the validation sentences, the same model from "
             f"scratch {transfer['scratch']} (it can only guess at words it never saw; the most frequent kind is "
             f"{results['transfer']['most_frequent_label_share']})") in tasks
+
+
+def test_the_bart_denoising_prose_is_results_configs_cpu_json():
+    results = json_file("results_configs_cpu.json")
+    untrained = results["untrained"]["configs/bart_dlm_tiny.json"]
+    transfer = results["transfer_bart_dlm"]
+    scores = {run["from"]: run["results"] for run in transfer["runs"]}
+    readme = " ".join(read("README.md").split())
+    assert (f"Untrained (`--do_train false`) the same BART scores perplexity {untrained['eval_perplexity']} "
+            f"(accuracy {untrained['eval_accuracy']})") in readme
+    exported, scratch = scores[transfer["export"]], scores["scratch"]
+    assert (f"`test_rougeL` {exported['test_rougeL']} (`test_loss` {exported['test_loss']}) fine-tuned from the "
+            f"export, {scratch['test_rougeL']} (`test_loss` {scratch['test_loss']}) from scratch") in readme
+    assert exported["test_rougeL"] > scratch["test_rougeL"]
+    benchmarks = " ".join(read(BENCHMARKS).split())
+    for command in (transfer["tokenizer"], transfer["pretraining"], transfer["fine_tuning"]["export"],
+                    transfer["fine_tuning"]["scratch"]):
+        assert command in benchmarks
 
 
 def test_demo_latency_table_is_results_demo_cpu_json():

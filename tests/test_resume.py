@@ -107,9 +107,10 @@ SCRIPTS["clm fsdp"] = (SCRIPTS["clm"][0], SCRIPTS["clm"][1] + ["--sharding", "fs
 # Streamed, split over the devices and accumulated at once (stopped by SIGTERM below).
 SCRIPTS["clm stream fsdp"] = (SCRIPTS["clm stream"][0], SCRIPTS["clm stream"][1] + [
     "--sharding", "fsdp", "--gradient_accumulation_steps", 2])
-# The other scripts resume from their layout runs' checkpoints: span corruption corrupts, images crop and
-# flip, question answering windows its batches, speech featurises its clips as the uninterrupted run did.
-LAYOUT_RUNS = ["t5 mlm", "glue", "ner", "image", "qa", "chat", "speech"]
+# The other scripts resume from their layout runs' checkpoints: span corruption corrupts, denoising permutes
+# and masks, images crop and flip, question answering windows its batches, speech featurises its clips as the
+# uninterrupted run did.
+LAYOUT_RUNS = ["t5 mlm", "bart dlm", "glue", "ner", "image", "qa", "chat", "speech"]
 # Plain clm (in-memory blocks, dp) resumes as summarization does: it is here streamed and under fsdp.
 KILLED = ["summarization", "clm stream", "clm fsdp", *LAYOUT_RUNS]
 

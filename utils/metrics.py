@@ -63,6 +63,11 @@ def split_sentences(text: str) -> list[str]:
     return _sentence_tokenizer().tokenize(text)
 
 
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) character offsets of `split_sentences(text)`'s sentences in `text`."""
+    return list(_sentence_tokenizer().span_tokenize(text))
+
+
 # ---------------------------------------------------------------------------------------------
 # ROUGE
 # ---------------------------------------------------------------------------------------------
