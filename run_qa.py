@@ -78,6 +78,10 @@ class DataTrainingArguments(BaseDataArguments):
                                          "(answers [{category, text, answer_start}], or the simplified NQ jsonl), "
                                          "with a head predicting each window's category (saved with the model); "
                                          "scored by exact match and category accuracy."})
+    keep_null_windows: float = field(
+        default=1.0, metadata={"help": "With --answer_categories: the fraction of the training windows without an "
+                                       "answer kept (drawn with --seed); the BigBird research project keeps 0.4, so "
+                                       "that a long document's many empty windows weigh less."})
     max_long_answer_length: int = field(
         default=1024, metadata={"help": "With --answer_categories: longest long answer, in tokens."})
     attention_type: Optional[str] = field(
@@ -96,6 +100,9 @@ class DataTrainingArguments(BaseDataArguments):
                      "max_long_answer_length"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.keep_null_windows <= 1:
+            raise UsageError(f"--keep_null_windows {self.keep_null_windows} must be more than 0 and at most 1 (a "
+                             "fraction of the training windows without an answer)")
         for name in ("block_size", "num_random_blocks"):
             if getattr(self, name) is not None and getattr(self, name) < (1 if name == "block_size" else 0):
                 raise UsageError(f"--{name} must be {'positive' if name == 'block_size' else 'at least 0'}, got "
@@ -132,7 +139,7 @@ def main(argv=None):
     if not model_args.model_name_or_path:
         config = long_qa.fit_question_end(config, tokenizer)
     # --max_*_samples keep whole examples: every kept one is scored on all of its context's windows.
-    task = long_qa if data_args.answer_categories else qa  # how rows are read, windows labelled, answers scored
+    task = long_qa if data_args.answer_categories else qa  # how rows are read
     raw = phase_datasets(task.load_splits(data_args, {s: files[s] for s in splits}, model_args.cache_dir),
                          {split: split for split in splits}, data_args)
     has_answers = qa.check_columns(raw, data_args)
@@ -140,7 +147,11 @@ def main(argv=None):
     long_qa.check_blocks(config, seq_length)
     features = {}
     for split in splits:
-        features[split] = task.prepare_split(raw[split], split, data_args, tokenizer, seq_length, has_answers[split])
+        if data_args.answer_categories:
+            features[split] = long_qa.prepare_split(raw[split], split, data_args, tokenizer, seq_length,
+                                                    has_answers[split], data_args.keep_null_windows, training_args.seed)
+        else:
+            features[split] = qa.prepare_split(raw[split], split, data_args, tokenizer, seq_length, has_answers[split])
         logger.info("%s: %d examples in %d windows of %d tokens", split, len(features[split].examples),
                     features[split].size, seq_length)
     # Before the model: too few examples for one batch fails now.

@@ -221,10 +221,11 @@ def make_windows(examples, tokenizer, seq_length, doc_stride, data_args):
                         desc="cutting windows")
 
 
-def prepare_split(dataset, split, data_args, tokenizer, seq_length, has_answers):
+def prepare_split(dataset, split, data_args, tokenizer, seq_length, has_answers, keep_null_windows=1.0, seed=0):
     """The `tasks.question_answering.Features` of a split: its examples read and checked, each cut
     into windows of `seq_length` tokens with their span and category labels; `references` {id:
-    [(category, text)] of its gold answers} where the split has answers."""
+    [(category, text)] of its gold answers} where the split has answers. Training keeps a
+    `keep_null_windows` fraction of the windows labelled null (`thinned`)."""
     # Files read together share their columns: a test file without answers reads as answers all None.
     has_answers = has_answers and any(value is not None for value in dataset[data_args.answer_column_name])
     examples = read_examples(dataset, split, data_args, tokenizer, has_answers)
@@ -238,13 +239,28 @@ def prepare_split(dataset, split, data_args, tokenizer, seq_length, has_answers)
                       zip(examples["id"], examples["answer_categories"], examples["answer_texts"])}
     dataset = make_windows(examples, tokenizer, seq_length, data_args.doc_stride, data_args)
     inputs = [name for name in qa.MODEL_INPUTS if name in dataset.features]
-    arrays = arrow_columns.to_arrays(dataset, inputs + ["start_positions", "end_positions", "category"])
     if split == "train":
+        dataset = thinned(dataset, keep_null_windows, seed)
+        arrays = arrow_columns.to_arrays(dataset, inputs + ["start_positions", "end_positions", "category"])
         return qa.Features(examples, arrays, len(dataset))
+    arrays = arrow_columns.to_arrays(dataset, inputs + ["start_positions", "end_positions", "category"])
     windows = {name: column[:] for name, column in
                arrow_columns.to_arrays(dataset, ["example_index", "offsets", "null_index"]).items()}
     windows["offsets"] = windows["offsets"].reshape(len(dataset), seq_length, 2)
     return qa.Features(examples, arrays, len(dataset), windows, references)
+
+
+def thinned(windows, keep_null_windows, seed):
+    """The training windows with a `keep_null_windows` fraction of the null ones, drawn with `seed`:
+    most windows of a long document hold no answer, and the research project trains on 40 % of them
+    so that the categories weigh more alike."""
+    if keep_null_windows >= 1.0:
+        return windows
+    null = np.asarray(windows["category"]) == CATEGORIES.index("null")
+    kept = ~null | (np.random.default_rng(seed).random(len(null)) < keep_null_windows)
+    logger.info("training windows: %d with an answer, %d of %d null ones kept (--keep_null_windows %g)",
+                int((~null).sum()), int((kept & null).sum()), int(null.sum()), keep_null_windows)
+    return windows.select(np.flatnonzero(kept))
 
 
 # ----------------------------------------------------------------------------------------------
