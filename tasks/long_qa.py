@@ -32,6 +32,8 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers.utils import cached_file
 
 from tasks import question_answering as qa
+# By name: `datasets` hashes the map functions, and a module object among their globals cannot be hashed.
+from tasks.question_answering import answer_tokens, cut_questions, cut_windows
 from utils import arrow_columns, weights
 from utils.errors import UsageError
 from utils.models import cast_floats
@@ -165,7 +167,7 @@ def read_examples(dataset, split, data_args, tokenizer, has_answers):
             out["answer_categories"].append([category for category, _, _ in answers])
             out["answer_texts"].append([text for _, text, _ in answers])
             out["answer_starts"].append([int(start) for _, _, start in answers])
-        out["question"], out["question_tokens"], out["question_cut"] = qa.cut_questions(
+        out["question"], out["question_tokens"], out["question_cut"] = cut_questions(
             out["question"], tokenizer, data_args.max_question_length)
         return out
 
@@ -188,7 +190,7 @@ def window_label(window, category, text, start):
         return null
     if category in YES_NO and not text:
         return window.null, window.null, CATEGORIES.index(category)
-    span = qa.answer_tokens(window.offsets, window.context_mask, start, start + len(text))
+    span = answer_tokens(window.offsets, window.context_mask, start, start + len(text))
     if span is None:
         return null
     if category in YES_NO:
@@ -200,7 +202,7 @@ def make_windows(examples, tokenizer, seq_length, doc_stride, data_args):
     """Fixed-length windows: the model inputs; start_positions / end_positions / category
     (`window_label`); example_index; offsets (flattened) and null_index for post-processing."""
     def tokenize(batch, indices):
-        encoded, windows = qa.cut_windows(tokenizer, batch["question"], batch["context"], seq_length, doc_stride)
+        encoded, windows = cut_windows(tokenizer, batch["question"], batch["context"], seq_length, doc_stride)
         out = {"start_positions": [], "end_positions": [], "category": [], "example_index": [], "offsets": [],
                "null_index": []}
         for window in windows:

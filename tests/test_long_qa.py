@@ -197,7 +197,7 @@ def test_an_example_takes_the_category_of_its_most_confident_window():
     offsets[0, 1:3] = [[0, 4], [5, 9]]
     start = np.stack([one_hot_logits(tokens, 1), np.zeros(tokens), one_hot_logits(tokens, 2), np.zeros(tokens)])
     end = np.stack([one_hot_logits(tokens, 2), np.zeros(tokens), one_hot_logits(tokens, 3), np.zeros(tokens)])
-    categories = np.stack([[1.0, 0.0, 2.0, 0.0, 0.0], [3.0, 0, 0, 0, 0], [0.0, 4.0, 0.0, 0.0, 0.0], [2.0, 1.0, 0, 0, 0]])
+    categories = np.array([[1.0, 0.0, 2.0, 0.0, 0.0], [3.0, 0, 0, 0, 0], [0.0, 4.0, 0, 0, 0], [2.0, 1.0, 0, 0, 0]])
     answers = long_qa.best_answers([("a", context), ("b", context)], [0, 0, 0, 1], start, end, categories, offsets)
     assert answers["a"]["category"] == "short" and answers["a"]["answer"] == "bbbb cccc"
     probabilities = np.exp(categories[2]) / np.exp(categories[2]).sum()
@@ -310,5 +310,6 @@ def test_a_block_size_that_does_not_divide_the_window_is_one_error(monkeypatch, 
                                    "--tokenizer_name", LONG_QA_TOKENIZER, "--answer_categories", "--block_size", 24,
                                    "--max_seq_length", 128, "--doc_stride", 16, "--do_train", "--train_file", train,
                                    "--output_dir", out, "--overwrite_output_dir"], tmp_path)
-    check_failure(2, code, capsys.readouterr().err, r"--block_size 24 does not divide the window of 128 tokens .* use --max_seq_length 144 or 120")
+    check_failure(2, code, capsys.readouterr().err,
+                  r"--block_size 24 does not divide the window of 128 tokens .* use --max_seq_length 144 or 120")
     assert directory_state(out) == before
