@@ -390,9 +390,9 @@ def model_params(params):
 
 
 def export_note(model):
-    logger.info("the export holds the answer-category head under %r in its weights: run_qa.py and the demo reload "
-                "it; %s.from_pretrained loads the rest and drops it (transformers warns of the unused weights)",
-                HEAD, type(model).__name__)
+    logger.info("the export holds the answer-category head under %r in its weights: run_qa.py --answer_categories "
+                "reloads it; %s.from_pretrained loads the rest and drops it (transformers warns of the unused "
+                "weights)", HEAD, type(model).__name__)
 
 
 # ----------------------------------------------------------------------------------------------
