@@ -311,7 +311,7 @@ def random_blocks_key(model, dropout_rng):
 def fit_question_end(config, tokenizer):
     """BigBird's question-answering model finds a question's end at the first `config.sep_token_id`
     (question tokens never win a span): a model made from scratch takes the tokenizer's."""
-    if hasattr(config, "sep_token_id") and tokenizer.sep_token_id is not None:
+    if config.model_type == "big_bird" and tokenizer.sep_token_id is not None:
         config.sep_token_id = tokenizer.sep_token_id
     return config
 

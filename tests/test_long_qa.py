@@ -313,3 +313,24 @@ def test_a_block_size_that_does_not_divide_the_window_is_one_error(monkeypatch, 
     check_failure(2, code, capsys.readouterr().err,
                   r"--block_size 24 does not divide the window of 128 tokens .* use --max_seq_length 144 or 120")
     assert directory_state(out) == before
+
+
+def test_thinning_keeps_every_answer_window_and_a_fraction_of_the_null_ones():
+    import datasets
+
+    categories = np.random.default_rng(3).choice([0, 0, 0, 1, 3], size=4000)
+    windows = datasets.Dataset.from_dict({"category": categories, "row": np.arange(4000)})
+    kept = long_qa.thinned(windows, 0.25, seed=7)
+    rows = np.asarray(kept["row"])
+    null = categories == 0
+    assert set(np.flatnonzero(~null)) <= set(rows)
+    assert abs(np.isin(np.flatnonzero(null), rows).mean() - 0.25) < 0.03
+    assert np.array_equal(rows, np.asarray(long_qa.thinned(windows, 0.25, seed=7)["row"]))  # a pure function of the seed
+    assert long_qa.thinned(windows, 1.0, seed=7) is windows
+
+
+def test_only_big_bird_takes_the_tokenizers_separator_for_the_questions_end(tokenizer):
+    from transformers import BertConfig
+
+    assert long_qa.fit_question_end(tiny_big_bird(sep_token_id=66), tokenizer).sep_token_id == tokenizer.sep_token_id
+    assert long_qa.fit_question_end(BertConfig(), tokenizer).sep_token_id is None
