@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Fine-tune a Flax encoder (BERT, RoBERTa, ELECTRA, BigBird, ...) for extractive question answering: SQuAD v1.1 / v2.0.
+"""Fine-tune a Flax encoder (BERT, RoBERTa, ELECTRA, BigBird, ...) for extractive question answering: SQuAD v1.1 / v2.0,
+or long documents with answer categories (Natural Questions style).
 
     python run_qa.py configs/qa_tiny.json
     python run_qa.py configs/qa_v2_tiny.json --null_score_diff_threshold 1.5   # flags override the file
+    python run_qa.py configs/long_qa_tiny.json   # BigBird, block-sparse attention, answer categories
 
 Each example is a question, a context and the answer's text and character offset in it. Long
 contexts are cut into windows of --max_seq_length tokens overlapping by --doc_stride; a window is
@@ -10,8 +12,12 @@ trained to point at the answer's first and last tokens, or at its CLS token when
 inside it (or, SQuAD v2.0, the question has none). At evaluation every window of an example is
 scored and its best span over all of them is the answer, scored with the SQuAD metrics, in percent
 as the official scripts do: the task's knowledge (SQuAD files, windows, loss, post-processing,
-scores, prediction files) lives in `tasks/question_answering.py`. One train / eval loop, each step
-defined once for both layouts (`--sharding dp` / `fsdp`); everything mechanical lives in `utils/`.
+scores, prediction files) lives in `tasks/question_answering.py`. With --answer_categories each
+answer also has a category (null / short / long / yes / no: Natural Questions), a small head on the
+model predicts each window's, and an example's category and answer come from its windows
+(`tasks/long_qa.py`); BigBird reads long windows with block-sparse attention (--attention_type).
+One train / eval loop, each step defined once for both layouts (`--sharding dp` / `fsdp`);
+everything mechanical lives in `utils/`.
 """
 
 import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
@@ -20,10 +26,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from transformers import FlaxAutoModelForQuestionAnswering
 
+from tasks import long_qa
 from tasks import question_answering as qa
 from tasks.question_answering import TASK
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
@@ -63,13 +71,42 @@ class DataTrainingArguments(BaseDataArguments):
     n_best_size: int = field(
         default=20, metadata={"help": "Best start and end tokens per window combined into spans, and spans kept per "
                                       "example (the n-best file)."})
-    max_answer_length: int = field(default=30, metadata={"help": "Longest answer, in tokens."})
+    max_answer_length: int = field(default=30, metadata={"help": "Longest answer, in tokens (with "
+                                                                     "--answer_categories: short answers)."})
+    answer_categories: bool = field(
+        default=False, metadata={"help": "Natural Questions-style answers of category null / short / long / yes / no "
+                                         "(answers [{category, text, answer_start}], or the simplified NQ jsonl), "
+                                         "with a head predicting each window's category (saved with the model); "
+                                         "scored by exact match and category accuracy."})
+    keep_null_windows: float = field(
+        default=1.0, metadata={"help": "With --answer_categories: the fraction of the training windows without an "
+                                       "answer kept (drawn with --seed); the BigBird research project keeps 0.4, so "
+                                       "that a long document's many empty windows weigh less."})
+    max_long_answer_length: int = field(
+        default=1024, metadata={"help": "With --answer_categories: longest long answer, in tokens."})
+    attention_type: Optional[str] = field(
+        default=None, metadata={"help": "BigBird: block_sparse or original_full (default: the model config's).",
+                                "choices": ["block_sparse", "original_full"]})
+    block_size: Optional[int] = field(
+        default=None, metadata={"help": "BigBird: tokens per attention block; must divide --max_seq_length "
+                                        "(default: the model config's)."})
+    num_random_blocks: Optional[int] = field(
+        default=None, metadata={"help": "BigBird: random blocks each block attends to (default: the model "
+                                        "config's)."})
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("max_seq_length", "max_question_length", "n_best_size", "max_answer_length"):
+        for name in ("max_seq_length", "max_question_length", "n_best_size", "max_answer_length",
+                     "max_long_answer_length"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.keep_null_windows <= 1:
+            raise UsageError(f"--keep_null_windows {self.keep_null_windows} must be more than 0 and at most 1 (a "
+                             "fraction of the training windows without an answer)")
+        for name in ("block_size", "num_random_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < (1 if name == "block_size" else 0):
+                raise UsageError(f"--{name} must be {'positive' if name == 'block_size' else 'at least 0'}, got "
+                                 f"{getattr(self, name)}")
         if not 0 <= self.doc_stride < self.max_seq_length:
             raise UsageError(f"--doc_stride {self.doc_stride} must be at least 0 and less than --max_seq_length "
                              f"{self.max_seq_length}: it is the overlap of two windows (e.g. 128 of 384)")
@@ -95,16 +132,26 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     config = load_config(model_args, task="question-answering")
     config.num_labels = 2  # a start and an end logit per token
+    config = long_qa.set_attention(config, data_args.attention_type, data_args.block_size,
+                                   data_args.num_random_blocks)
     tokenizer = qa.load_tokenizer(model_args)
     config = fit_config_to_tokenizer(config, tokenizer, model_args)
+    if not model_args.model_name_or_path:
+        config = long_qa.fit_question_end(config, tokenizer)
     # --max_*_samples keep whole examples: every kept one is scored on all of its context's windows.
-    raw = phase_datasets(qa.load_splits(data_args, {s: files[s] for s in splits}, model_args.cache_dir),
+    task = long_qa if data_args.answer_categories else qa  # how rows are read
+    raw = phase_datasets(task.load_splits(data_args, {s: files[s] for s in splits}, model_args.cache_dir),
                          {split: split for split in splits}, data_args)
     has_answers = qa.check_columns(raw, data_args)
     seq_length = qa.window_length(data_args.max_seq_length, data_args.doc_stride, tokenizer, config, logger)
+    long_qa.check_blocks(config, seq_length)
     features = {}
     for split in splits:
-        features[split] = qa.prepare_split(raw[split], split, data_args, tokenizer, seq_length, has_answers[split])
+        if data_args.answer_categories:
+            features[split] = long_qa.prepare_split(raw[split], split, data_args, tokenizer, seq_length,
+                                                    has_answers[split], data_args.keep_null_windows, training_args.seed)
+        else:
+            features[split] = qa.prepare_split(raw[split], split, data_args, tokenizer, seq_length, has_answers[split])
         logger.info("%s: %d examples in %d windows of %d tokens", split, len(features[split].examples),
                     features[split].size, seq_length)
     # Before the model: too few examples for one batch fails now.
@@ -116,6 +163,10 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     model, params = load_model(FlaxAutoModelForQuestionAnswering, model_args, config,
                                training_args.seed, layout)
+    if data_args.answer_categories:  # the category head's weights beside the model's (saved ones reloaded)
+        params = long_qa.add_category_head(params, model, model_args, config, training_args.seed, layout)
+        head = long_qa.category_head(config, model.dtype)
+        long_qa.export_note(model)
     inputs = qa.model_inputs(model, features[splits[0]].arrays)
 
     # ------------------------------------------------------------------------------------------
@@ -123,15 +174,27 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
 
     def logits_of(params, batch, dropout_rng=None, train=False):
-        outputs = model(**{k: batch[k] for k in inputs}, params=params, dropout_rng=dropout_rng, train=train)
-        return outputs.start_logits, outputs.end_logits
+        """(start logits, end logits) per token; with --answer_categories also the category logits per window."""
+        outputs = model(**{k: batch[k] for k in inputs}, params=long_qa.model_params(params),
+                        dropout_rng=dropout_rng, train=train, output_hidden_states=data_args.answer_categories,
+                        **long_qa.random_blocks_key(model, dropout_rng if train else None))
+        if not data_args.answer_categories:
+            return outputs.start_logits, outputs.end_logits
+        first_tokens = outputs.hidden_states[-1][:, 0]
+        category_logits = head.apply({"params": params[long_qa.HEAD]}, first_tokens, deterministic=not train,
+                                     rngs={"dropout": jax.random.fold_in(dropout_rng, 2)} if train else None)
+        return outputs.start_logits, outputs.end_logits, category_logits
 
     def loss_fn(params, batch, dropout_rng, train, label_smoothing):
-        start_logits, end_logits = logits_of(params, batch, dropout_rng, train)
-        return qa.span_loss(start_logits, end_logits, batch["start_positions"], batch["end_positions"],
-                            batch.get("example_weight"), label_smoothing)
+        logits = logits_of(params, batch, dropout_rng, train)
+        if data_args.answer_categories:
+            return long_qa.loss(*logits, batch, label_smoothing)
+        return qa.span_loss(*logits, batch["start_positions"], batch["end_positions"], batch.get("example_weight"),
+                            label_smoothing)
 
     def predict_fn(params, batch):
+        if data_args.answer_categories:
+            return long_qa.window_outputs(*logits_of(params, batch))  # [rows, start, end and category logits]
         return jnp.stack(logits_of(params, batch), axis=-1).astype(jnp.float32)  # [rows, tokens, start / end]
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data, predict_fn=predict_fn)
@@ -140,8 +203,14 @@ def main(argv=None):
         """The answers of every example of `split` and their files; with the split's answers, the
         loss over its windows and the SQuAD scores."""
         means, logits = steps.evaluate(state.params, features[split].arrays, features[split].size)
-        answers, nbest, null_odds = qa.predicted_answers(features[split], np.stack(logits), data_args)
         prefix = qa.PREFIXES[split]
+        if data_args.answer_categories:
+            answers = long_qa.predicted_answers(features[split], np.stack(logits), data_args, seq_length)
+            if features[split].references is not None:
+                run.report(prefix, long_qa.eval_metrics(means, features[split], answers))
+            long_qa.write_predictions(run, prefix, answers)
+            return
+        answers, nbest, null_odds = qa.predicted_answers(features[split], np.stack(logits), data_args)
         if features[split].references is not None:
             run.report(prefix, qa.eval_metrics(means, features[split], answers, data_args.version_2_with_negative))
         qa.write_predictions(run, prefix, answers, nbest, null_odds, data_args.version_2_with_negative)

@@ -27,6 +27,7 @@ import run_qa
 import run_summarization_flax as summarization
 import run_t5_mlm_flax as t5_mlm
 from script_runner import ROOT, directory_state
+from test_long_qa import LONG_QA_TOKENIZER, TINY_BIG_BIRD, long_qa_row
 from test_errors_cli import (LM_TOKENIZER, QA_TOKENIZER, T5_TOKENIZER, TINY_BERT, TINY_T5, TINY_VIT, TOKENIZER,
                              check_failure, qa_row, run_in_process, write_jsonl)
 
@@ -78,6 +79,9 @@ CAPTIONING = ["--encoder_model_type", "vit", "--encoder_config_overrides", TINY_
 T5_MLM = ["--model_type", "t5", "--config_overrides", TINY_T5, "--tokenizer_name", T5_TOKENIZER, "--max_seq_length", 32,
           "--do_train", "--train_file", "{train}"]
 WITH_VALIDATION = ["--do_eval", "--validation_file", "{valid}"]
+LONG_QA = ["--model_type", "big_bird", "--config_overrides", TINY_BIG_BIRD, "--tokenizer_name", LONG_QA_TOKENIZER,
+           "--answer_categories", "--attention_type", "original_full", "--max_seq_length", 64, "--doc_stride", 16,
+           "--do_train", "--train_file", "{train}"]
 
 SENTENCES = [f"sentence number {i}" for i in range(10)]
 GOOD_QA = [qa_row(i) for i in range(4)]
@@ -163,6 +167,13 @@ CASES = [
      "train", r"article 0 \(question 0 of the file\) has no 'context': a SQuAD article holds paragraphs"),
     ("qa: blank lines only", run_qa, QA, {"train": lambda d: write_text(d / "t.jsonl", "\n\n")},
      "train", r"holds no rows, only blank lines"),
+    # Long-document question answering (--answer_categories)
+    ("long qa: unknown category", run_qa, LONG_QA,
+     {"train": lambda d: write_jsonl(d / "t.jsonl", [long_qa_row(0), long_qa_row(1, category="maybe")])},
+     "train", r"row 1 of the train data: unknown answer category 'maybe': use one of null, short, long, yes, no"),
+    ("long qa: answer outside the document", run_qa, LONG_QA,
+     {"train": lambda d: write_jsonl(d / "t.jsonl", [long_qa_row(0, start=9999)])},
+     "train", r"row 0 of the train data: answer_start 9999 is outside its document of \d+ characters"),
     # Images
     ("image: corrupt image", image, IMAGE,
      {"train": lambda d: image_rows(d, [good_image(0, "cat"), good_image(1, "dog"), (corrupt_image, "dog")])},

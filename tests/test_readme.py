@@ -376,6 +376,10 @@ def test_the_results_prose_is_results_configs_cpu_json():
             f"{untrained['configs/t5_mlm_tiny.json']['eval_accuracy']})") in readme
     assert (f"reaches perplexity {plateau['results']['eval_perplexity']} / accuracy "
             f"{plateau['results']['eval_accuracy']:.3f} in {plateau['seconds']} s") in tasks
+    long_qa = untrained["configs/long_qa_tiny.json"]
+    assert (f"scores `eval_exact_match` {long_qa['eval_exact_match']}, `eval_category_accuracy` "
+            f"{long_qa['eval_category_accuracy']}, `eval_has_answer_exact_match` "
+            f"{long_qa['eval_has_answer_exact_match']}") in readme
     chat = untrained["configs/chat_tiny.json"]
     assert (f"the same model answers `eval_exact_match` {chat['eval_exact_match']} of the held-out conversations "
             f"(`eval_loss` {chat['eval_loss']})") in readme
