@@ -112,19 +112,19 @@ def test_fsdp_splits_the_state_eight_ways_on_the_tpu_plan(v3, fsdp_plan):
 
 @needs_libtpu
 def test_fits_or_not_against_the_slices_memory(v3, fsdp_plan, tmp_path, capsys):
-    layout, memory, _, _ = fsdp_plan
+    layout, memory, _, state = fsdp_plan
     args = type("Args", (), {"output_dir": str(tmp_path), "gradient_accumulation_steps": 2,
                              "gradient_checkpointing": False})()
     layout.plan = v3._replace(device_bytes=memory["total"])  # just enough
     with pytest.raises(Done):
-        report_plan(args, layout)
+        report_plan(args, layout, state)
     assert "fits" in capsys.readouterr().out
     layout.plan = v3._replace(device_bytes=memory["total"] - 1)  # a byte short
     with pytest.raises(RunError, match=r"^the train step needs [\d.]+ MiB per device but a TPU v3-8 device has [\d.]+ "
                                        r"MiB: use a smaller --per_device_train_batch_size with more "
                                        r"--gradient_accumulation_steps \(now 2\), --dtype bfloat16, or "
                                        r"--gradient_checkpointing$"):
-        report_plan(args, layout)
+        report_plan(args, layout, state)
     results = json.load(open(tmp_path / "all_results.json"))
     assert results["fits"] is False and results["device_bytes"] == memory["total"] - 1
     assert results["train_step_device_bytes"] == memory["total"]

@@ -142,7 +142,7 @@ def parameter_counts(layout, state):
     return {"trainable_parameters": trainable, "total_parameters": total}
 
 
-def report_plan(training_args, layout, state=None, batches=None):
+def report_plan(training_args, layout, state, batches=None):
     """--compile_only: the TPU plan of the train step, and of each step named in `batches` (eval,
     predict, generate: `layout.planned_steps`) on its first batch (host rows), against the slice's
     HBM; printed and written (metrics.jsonl, all_results.json: the keys a training run records, plus
@@ -159,7 +159,7 @@ def report_plan(training_args, layout, state=None, batches=None):
         for name, batch in batches.items():
             plans[name] = plan_memory(layout.planned_steps[name].lower(state.params, layout.abstract_batch(batch)))
     kept = per_device_bytes(state) - per_device_bytes(state.params) if len(plans) > 1 else 0
-    figures, needs = {}, {}
+    figures, needs = parameter_counts(layout, state), {}
     for name, (memory, refused) in plans.items():
         if refused:
             figures[f"{name}_refused"] = refused
@@ -177,8 +177,7 @@ def report_plan(training_args, layout, state=None, batches=None):
         metrics.log(0, {k: v for k, v in figures.items() if not k.endswith("_refused")}, split="memory")
         metrics.close()
         with open(os.path.join(out, "all_results.json"), "w", encoding="utf-8") as f:
-            json.dump({"compile_only": plan.name, **parameter_counts(layout, state), **figures, "fits": fits}, f,
-                      indent=2)
+            json.dump({"compile_only": plan.name, **figures, "fits": fits}, f, indent=2)
     where = f"{plan.describe()}, --sharding {layout.name}: the"
     for name, (memory, refused) in plans.items():
         step = name.replace("_", " ")
