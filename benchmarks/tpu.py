@@ -100,14 +100,23 @@ def classic_environment(env):
     return {name: value for name, value in env.items() if name not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
 
 
+class RunFailed(Exception):
+    """A run ended with an error; the message holds the command, its exit status and its log's tail."""
+
+
+def last_line(failure):
+    lines = [line for line in str(failure).splitlines() if line.strip()]
+    return lines[-1][:300]
+
+
 def run(command, env, log_path, cwd=ROOT):
-    """The command's log (stdout and stderr, also written to `log_path`); exits with its tail if it fails."""
+    """The command's log (stdout and stderr, also written to `log_path`); raises RunFailed if it fails."""
     with open(log_path, "w", encoding="utf-8") as log:
         result = subprocess.run(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     with open(log_path, encoding="utf-8") as log:
         text = log.read()
     if result.returncode:
-        sys.exit(f"{' '.join(command[:3])} failed (exit {result.returncode}), log {log_path}:\n{text[-3000:]}")
+        raise RunFailed(f"{' '.join(command[:3])} failed (exit {result.returncode}), log {log_path}:\n{text[-3000:]}")
     return text
 
 
@@ -156,25 +165,34 @@ def measure_row(name, work, data, steps, logs, classic, save):
     save(record)
 
     if classic:
-        timings = os.path.join(work, f"classic-{name}.json")
-        classic_flags = [flag for flag in flags if flag != "--gradient_checkpointing"]
-        batch = classic_flags.index("--total_train_batch_size")
-        classic_flags[batch:batch + 2] = ["--per_device_train_batch_size", classic_flags[batch + 1]]
-        # In the work dir: the classic summarization script leaves a lock file where it runs.
-        run([sys.executable, os.path.join(ROOT, "benchmarks", "classic_timer.py"), timings, str(steps), "--",
-             os.path.abspath(os.path.join(classic, SCRIPTS[task])
-                             ), "--config_name", config, *data[task], *classic_flags,
-             # --do_eval: the classic summarization script reads its eval set whatever it is told
-             "--dtype", "bfloat16", "--do_train", "--do_eval", "--output_dir", os.path.join(work, f"classic-out-{name}"),
-             "--overwrite_output_dir", "--num_train_epochs", "1000", "--logging_steps", "1000000",
-             "--save_steps", "1000000", "--eval_steps", "1000000"],
-            classic_environment(env), os.path.join(logs, f"{name}-classic.log"), cwd=work)
-        with open(timings, encoding="utf-8") as f:
-            seconds = json.load(f)["seconds_per_step"]
-        steady = sorted(seconds[2:])[len(seconds[2:]) // 2]  # the median after compiling
-        record["classic_tokens_per_second"] = record["tokens_per_step"] / steady
-        record["vs_classic"] = record["script_tokens_per_second"] / record["classic_tokens_per_second"]
+        try:
+            record.update(classic_speed(name, work, data, steps, logs, classic, config, record["tokens_per_step"]))
+            record["vs_classic"] = record["script_tokens_per_second"] / record["classic_tokens_per_second"]
+        except RunFailed as failure:  # e.g. out of memory: the row keeps ours, and says why the classic has none
+            record["classic_failed"] = last_line(failure)
     return record
+
+
+def classic_speed(name, work, data, steps, logs, classic, config, tokens_per_step):
+    """The classic script's steady-state tokens/s on the row's data, model and batch."""
+    task, _, _, flags = ROWS[name]
+    timings = os.path.join(work, f"classic-{name}.json")
+    classic_flags = [flag for flag in flags if flag != "--gradient_checkpointing"]
+    batch = classic_flags.index("--total_train_batch_size")
+    classic_flags[batch:batch + 2] = ["--per_device_train_batch_size", classic_flags[batch + 1]]
+    # In the work dir: the classic summarization script leaves a lock file where it runs.
+    run([sys.executable, os.path.join(ROOT, "benchmarks", "classic_timer.py"), timings, str(steps), "--",
+         os.path.abspath(os.path.join(classic, SCRIPTS[task])), "--config_name", config, *data[task], *classic_flags,
+         # --do_eval: the classic summarization script reads its eval set whatever it is told
+         "--dtype", "bfloat16", "--do_train", "--do_eval", "--output_dir", os.path.join(work, f"classic-out-{name}"),
+         "--overwrite_output_dir", "--num_train_epochs", "1000", "--logging_steps", "1000000",
+         "--save_steps", "1000000", "--eval_steps", "1000000"],
+        classic_environment(environment(os.path.join(work, "datasets"))), os.path.join(logs, f"{name}-classic.log"),
+        cwd=work)
+    with open(timings, encoding="utf-8") as f:
+        seconds = json.load(f)["seconds_per_step"]
+    steady = sorted(seconds[2:])[len(seconds[2:]) // 2]  # the median after compiling
+    return {"classic_tokens_per_second": tokens_per_step / steady}
 
 
 def table(records):
@@ -217,7 +235,11 @@ def main():
                 with open(args.output, "w", encoding="utf-8") as f:
                     json.dump(records + [record], f, indent=2)
 
-            record = measure_row(row, work, data, args.steps, logs, args.classic, save)
+            try:
+                record = measure_row(row, work, data, args.steps, logs, args.classic, save)
+            except RunFailed as failure:  # one row failing (out of memory, say) leaves the other rows to measure
+                print(failure, file=sys.stderr)
+                record = {"row": row, "failed": last_line(failure)}
             save(record)
             records.append(record)
     finally:
