@@ -17,6 +17,7 @@ import run_image_captioning_flax
 import run_image_classification
 import run_qa
 import run_speech_recognition_seq2seq
+import run_wav2vec2_pretrain_flax
 import run_mlm_flax
 import run_summarization_flax
 import run_t5_mlm_flax
@@ -38,6 +39,7 @@ SCRIPTS = {
     "hybrid clip": (run_hybrid_clip, ("Model (hybrid clip)", "Data (hybrid clip)")),
     "captioning": (run_image_captioning_flax, ("Model and data (image captioning)",)),
     "speech": (run_speech_recognition_seq2seq, ("Data (speech recognition)",)),
+    "wav2vec2": (run_wav2vec2_pretrain_flax, ("Model and data (wav2vec2 pretraining)",)),
     "qa": (run_qa, ("Data (question answering)",)),
     "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm, t5 mlm and bart dlm)")),
     "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm, t5 mlm and bart dlm)")),
