@@ -409,6 +409,13 @@ def test_the_bart_denoising_prose_is_results_configs_cpu_json():
         assert command in benchmarks
 
 
+def test_the_wav2vec2_prose_is_results_configs_cpu_json():
+    untrained = json_file("results_configs_cpu.json")["untrained"]["configs/wav2vec2_pretrain_tiny.json"]
+    assert (f"the same model scores `eval_contrastive_loss` {untrained['eval_contrastive_loss']} (guessing among the "
+            f"21 candidates of a masked frame: ln 21 = 3.04) with `eval_codevector_perplexity` "
+            f"{untrained['eval_codevector_perplexity']} of 64") in " ".join(read("README.md").split())
+
+
 def test_demo_latency_table_is_results_demo_cpu_json():
     records = {row["output_dir"]: row for row in json_file("results_demo_cpu.json")["rows"]}
     check_table(BENCHMARKS, "| model | model p50 / p95 (ms) |", records, [
