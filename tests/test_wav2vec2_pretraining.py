@@ -182,3 +182,23 @@ def test_the_saved_pretraining_model_is_this_task():
     assert tasks.task_of("FlaxWav2Vec2ForPreTraining", {}) == "wav2vec2-pretraining"
     assert tasks.module_of("wav2vec2-pretraining") is w2v
     assert tasks.task_of("FlaxBertForPreTraining", {}) is None  # no script here pretrains BERT so
+
+
+def test_eval_columns_of_dict_features_compute_each_batch_once():
+    """The samples and the attention mask of an eval batch come from one computation per clip."""
+    from tasks import speech_recognition as speech
+
+    calls = []
+
+    class Fake:
+        shapes = {"input_values": (3,), "attention_mask": (3,)}
+
+        def __call__(self, source):
+            calls.append(source)
+            return {"input_values": np.full(3, source, np.float32), "attention_mask": np.ones(3, np.int32)}
+
+    parts = speech.FeatureColumn([5, 6, 7], Fake(), workers=1).parts()
+    assert parts["input_values"].shape == (3, 3) and len(parts["attention_mask"]) == 3
+    batch = {name: column[np.array([2, 0])] for name, column in parts.items()}
+    np.testing.assert_array_equal(batch["input_values"][:, 0], [7, 5])
+    assert batch["attention_mask"].shape == (2, 3) and calls == [7, 5]
