@@ -60,13 +60,16 @@ def test_a_short_run_logs_every_measure_and_exports_an_encoder(trained):
     config = read_json(trained / "config.json")
     assert config["architectures"] == ["Wav2Vec2ForPreTraining"]  # transformers saves it without "Flax"
     assert (trained / "preprocessor_config.json").exists() and (trained / "flax_model.msgpack").exists()
+    card = (trained / "README.md").read_text()
+    assert "pipeline_tag: feature-extraction" in card and "from scratch (a `data/speech/wav2vec2_tiny` config)" in card
 
     from transformers import FlaxWav2Vec2ForPreTraining, FlaxWav2Vec2Model
 
-    encoder = FlaxWav2Vec2Model.from_pretrained(trained)  # what fine-tuning starts from
-    full = FlaxWav2Vec2ForPreTraining.from_pretrained(trained)
-    np.testing.assert_array_equal(encoder.params["feature_projection"]["projection"]["kernel"],
-                                  full.params["wav2vec2"]["feature_projection"]["projection"]["kernel"])
+    _, encoder = FlaxWav2Vec2Model.from_pretrained(trained, _do_init=False)  # what fine-tuning starts from
+    _, full = FlaxWav2Vec2ForPreTraining.from_pretrained(trained, _do_init=False)
+    assert set(full) == {"wav2vec2", "quantizer", "project_q", "project_hid"} and set(encoder) == set(full["wav2vec2"])
+    np.testing.assert_array_equal(encoder["feature_projection"]["projection"]["kernel"],
+                                  full["wav2vec2"]["feature_projection"]["projection"]["kernel"])
 
 
 @pytest.mark.slow
