@@ -13,7 +13,8 @@ training, so a model must recognise the words, not remember the sentences. Write
 `speech/clips/*.wav`, and `speech/tokenizer/`: a byte-level BPE learnt on the training transcripts
 wrapped as a `WhisperTokenizerFast` with Whisper's special tokens (so `set_prefix_tokens(language,
 task)` works as with a real Whisper checkpoint), plus a `WhisperFeatureExtractor` whose 2-second
-chunk the tiny configs' encoder is sized to.
+chunk the tiny configs' encoder is sized to; and `speech/wav2vec2_tiny/`, the config and feature extractor
+of the tiny wav2vec2 `configs/wav2vec2_pretrain_tiny.json` pretrains.
 
     python data/make_speech_data.py [--train_size 240] [--validation_size 40] [--test_size 24] [--seed 42]
 """
@@ -95,6 +96,26 @@ def train_tokenizer(texts, output_dir):
                             n_fft=400).save_pretrained(output_dir)
 
 
+def write_wav2vec2_tiny(output_dir):
+    """The tiny wav2vec2 that `configs/wav2vec2_pretrain_tiny.json` pretrains: a convolutional encoder of
+    4 layers (320 samples a frame, wav2vec2's rate: a 2-second clip makes 99 frames), 2 transformer
+    layers of 64, 2 codebooks of 32 codevectors; and its feature extractor (16 kHz, normalised, with an
+    attention mask: the stable-layer-norm layout, the only one Flax implements)."""
+    from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor
+
+    Wav2Vec2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        conv_dim=(32, 32, 32, 32), conv_stride=(5, 4, 4, 4), conv_kernel=(10, 4, 4, 4), conv_bias=True,
+        feat_extract_norm="layer", do_stable_layer_norm=True, num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, num_codevector_groups=2, num_codevectors_per_group=32, codevector_dim=64,
+        proj_codevector_dim=64, mask_time_prob=0.5, mask_time_length=5, num_negatives=20, diversity_loss_weight=0.1,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+        feat_quantizer_dropout=0.0, final_dropout=0.0, layerdrop=0.0, vocab_size=32,
+    ).save_pretrained(output_dir)
+    Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True,
+                             return_attention_mask=True).save_pretrained(output_dir)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train_size", type=int, default=240)
@@ -123,6 +144,7 @@ def main(argv=None):
         if split == "train":
             train_tokenizer(texts, os.path.join(args.output_dir, "tokenizer"))
         print(f"{split}: {len(rows)} clips")
+    write_wav2vec2_tiny(os.path.join(args.output_dir, "wav2vec2_tiny"))
 
 
 if __name__ == "__main__":

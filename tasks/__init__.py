@@ -48,6 +48,7 @@ MODULES = {
     "image-text": "tasks.image_text",
     "image-captioning": "tasks.image_captioning",
     "speech-recognition": "tasks.speech_recognition",
+    "wav2vec2-pretraining": "tasks.wav2vec2_pretraining",
 }
 
 # Model class name ending -> task; a conditional-generation model is told apart by its arguments.
@@ -62,6 +63,7 @@ _HEADS = (
     ("VisionTextDualEncoderModel", "image-text"),
     ("CLIPModel", "image-text"),
     ("VisionEncoderDecoderModel", "image-captioning"),
+    ("Wav2Vec2ForPreTraining", "wav2vec2-pretraining"),
 )
 _SEQ2SEQ_HEADS = ("ForConditionalGeneration", "EncoderDecoderModel")
 

@@ -134,16 +134,20 @@ class Clips(NamedTuple):
     shown: list
 
 
-def resolve_columns(data_args, columns):
-    """(audio column, text column); both must be in every split ({split: column names})."""
-    needed = (("audio_column_name", data_args.audio_column_name), ("text_column_name", data_args.text_column_name))
+def resolve_columns(data_args, columns, transcribed=True):
+    """(audio column, text column); both must be in every split ({split: column names}). Not
+    `transcribed` (wav2vec2 pretraining): the audio column alone, the text column None."""
+    needed = [("audio_column_name", data_args.audio_column_name)]
+    if transcribed:
+        needed.append(("text_column_name", data_args.text_column_name))
     file_formats.require_columns(columns, needed)
-    return data_args.audio_column_name, data_args.text_column_name
+    return data_args.audio_column_name, data_args.text_column_name if transcribed else None
 
 
 def max_duration(data_args, extractor):
-    """--max_duration_in_seconds, at most the extractor's chunk (with a warning where it is lowered)."""
-    limit = chunk_seconds(extractor)
+    """--max_duration_in_seconds, at most the extractor's chunk where it has one (Whisper's), with a
+    warning where it is lowered."""
+    limit = chunk_seconds(extractor) if hasattr(extractor, "n_samples") else float("inf")
     if data_args.max_duration_in_seconds > limit:
         logger.warning("--max_duration_in_seconds %g is more than the %g seconds the model takes: clips longer than "
                        "%g s are skipped", data_args.max_duration_in_seconds, limit, limit)
@@ -151,33 +155,38 @@ def max_duration(data_args, extractor):
     return data_args.max_duration_in_seconds
 
 
-def load_clips(data_args, training_args, extractor, cache_dir, workers):
+def load_clips(data_args, training_args, extractor, cache_dir, workers, transcribed=True):
     """{split: Clips} of the phases asked for, read from data files or a hub dataset, every clip
-    checked, the unusable ones (too long, too short, no transcript) skipped and counted."""
+    checked, the unusable ones (too long, too short, no transcript) skipped and counted. Not
+    `transcribed` (wav2vec2 pretraining): no text column is read, and `Clips.texts` is None."""
     splits = needed_splits(training_args)
     files = {split: getattr(data_args, SPLIT_FILES[split]) for split in splits}
     raw = dataset_loading.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS)
     raw = phase_datasets(raw, {split: split for split in splits}, data_args)
-    audio_column, text_column = resolve_columns(data_args, {split: raw[split].column_names for split in splits})
+    audio_column, text_column = resolve_columns(data_args, {split: raw[split].column_names for split in splits},
+                                                transcribed)
     longest, shortest = max_duration(data_args, extractor), data_args.min_duration_in_seconds
     clips = {}
     for split in splits:
         file = files[split]
         sources = audio.AudioSources(raw[split], audio_column, os.path.dirname(os.path.abspath(file)) if file else None)
         seconds = audio.check_clips(sources, split, workers)
-        texts = [str(text or "").strip() for text in raw[split][text_column]]
+        texts = [str(text or "").strip() for text in raw[split][text_column]] if transcribed else None
         too_long, too_short = seconds > longest, seconds < shortest
-        untranscribed = np.array([not text for text in texts]) & ~too_long & ~too_short
+        untranscribed = np.array([not text for text in texts] if transcribed else [False] * len(seconds), bool)
+        untranscribed &= ~too_long & ~too_short
         keep = np.flatnonzero(~(too_long | too_short | untranscribed))
-        if len(keep) < len(texts):
-            logger.warning("%s: skipped %d of %d clips: %d longer than %g s, %d shorter than %g s, %d without a "
-                           "transcript", split, len(texts) - len(keep), len(texts), too_long.sum(), longest,
-                           too_short.sum(), shortest, untranscribed.sum())
+        if len(keep) < len(seconds):
+            logger.warning("%s: skipped %d of %d clips: %d longer than %g s, %d shorter than %g s%s", split,
+                           len(seconds) - len(keep), len(seconds), too_long.sum(), longest, too_short.sum(), shortest,
+                           f", {untranscribed.sum()} without a transcript" if transcribed else "")
         if len(keep) == 0:
-            raise UsageError(f"the {split} data has no usable clip ({len(texts)} read): every clip is longer than "
-                             f"{longest:g} s, shorter than {shortest:g} s or has no transcript")
+            raise UsageError(f"the {split} data has no usable clip ({len(seconds)} read): every clip is longer than "
+                             f"{longest:g} s{', ' if transcribed else ' or'} shorter than {shortest:g} s"
+                             f"{' or has no transcript' if transcribed else ''}")
         kept = sources.select(keep)
-        clips[split] = Clips(kept, [texts[i] for i in keep], [kept.name(i) for i in range(len(keep))])
+        clips[split] = Clips(kept, [texts[i] for i in keep] if transcribed else None,
+                             [kept.name(i) for i in range(len(keep))])
         logger.info("%s: %d clips, %.1f s of audio", split, len(keep), seconds[keep].sum())
     return clips
 
@@ -250,12 +259,15 @@ class Features:
 
 class FeatureColumn:
     """A column of input features: `column[indices]` computes those clips' features (on a pool of
-    `workers` threads) into float32 [len(indices), mel bins, frames]. What `utils.batch_order.gather` reads."""
+    `workers` threads) into float32 [len(indices), mel bins, frames]. What `utils.batch_order.gather` reads.
+    Features that give several arrays per clip (a dict: wav2vec2's samples and their attention mask)
+    make one column each (`parts`), which share one computation per batch."""
 
     def __init__(self, sources, features, workers=None):
         self.sources, self.features = sources, features
         self.workers = workers or audio.default_workers()
         self._pool = None
+        self._last = (None, None)  # (indices, rows) of the last batch: the parts of one batch ask for the same
 
     def __len__(self):
         return len(self.sources)
@@ -264,12 +276,44 @@ class FeatureColumn:
     def shape(self):
         return (len(self), *self.features.shape)
 
-    def __getitem__(self, indices):
+    def rows(self, indices):
         indices = np.atleast_1d(np.asarray(indices))
+        if self._last[0] is not None and np.array_equal(self._last[0], indices):
+            return self._last[1]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="eval-audio")
         rows = list(self._pool.map(lambda i: self.features(self.sources[int(i)]), indices))
+        self._last = (indices, rows)
+        return rows
+
+    def __getitem__(self, indices):
+        rows = self.rows(indices)
         return np.stack(rows).astype(np.float32) if rows else np.zeros((0, *self.features.shape), np.float32)
+
+    def parts(self):
+        """{name: column} of features giving a dict of arrays per clip (`features.shapes`: name -> shape)."""
+        return {name: FeaturePart(self, name, shape) for name, shape in self.features.shapes.items()}
+
+
+class FeaturePart:
+    """One array of a `FeatureColumn` whose features are dicts: `part[indices]` stacks that array."""
+
+    def __init__(self, column, name, shape):
+        self.column, self.name, self.shape = column, name, (len(column), *shape)
+
+    def __len__(self):
+        return len(self.column)
+
+    def __getitem__(self, indices):
+        return np.stack([row[self.name] for row in self.column.rows(indices)])
+
+
+def stack_features(rows, input_name):
+    """{name: [rows, ...]} of per-clip features: arrays (the model's one input, `input_name`), or
+    dicts of arrays (an input and its attention mask)."""
+    if rows and isinstance(rows[0], dict):
+        return {name: np.stack([row[name] for row in rows]) for name in rows[0]}
+    return {input_name: np.stack(rows)}
 
 
 class SpeechData(ImageData):
@@ -284,7 +328,7 @@ class SpeechData(ImageData):
 
     def host_batch(self, indices, seed, epoch):
         indices = np.asarray(indices, np.int64)
-        batch = {self.features.input_name: np.stack([self.features(self.sources[int(i)]) for i in indices])}
+        batch = stack_features([self.features(self.sources[int(i)]) for i in indices], self.features.input_name)
         return {**batch, **{name: column[indices] for name, column in self.labels.items()}}
 
 

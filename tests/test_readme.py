@@ -17,6 +17,7 @@ import run_image_captioning_flax
 import run_image_classification
 import run_qa
 import run_speech_recognition_seq2seq
+import run_wav2vec2_pretrain_flax
 import run_mlm_flax
 import run_summarization_flax
 import run_t5_mlm_flax
@@ -38,6 +39,7 @@ SCRIPTS = {
     "hybrid clip": (run_hybrid_clip, ("Model (hybrid clip)", "Data (hybrid clip)")),
     "captioning": (run_image_captioning_flax, ("Model and data (image captioning)",)),
     "speech": (run_speech_recognition_seq2seq, ("Data (speech recognition)",)),
+    "wav2vec2": (run_wav2vec2_pretrain_flax, ("Model and data (wav2vec2 pretraining)",)),
     "qa": (run_qa, ("Data (question answering)",)),
     "clm": (run_clm_flax, ("Data (clm only)", "Data (clm, mlm, t5 mlm and bart dlm)")),
     "mlm": (run_mlm_flax, ("Data (mlm only)", "Data (clm, mlm, t5 mlm and bart dlm)")),
@@ -408,6 +410,13 @@ def test_the_bart_denoising_prose_is_results_configs_cpu_json():
     for command in (transfer["tokenizer"], transfer["pretraining"], transfer["fine_tuning"]["export"],
                     transfer["fine_tuning"]["scratch"]):
         assert command in benchmarks
+
+
+def test_the_wav2vec2_prose_is_results_configs_cpu_json():
+    untrained = json_file("results_configs_cpu.json")["untrained"]["configs/wav2vec2_pretrain_tiny.json"]
+    assert (f"the same model scores `eval_contrastive_loss` {untrained['eval_contrastive_loss']} (guessing among the "
+            f"21 candidates of a masked frame: ln 21 = 3.04) with `eval_codevector_perplexity` "
+            f"{untrained['eval_codevector_perplexity']} of 64") in " ".join(read("README.md").split())
 
 
 def test_demo_latency_table_is_results_demo_cpu_json():

@@ -108,7 +108,8 @@ def card_text(name, pipeline_tag, run_args, results, argv, widget):
     base = run_args.get("model_name_or_path")
     data = run_args.get("dataset_name") or ", ".join(
         os.path.basename(run_args[key]) for key in ("train_file", "validation_file") if run_args.get(key))
-    origin = f"fine-tuned from `{base}`" if base else f"trained from scratch (a `{run_args.get('model_type')}` config)"
+    config = run_args.get("model_type") or run_args.get("config_name")  # a config file names no model type
+    origin = f"fine-tuned from `{base}`" if base else f"trained from scratch (a `{config}` config)"
     return "\n".join([
         front_matter(pipeline_tag, widget, base),
         f"# {name}",
