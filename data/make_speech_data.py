@@ -13,7 +13,8 @@ training, so a model must recognise the words, not remember the sentences. Write
 `speech/clips/*.wav`, and `speech/tokenizer/`: a byte-level BPE learnt on the training transcripts
 wrapped as a `WhisperTokenizerFast` with Whisper's special tokens (so `set_prefix_tokens(language,
 task)` works as with a real Whisper checkpoint), plus a `WhisperFeatureExtractor` whose 2-second
-chunk the tiny configs' encoder is sized to.
+chunk the tiny configs' encoder is sized to, and `speech/wav2vec2/`: a tiny wav2vec2 encoder's config and
+its feature extractor (raw waveform), for the speech encoder-decoder.
 
     python data/make_speech_data.py [--train_size 240] [--validation_size 40] [--test_size 24] [--seed 42]
 """
@@ -95,6 +96,21 @@ def train_tokenizer(texts, output_dir):
                             n_fft=400).save_pretrained(output_dir)
 
 
+def save_wav2vec2(output_dir):
+    """A tiny wav2vec2 encoder's config (from scratch: 7 narrow convolutions turn 16 kHz samples into
+    50 frames a second, 2 layers of 64) and its feature extractor (raw samples normalised per clip,
+    with an attention mask): what configs/speech_encoder_decoder_tiny.json joins to a tiny decoder."""
+    from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor
+
+    Wav2Vec2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                   conv_dim=(32,) * 7, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+                   feat_extract_norm="layer", do_stable_layer_norm=True, hidden_dropout=0.0, activation_dropout=0.0,
+                   attention_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0,
+                   mask_time_prob=0.0).save_pretrained(output_dir)
+    Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True,
+                             return_attention_mask=True).save_pretrained(output_dir)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train_size", type=int, default=240)
@@ -122,6 +138,7 @@ def main(argv=None):
             writer.writerows(rows)
         if split == "train":
             train_tokenizer(texts, os.path.join(args.output_dir, "tokenizer"))
+            save_wav2vec2(os.path.join(args.output_dir, "wav2vec2"))
         print(f"{split}: {len(rows)} clips")
 
 
