@@ -125,8 +125,7 @@ def main(argv=None):
     joined = speech.is_joined(model_args)
     extractor = speech.load_feature_extractor(arguments_of(model_args, "encoder") if joined else model_args)
     tokenizer = load_tokenizer(arguments_of(model_args, "decoder") if joined else model_args)
-    if not joined:
-        speech.set_prefix(tokenizer, data_args.language, data_args.task)
+    speech.set_run_prefix(tokenizer, data_args, joined)
     config = speech.load_speech_config(model_args, extractor, tokenizer, joined)
     workers = data_args.preprocessing_num_workers or speech.audio.default_workers()
     clips = speech.load_clips(data_args, training_args, extractor, model_args.cache_dir, workers)

@@ -182,6 +182,16 @@ def set_prefix(tokenizer, language, task):
             raise UsageError(f"--language {language!r} / --task {task!r}: {e}") from e
 
 
+def set_run_prefix(tokenizer, data_args, joined):
+    """Whisper's prefix from --language and --task; a speech encoder-decoder's transcripts have none, so
+    --language is refused there rather than silently ignored."""
+    if not joined:
+        set_prefix(tokenizer, data_args.language, data_args.task)
+    elif data_args.language:
+        raise UsageError(f"--language {data_args.language!r} picks a Whisper language token; a speech "
+                         "encoder-decoder's transcripts carry no prefix: drop --language")
+
+
 # ----------------------------------------------------------------------------------------------
 # Clips
 # ----------------------------------------------------------------------------------------------

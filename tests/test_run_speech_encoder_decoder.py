@@ -2,7 +2,7 @@
 decoder, configs/speech_encoder_decoder_tiny.json) end to end on the espeak-ng clips: a few training
 steps on one CPU device (tests/test_run_speech_recognition.py runs Whisper on 8) with eval WER, then
 prediction from the saved dir alone, which the demo's predictor repeats; a decoder it cannot generate
-with stops the run with one error line."""
+with, or --language (Whisper's), stops the run with one error line."""
 
 import csv
 import os
@@ -64,7 +64,13 @@ def test_trains_evaluates_and_predicts_from_the_saved_dir(trained):
         assert predictor(f.read()).text == generated[0]
 
 
-def test_a_decoder_it_cannot_generate_with_is_one_error_line(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("flags, pattern", [
+    (["--decoder_model_type", "t5", "--decoder_config_overrides", ""],
+     r"model type 't5' cannot be trained by this script: use one of gpt2, bart, bert, roberta"),
+    (["--language", "english"], r"--language 'english' picks a Whisper language token; .* drop --language"),
+], ids=["t5 decoder", "--language"])
+def test_a_decoder_it_cannot_generate_with_or_a_whisper_flag_is_one_error_line(monkeypatch, capsys, tmp_path, flags,
+                                                                              pattern):
     def load_composed_model(*args, **kwargs):
         raise AssertionError("the model was built before the error was found")
 
@@ -72,8 +78,6 @@ def test_a_decoder_it_cannot_generate_with_is_one_error_line(monkeypatch, capsys
     out = tmp_path / "out"
     out.mkdir()
     before = directory_state(str(out))
-    returncode = run_in_process(script, [CONFIG, "--decoder_model_type", "t5", "--decoder_config_overrides", "",
-                                         "--output_dir", out], tmp_path)
-    check_failure(2, returncode, capsys.readouterr().err,
-                  r"model type 't5' cannot be trained by this script: use one of gpt2, bart, bert, roberta")
+    returncode = run_in_process(script, [CONFIG, *flags, "--output_dir", out], tmp_path)
+    check_failure(2, returncode, capsys.readouterr().err, pattern)
     assert directory_state(str(out)) == before
