@@ -32,7 +32,7 @@ from tasks import image_captioning as captioning
 from tasks import image_classification as images
 from tasks.image_captioning import TASK
 from tasks.summarization import set_generation
-from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
+from utils.args import BaseDataArguments, EncoderDecoderModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.models import load_composed_model, load_tokenizer
@@ -41,25 +41,7 @@ from utils.training import TrainingRun, make_steps
 
 
 @dataclass
-class CaptioningModelArguments(ModelArguments):
-    encoder_model_name_or_path: Optional[str] = field(
-        default=None, metadata={"help": "Pretrained encoder (name or path, any checkpoint format), e.g. google/vit-base-patch16-224-in21k."})
-    encoder_config_name: Optional[str] = field(
-        default=None, metadata={"help": "Config (name or path) of a new encoder, trained from scratch."})
-    encoder_model_type: Optional[str] = field(
-        default=None, metadata={"help": "Model type of a new encoder, from its family's default config."})
-    encoder_config_overrides: Optional[str] = field(
-        default=None, metadata={"help": "Override config values of a new encoder, e.g. "
-                                        "'hidden_size=64,num_hidden_layers=2'."})
-    decoder_model_name_or_path: Optional[str] = field(
-        default=None, metadata={"help": "Pretrained decoder (name or path, any checkpoint format), e.g. gpt2."})
-    decoder_config_name: Optional[str] = field(
-        default=None, metadata={"help": "Config (name or path) of a new decoder, trained from scratch."})
-    decoder_model_type: Optional[str] = field(
-        default=None, metadata={"help": "Model type of a new decoder, from its family's default config."})
-    decoder_config_overrides: Optional[str] = field(
-        default=None, metadata={"help": "Override config values of a new decoder, e.g. "
-                                        "'hidden_size=64,num_hidden_layers=2'."})
+class CaptioningModelArguments(EncoderDecoderModelArguments):
     image_processor_name: Optional[str] = field(
         default=None, metadata={"help": "Image processor (name or path) whose normalisation the images get "
                                         "(default: the model's or the encoder's; from scratch: mean 0.5, std 0.5)."})

@@ -1,10 +1,19 @@
 #!/usr/bin/env python
-"""Fine-tune (or train from scratch) a Flax Whisper model for speech recognition, without torch.
+"""Fine-tune (or train from scratch) a Flax Whisper model, or a speech encoder-decoder (wav2vec2 +
+GPT-2, BART, BERT or RoBERTa), for speech recognition, without torch.
 
     python run_speech_recognition_seq2seq.py configs/speech_recognition_tiny.json
     python run_speech_recognition_seq2seq.py --model_name_or_path openai/whisper-tiny.en \\
         --train_file clips/train.csv --validation_file clips/validation.csv --do_train --do_eval \\
         --predict_with_generate --output_dir runs/whisper
+    python run_speech_recognition_seq2seq.py --encoder_model_name_or_path facebook/wav2vec2-base \\
+        --decoder_model_name_or_path gpt2 --train_file clips/train.csv ... --output_dir runs/wav2vec2-gpt2
+
+The speech encoder-decoder (`FlaxSpeechEncoderDecoderModel`) is joined from a wav2vec2 encoder and a
+decoder with cross-attention, each pretrained or from its config, with the captioning script's
+--encoder_* / --decoder_* flags, or loaded whole from a saved one (--model_name_or_path); it hears
+the normalised waveform (padded to --max_duration_in_seconds, with its attention mask), and its
+labels carry no Whisper prefix.
 
 Clips come from a data file (csv or json lines, compressed too) whose audio column holds paths
 relative to the file, beside a transcript column, or from a hub dataset (an `Audio` or a path
@@ -25,24 +34,26 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from transformers import FlaxAutoModelForSpeechSeq2Seq
+from transformers import FlaxAutoModel, FlaxAutoModelForCausalLM, FlaxAutoModelForSpeechSeq2Seq, \
+    FlaxSpeechEncoderDecoderModel
 
 from tasks import speech_recognition as speech
 from tasks.speech_recognition import TASK
-from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
+from utils.args import BaseDataArguments, EncoderDecoderModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.loop import host_means
-from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
+from utils.models import arguments_of, load_composed_model, load_model, load_tokenizer, pretrained_part
 from utils.run import check_before_work, needed_splits, set_up, training_plan
 from utils.training import TrainingRun, make_steps
 
 
 @dataclass
-class SpeechModelArguments(ModelArguments):
+class SpeechModelArguments(EncoderDecoderModelArguments):
     feature_extractor_name: Optional[str] = field(
         default=None, metadata={"help": "Feature extractor (name or path) if not the model's; a model trained from "
-                                        "scratch needs one (its preprocessor_config.json sizes the encoder)."})
+                                        "scratch needs one (its preprocessor_config.json sizes the encoder); a "
+                                        "speech encoder-decoder's defaults to its encoder's."})
 
 
 @dataclass
@@ -97,6 +108,7 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (SpeechModelArguments, SpeechDataArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
+    speech.check_model_arguments(model_args)
     files = {split: getattr(data_args, flag) for split, flag in speech.SPLIT_FILES.items()}
     preflight = check_before_work(training_args, data_args, TASK, files, allowed=speech.FILE_FORMATS,
                                   model_args=model_args)
@@ -109,20 +121,22 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Feature extractor, tokenizer, config, clips, labels
     # ------------------------------------------------------------------------------------------
-    extractor = speech.load_feature_extractor(model_args)
-    tokenizer = load_tokenizer(model_args)
-    speech.set_prefix(tokenizer, data_args.language, data_args.task)
-    pretrained = bool(model_args.model_name_or_path)
-    config = load_config(model_args, task="speech-seq2seq", model_types=speech.MODEL_TYPES)
-    config = fit_config_to_tokenizer(speech.fit_config(config, extractor, tokenizer, pretrained), tokenizer, model_args)
+    # A speech encoder-decoder reads its extractor from the encoder, its tokenizer from the decoder.
+    joined = speech.is_joined(model_args)
+    extractor = speech.load_feature_extractor(arguments_of(model_args, "encoder") if joined else model_args)
+    tokenizer = load_tokenizer(arguments_of(model_args, "decoder") if joined else model_args)
+    speech.set_run_prefix(tokenizer, data_args, joined)
+    config = speech.load_speech_config(model_args, extractor, tokenizer, joined)
     workers = data_args.preprocessing_num_workers or speech.audio.default_workers()
     clips = speech.load_clips(data_args, training_args, extractor, model_args.cache_dir, workers)
     texts = {split: [speech.transcript(text, data_args.do_lower_case) for text in found.texts]
              for split, found in clips.items()}
     label_length = speech.label_length(data_args.max_label_length, config)
-    labels = {split: speech.encode_labels(tokenizer, texts[split], label_length,
-                                          config.decoder_start_token_id, split) for split in clips}
-    features = speech.Features(extractor)
+    features = speech.Features(extractor, data_args.max_duration_in_seconds)
+    # The labels, and a waveform's attention mask beside them.
+    labels = {split: {**speech.encode_labels(tokenizer, texts[split], label_length, config.decoder_start_token_id,
+                                             split, speech.end_token(config)),
+                      **features.mask_columns(clips[split])} for split in clips}
     train_data = None
     if training_args.do_train:
         train_data = speech.SpeechData(clips["train"].sources, labels["train"], features, workers)
@@ -132,23 +146,29 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Model
     # ------------------------------------------------------------------------------------------
-    model, params = load_model(FlaxAutoModelForSpeechSeq2Seq, model_args, config, training_args.seed, layout)
+    if joined:  # a saved speech encoder-decoder, or its encoder and decoder joined here
+        parts = {"encoder": (FlaxAutoModel, pretrained_part(model_args, "encoder")),
+                 "decoder": (FlaxAutoModelForCausalLM, pretrained_part(model_args, "decoder"))}
+        model, params = load_composed_model(FlaxSpeechEncoderDecoderModel, config, model_args, parts,
+                                            training_args.seed, layout)
+    else:
+        model, params = load_model(FlaxAutoModelForSpeechSeq2Seq, model_args, config, training_args.seed, layout)
 
     # ------------------------------------------------------------------------------------------
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
     def loss_fn(params, batch, dropout_rng, train, label_smoothing):
-        inputs = {name: batch[name] for name in speech.MODEL_INPUTS}
+        inputs = {name: batch[name] for name in speech.MODEL_INPUTS + features.extra_inputs}
         logits = model(batch[features.input_name], **inputs, params=params, dropout_rng=dropout_rng, train=train)[0]
         return speech.transcript_loss(logits, batch["labels"], batch["decoder_attention_mask"],
                                       batch.get("example_weight"), label_smoothing)
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data)
-    prompt = speech.prompt_ids(tokenizer, config.decoder_start_token_id)
+    prompt = speech.prompt_of(tokenizer, config)
     settings = speech.generation_settings(model, label_length, data_args.num_beams or model.generation_config.num_beams)
     p_generate_step = layout.compile_step(
         "generate_step", lambda params, batch: speech.generate_ids(model, params, batch[features.input_name], prompt,
-                                                                   settings))
+                                                                   settings, batch.get("attention_mask")))
 
     def evaluate(params, split):
         """Token-weighted loss and the label tokens scored; with `predict_with_generate` WER, CER and the
@@ -182,7 +202,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     if training_args.do_train:
         # Throughput counts encoder positions; flops_per_token charges the decoder's work to them.
-        for step, batch in run.train_batches(config.max_source_positions, label_length):
+        for step, batch in run.train_batches(speech.source_positions(model, features), label_length):
             state, sums = steps.train(state, batch)
             run.after_step(step, sums)
             if run.eval_due(step):

@@ -13,8 +13,9 @@ training, so a model must recognise the words, not remember the sentences. Write
 `speech/clips/*.wav`, and `speech/tokenizer/`: a byte-level BPE learnt on the training transcripts
 wrapped as a `WhisperTokenizerFast` with Whisper's special tokens (so `set_prefix_tokens(language,
 task)` works as with a real Whisper checkpoint), plus a `WhisperFeatureExtractor` whose 2-second
-chunk the tiny configs' encoder is sized to; and `speech/wav2vec2_tiny/`, the config and feature extractor
-of the tiny wav2vec2 `configs/wav2vec2_pretrain_tiny.json` pretrains.
+chunk the tiny configs' encoder is sized to; `speech/wav2vec2/`: a tiny wav2vec2 encoder's config and its
+feature extractor (raw waveform), for the speech encoder-decoder; and `speech/wav2vec2_tiny/`, the config
+and feature extractor of the tiny wav2vec2 `configs/wav2vec2_pretrain_tiny.json` pretrains.
 
     python data/make_speech_data.py [--train_size 240] [--validation_size 40] [--test_size 24] [--seed 42]
 """
@@ -96,22 +97,42 @@ def train_tokenizer(texts, output_dir):
                             n_fft=400).save_pretrained(output_dir)
 
 
-def write_wav2vec2_tiny(output_dir):
+def pretraining_config():
     """The tiny wav2vec2 that `configs/wav2vec2_pretrain_tiny.json` pretrains: a convolutional encoder of
     4 layers (320 samples a frame, wav2vec2's rate: a 2-second clip makes 99 frames), 2 transformer
-    layers of 64, 2 codebooks of 32 codevectors; and its feature extractor (16 kHz, normalised, with an
-    attention mask: the stable-layer-norm layout, the only one Flax implements)."""
-    from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor
+    layers of 64, 2 codebooks of 32 codevectors (the stable-layer-norm layout, the only one Flax implements)."""
+    from transformers import Wav2Vec2Config
 
-    Wav2Vec2Config(
+    return Wav2Vec2Config(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
         conv_dim=(32, 32, 32, 32), conv_stride=(5, 4, 4, 4), conv_kernel=(10, 4, 4, 4), conv_bias=True,
         feat_extract_norm="layer", do_stable_layer_norm=True, num_conv_pos_embeddings=16,
         num_conv_pos_embedding_groups=4, num_codevector_groups=2, num_codevectors_per_group=32, codevector_dim=64,
         proj_codevector_dim=64, mask_time_prob=0.5, mask_time_length=5, num_negatives=20, diversity_loss_weight=0.1,
         hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
-        feat_quantizer_dropout=0.0, final_dropout=0.0, layerdrop=0.0, vocab_size=32,
-    ).save_pretrained(output_dir)
+        feat_quantizer_dropout=0.0, final_dropout=0.0, layerdrop=0.0, vocab_size=32)
+
+
+def encoder_config():
+    """The tiny wav2vec2 encoder configs/speech_encoder_decoder_tiny.json joins to a tiny decoder. Its front
+    end is a learnt filterbank (64 filters of 25 ms every 10 ms, as a log-mel's frames) and one convolution
+    of stride 2, 50 frames a second; then 2 layers of 64. wav2vec2's own seven narrow convolutions learnt
+    nothing from 240 clips (the loss stayed at the transcripts' entropy)."""
+    from transformers import Wav2Vec2Config
+
+    return Wav2Vec2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                          conv_dim=(64, 64), conv_kernel=(400, 3), conv_stride=(160, 2), num_feat_extract_layers=2,
+                          num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+                          feat_extract_norm="layer", do_stable_layer_norm=True, hidden_dropout=0.0,
+                          activation_dropout=0.0, attention_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
+                          layerdrop=0.0, mask_time_prob=0.0)
+
+
+def save_wav2vec2(output_dir, config):
+    """`config` and wav2vec2's feature extractor (raw samples normalised per clip, with an attention mask)."""
+    from transformers import Wav2Vec2FeatureExtractor
+
+    config.save_pretrained(output_dir)
     Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True,
                              return_attention_mask=True).save_pretrained(output_dir)
 
@@ -143,8 +164,9 @@ def main(argv=None):
             writer.writerows(rows)
         if split == "train":
             train_tokenizer(texts, os.path.join(args.output_dir, "tokenizer"))
+            save_wav2vec2(os.path.join(args.output_dir, "wav2vec2"), encoder_config())
         print(f"{split}: {len(rows)} clips")
-    write_wav2vec2_tiny(os.path.join(args.output_dir, "wav2vec2_tiny"))
+    save_wav2vec2(os.path.join(args.output_dir, "wav2vec2_tiny"), pretraining_config())
 
 
 if __name__ == "__main__":

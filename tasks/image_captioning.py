@@ -18,7 +18,6 @@ caption tokens, generation, ROUGE and BLEU, the generated captions, and the demo
 
 import logging
 import os
-from dataclasses import replace
 from typing import NamedTuple
 
 import jax
@@ -29,10 +28,12 @@ from tasks import image_classification as images
 from tasks.demo import Answer, Predictor, show_answer
 from tasks.lm import token_sums
 from tasks.summarization import decode_texts
-from utils import dataset_loading, file_formats, hub_access
+from utils import dataset_loading, file_formats
 from utils.errors import UsageError
 from utils.metrics import bleu, rouge
-from utils.models import decoder_input_ids, fit_config_to_tokenizer, fit_length, load_config, max_positions
+# The joining of the encoder and the decoder is shared with speech recognition (`utils.models`).
+from utils.models import (arguments_of, check_joined_arguments, decoder_input_ids, fit_length,  # noqa: F401
+                          join_configs, max_positions, pretrained_part, special_tokens)
 from utils.rundir import one_line
 from utils.run import needed_splits, phase_datasets
 
@@ -55,70 +56,8 @@ LABEL_COLUMNS = ("labels", "decoder_input_ids", "decoder_attention_mask")
 # ----------------------------------------------------------------------------------------------
 # Model: which checkpoints, the config of the whole, the tokenizer's special tokens
 # ----------------------------------------------------------------------------------------------
-def _part(model_args, part):
-    """The `ModelArguments` of the encoder or decoder (`part`), from the --{part}_* flags."""
-    return replace(model_args, model_name_or_path=getattr(model_args, f"{part}_model_name_or_path"),
-                   config_name=getattr(model_args, f"{part}_config_name"),
-                   model_type=getattr(model_args, f"{part}_model_type"),
-                   config_overrides=getattr(model_args, f"{part}_config_overrides"))
-
-
-def arguments_of(model_args, part):
-    """Where the run reads what comes with `part` (the decoder: the tokenizer; the encoder: the image
-    processor): `model_args` for a saved captioning model, else the part's own arguments."""
-    return model_args if model_args.model_name_or_path else _part(model_args, part)
-
-
-def pretrained_part(model_args, part):
-    """The arguments naming the checkpoint of `part` ("encoder", "decoder"), or None: a part of a saved
-    captioning model, or one built from its config."""
-    if model_args.model_name_or_path or not getattr(model_args, f"{part}_model_name_or_path"):
-        return None
-    return _part(model_args, part)
-
-
 def check_model_arguments(model_args):
-    """A saved captioning model, or an encoder and a decoder each from a checkpoint or a config; every
-    local path named exists. Runs before any work; the hub is probed for the names that are not paths."""
-    part_flags = [f"{part}_{what}" for part in ("encoder", "decoder")
-                  for what in ("model_name_or_path", "config_name", "model_type", "config_overrides")]
-    given = [flag for flag in part_flags if getattr(model_args, flag)]
-    if model_args.model_name_or_path:
-        if given:
-            raise UsageError(f"--model_name_or_path loads a saved captioning model; --{given[0]} builds a new one: "
-                             "pass one or the other")
-        return
-    if model_args.model_type or model_args.config_overrides:
-        raise UsageError("--model_type and --config_overrides name no part of a captioning model: use "
-                         "--encoder_model_type / --decoder_model_type and --encoder_config_overrides / "
-                         "--decoder_config_overrides")
-    for part in ("encoder", "decoder"):
-        if not any(getattr(model_args, f"{part}_{what}") for what in ("model_name_or_path", "config_name",
-                                                                        "model_type")):
-            raise UsageError(f"no {part}: pass --{part}_model_name_or_path (a pretrained {part}), --{part}_config_name "
-                             f"or --{part}_model_type, or --model_name_or_path (a saved captioning model)")
-    names = {flag: getattr(model_args, flag) for flag in ("encoder_model_name_or_path", "encoder_config_name",
-                                                          "decoder_model_name_or_path", "decoder_config_name")}
-    for flag, name in names.items():
-        if name and hub_access.looks_like_path(name) and not os.path.exists(name):
-            raise UsageError(f"--{flag} {name} not found: check the path")
-    hub_access.check_access(names.values())
-
-
-class SpecialTokens(NamedTuple):
-    start: int  # the decoder's first input
-    end: int  # closes every caption; generation stops there
-    pad: int
-
-
-def special_tokens(tokenizer):
-    """The start (bos, else cls), end (eos, else sep) and pad (pad, else the end) ids of `tokenizer`."""
-    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id
-    end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
-    if start is None or end is None:
-        raise UsageError("the tokenizer has no start token (bos or cls) or no end token (eos or sep) for the "
-                         "captions: use a tokenizer that has both (--tokenizer_name)")
-    return SpecialTokens(start, end, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end)
+    check_joined_arguments(model_args, "captioning model")
 
 
 def load_captioning_config(model_args, tokenizer):
@@ -127,21 +66,7 @@ def load_captioning_config(model_args, tokenizer):
     end and pad ids the tokenizer's."""
     from transformers import VisionEncoderDecoderConfig
 
-    if model_args.model_name_or_path:
-        config = load_config(model_args, None, model_types=("vision-encoder-decoder",))
-        fit_config_to_tokenizer(config.decoder, tokenizer, model_args)  # the tokenizer's ids fit its vocabulary
-        return config
-    encoder = load_config(_part(model_args, "encoder"), None, model_types=ENCODER_TYPES)
-    decoder_args = _part(model_args, "decoder")
-    decoder = load_config(decoder_args, None, model_types=DECODER_TYPES)
-    encoder.is_decoder, encoder.add_cross_attention = False, False
-    decoder.is_decoder, decoder.add_cross_attention = True, True
-    decoder = fit_config_to_tokenizer(decoder, tokenizer, decoder_args)
-    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
-    tokens = special_tokens(tokenizer)
-    config.decoder_start_token_id, config.eos_token_id, config.pad_token_id = tokens.start, tokens.end, tokens.pad
-    config.decoder.pad_token_id = tokens.pad
-    return config
+    return join_configs(VisionEncoderDecoderConfig, model_args, tokenizer, ENCODER_TYPES, DECODER_TYPES)
 
 
 class Lengths(NamedTuple):

@@ -1,6 +1,13 @@
-"""Speech recognition (`run_speech_recognition_seq2seq.py`): the audio and transcript columns, the
-clips kept, the transcripts as decoder labels, features computed on the fly, the loss, generation
-with a per-call prompt and settings, WER and CER offline, the generated lines.
+"""Speech recognition (`run_speech_recognition_seq2seq.py`): the model (Whisper, or a speech
+encoder-decoder), the audio and transcript columns, the clips kept, the transcripts as decoder
+labels, features computed on the fly, the loss, generation with a per-call prompt and settings, WER
+and CER offline, the generated lines.
+
+- model: Whisper (pretrained, a saved run, or from its config), or a `FlaxSpeechEncoderDecoderModel`:
+  a wav2vec2 encoder and a decoder with cross-attention (`DECODER_TYPES`) joined here
+  (`utils.models.join_configs`, the captioning script's flags and code), or a saved one. Whisper
+  hears log-mel features of a fixed chunk; wav2vec2 the normalised waveform itself, padded to
+  --max_duration_in_seconds, with an attention mask (`Features`, `AudioMask`).
 
 - clips: `load_clips` reads each phase's split (a data file whose audio column holds paths relative
   to it, or a hub dataset with an `Audio` or path column, decoded by `tasks.audio`, never by
@@ -10,16 +17,19 @@ with a per-call prompt and settings, WER and CER offline, the generated lines.
   extractor's chunk (Whisper pads or cuts every clip to it): --max_duration_in_seconds is lowered to
   it with a warning, so a longer clip is skipped, never silently cut.
 - labels: `encode_labels` tokenizes the transcripts (lower-cased with --do_lower_case) with the
-  tokenizer's prefix (Whisper: <|startoftranscript|><|lang|><|task|><|notimestamps|>), cuts them to
+  tokenizer's prefix (Whisper: <|startoftranscript|><|lang|><|task|><|notimestamps|>; a speech
+  encoder-decoder: none, the tokenizer's end token appended), cuts them to
   --max_label_length tokens (how many were cut is logged) and shifts them right behind the decoder
   start token, as the model's own `shift_tokens_right`.
 - features: `SpeechData` (training batches) and `FeatureColumn` (eval batches) load, resample and
   run the model's feature extractor on each clip in a pool of threads, ahead of the step; nothing
   is cached whole. The features have no randomness: a batch is a pure function of (seed, step).
-- generation: `generate_ids` starts every row from the tokenizer's prompt (`prompt_ids`) and takes
+- generation: `generate_ids` starts every row from the tokenizer's prompt (`prompt_of`) and takes
   its settings (`generation_settings`: max length, beams) as an argument built per call, so nothing
   is written into the model's shared generation config (Whisper's own `generate` writes its task
-  and language there, and they leak into the next call).
+  and language there, and they leak into the next call). A speech encoder-decoder's encoder runs
+  first: transformers' `generate` would hand its decoder the clip's sample mask as the mask of the
+  encoder's frames (`frame_mask`).
 - metrics: `word_error_rate` / `character_error_rate` over the corpus (edits summed over every
   transcript, divided by the reference words / characters, as jiwer computes them), with
   `--do_normalize_eval` lower-casing and dropping punctuation on both sides first.
@@ -43,7 +53,8 @@ from tasks.image_classification import ImageData
 from tasks.lm import token_sums
 from utils import dataset_loading, file_formats
 from utils.errors import UsageError
-from utils.models import fit_length
+from utils.models import (check_joined_arguments, fit_config_to_tokenizer, fit_length, join_configs, joins_parts,
+                          load_config, max_positions)
 from utils.run import needed_splits, phase_datasets
 
 PREDICTIONS_FILE = "generated_predictions.txt"
@@ -51,6 +62,12 @@ PREDICTIONS_FILE = "generated_predictions.txt"
 TASK = Task("speech-recognition", "automatic-speech-recognition", outputs=(PREDICTIONS_FILE, "normalizer.json"))
 FILE_FORMATS = ("json", "csv")
 MODEL_TYPES = ("whisper",)
+# A speech encoder-decoder: a wav2vec2 encoder (transformers' only Flax speech encoder) and a decoder with
+# cross-attention. Unlike the vision encoder-decoder, it hands the decoder the encoder's states by
+# keyword, so BERT and RoBERTa decoders generate too.
+JOINED = "speech-encoder-decoder"
+ENCODER_TYPES = ("wav2vec2",)
+DECODER_TYPES = ("gpt2", "bart", "bert", "roberta")
 SPLIT_FILES = {"train": "train_file", "validation": "validation_file", "test": "test_file"}
 logger = logging.getLogger(__name__)
 
@@ -59,11 +76,12 @@ logger = logging.getLogger(__name__)
 # Model, feature extractor, tokenizer
 # ----------------------------------------------------------------------------------------------
 def load_feature_extractor(model_args):
-    """The feature extractor of --feature_extractor_name or the model (a model trained from scratch
-    needs --feature_extractor_name: its input features are the extractor's)."""
+    """The feature extractor of --feature_extractor_name, or the model's, or the folder of its config
+    (a speech encoder-decoder's encoder); a model trained from scratch of a hub family's config needs
+    --feature_extractor_name: its input features are the extractor's."""
     from transformers import AutoFeatureExtractor
 
-    name = model_args.feature_extractor_name or model_args.model_name_or_path
+    name = model_args.feature_extractor_name or model_args.model_name_or_path or model_args.config_name
     if not name:
         raise UsageError("no feature extractor: pass --feature_extractor_name (a folder or hub id with a "
                          "preprocessor_config.json) for a model trained from scratch")
@@ -75,8 +93,42 @@ def load_feature_extractor(model_args):
 
 
 def chunk_seconds(extractor):
-    """The longest clip the extractor gives the model whole (Whisper pads or cuts to `n_samples`)."""
-    return extractor.n_samples / extractor.sampling_rate
+    """The longest clip the extractor gives the model whole (Whisper pads or cuts to `n_samples`);
+    None for an extractor without a chunk (wav2vec2's: the run pads to --max_duration_in_seconds)."""
+    samples = getattr(extractor, "n_samples", None)
+    return samples / extractor.sampling_rate if samples else None
+
+
+def check_model_arguments(model_args):
+    """A speech encoder-decoder joined from --encoder_* / --decoder_* flags must name both parts, and
+    no saved model beside them (before any work)."""
+    if joins_parts(model_args):
+        check_joined_arguments(model_args, "speech encoder-decoder")
+
+
+def is_joined(model_args):
+    """Whether the model is a speech encoder-decoder: joined from its parts, or a saved one."""
+    if joins_parts(model_args):
+        return True
+    return bool(model_args.model_name_or_path) and load_config(
+        model_args, None, model_types=MODEL_TYPES + (JOINED,)).model_type == JOINED
+
+
+def load_speech_config(model_args, extractor, tokenizer, joined):
+    """The model config: a speech encoder-decoder's (saved, or joined from its parts' configs, its
+    start, end and pad ids the tokenizer's), which hears the raw waveform; or Whisper's, fitted to the
+    extractor (`fit_config`) and the tokenizer."""
+    from transformers import SpeechEncoderDecoderConfig
+
+    if joined:
+        if extractor.model_input_names[0] != "input_values":
+            raise UsageError(f"a speech encoder-decoder hears the waveform, but the feature extractor "
+                             f"{type(extractor).__name__} gives {extractor.model_input_names[0]}: use the encoder's "
+                             "own (a Wav2Vec2FeatureExtractor, --feature_extractor_name)")
+        return join_configs(SpeechEncoderDecoderConfig, model_args, tokenizer, ENCODER_TYPES, DECODER_TYPES)
+    config = load_config(model_args, None, model_types=MODEL_TYPES)
+    config = fit_config(config, extractor, tokenizer, bool(model_args.model_name_or_path))
+    return fit_config_to_tokenizer(config, tokenizer, model_args)
 
 
 def fit_config(config, extractor, tokenizer, pretrained):
@@ -100,7 +152,14 @@ def fit_config(config, extractor, tokenizer, pretrained):
 
 def label_length(max_label_length, config):
     """--max_label_length, lowered (with a warning) so the start token and the labels fit the decoder's positions."""
-    return fit_length(max_label_length, config.max_target_positions - 1, "max_label_length", logger)
+    positions = max_positions(config.decoder) if config.model_type == JOINED else config.max_target_positions
+    return fit_length(max_label_length, positions - 1, "max_label_length", logger)
+
+
+def end_token(config):
+    """The token a speech encoder-decoder's labels end with (its tokenizer adds none: `encode_labels`);
+    None for Whisper, whose tokenizer writes its prefix and end itself."""
+    return config.eos_token_id if config.model_type == JOINED else None
 
 
 class Processor:
@@ -123,15 +182,26 @@ def set_prefix(tokenizer, language, task):
             raise UsageError(f"--language {language!r} / --task {task!r}: {e}") from e
 
 
+def set_run_prefix(tokenizer, data_args, joined):
+    """Whisper's prefix from --language and --task; a speech encoder-decoder's transcripts have none, so
+    --language is refused there rather than silently ignored."""
+    if not joined:
+        set_prefix(tokenizer, data_args.language, data_args.task)
+    elif data_args.language:
+        raise UsageError(f"--language {data_args.language!r} picks a Whisper language token; a speech "
+                         "encoder-decoder's transcripts carry no prefix: drop --language")
+
+
 # ----------------------------------------------------------------------------------------------
 # Clips
 # ----------------------------------------------------------------------------------------------
 class Clips(NamedTuple):
-    """The usable clips of a split: `sources` (`tasks.audio.AudioSources`), their transcripts and
-    the name each is shown by (errors)."""
+    """The usable clips of a split: `sources` (`tasks.audio.AudioSources`), their transcripts, the
+    name each is shown by (errors) and its duration in seconds."""
     sources: object
     texts: list
     shown: list
+    seconds: np.ndarray
 
 
 def resolve_columns(data_args, columns, transcribed=True):
@@ -145,10 +215,9 @@ def resolve_columns(data_args, columns, transcribed=True):
 
 
 def max_duration(data_args, extractor):
-    """--max_duration_in_seconds, at most the extractor's chunk where it has one (Whisper's), with a
-    warning where it is lowered."""
-    limit = chunk_seconds(extractor) if hasattr(extractor, "n_samples") else float("inf")
-    if data_args.max_duration_in_seconds > limit:
+    """--max_duration_in_seconds, at most the extractor's chunk (with a warning where it is lowered)."""
+    limit = chunk_seconds(extractor)
+    if limit is not None and data_args.max_duration_in_seconds > limit:
         logger.warning("--max_duration_in_seconds %g is more than the %g seconds the model takes: clips longer than "
                        "%g s are skipped", data_args.max_duration_in_seconds, limit, limit)
         return limit
@@ -186,7 +255,7 @@ def load_clips(data_args, training_args, extractor, cache_dir, workers, transcri
                              f"{' or has no transcript' if transcribed else ''}")
         kept = sources.select(keep)
         clips[split] = Clips(kept, [texts[i] for i in keep] if transcribed else None,
-                             [kept.name(i) for i in range(len(keep))])
+                             [kept.name(i) for i in range(len(keep))], seconds[keep])
         logger.info("%s: %d clips, %.1f s of audio", split, len(keep), seconds[keep].sum())
     return clips
 
@@ -198,15 +267,21 @@ def transcript(text, do_lower_case):
     return text.lower() if do_lower_case else text
 
 
-def encode_labels(tokenizer, texts, max_length, decoder_start_token_id, split=""):
+def encode_labels(tokenizer, texts, max_length, decoder_start_token_id, split="", end_token_id=None):
     """{"labels", "decoder_input_ids", "decoder_attention_mask"} int32 [rows, max_length]: each
     transcript's token ids after the decoder start token (which the tokenizer's prefix may begin
     with), cut to `max_length` (how many were cut is logged), padded; the decoder inputs are the
-    labels shifted right behind the start token, the mask 1 on every label token."""
+    labels shifted right behind the start token, the mask 1 on every label token. With
+    `end_token_id` (a speech encoder-decoder), the transcript's tokens without the tokenizer's own
+    special tokens (no Whisper prefix), then that end token."""
     labels = np.zeros((len(texts), max_length), np.int32)
     mask = np.zeros((len(texts), max_length), np.int32)
     cut = 0
-    for row, ids in enumerate(tokenizer(list(texts))["input_ids"]):
+    if end_token_id is None:
+        encoded = tokenizer(list(texts))["input_ids"]
+    else:
+        encoded = [ids + [end_token_id] for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    for row, ids in enumerate(encoded):
         if ids and ids[0] == decoder_start_token_id:
             ids = ids[1:]
         cut += len(ids) > max_length
@@ -233,15 +308,31 @@ def prompt_ids(tokenizer, decoder_start_token_id):
     return np.array([decoder_start_token_id, *ids], np.int32)
 
 
+def prompt_of(tokenizer, config):
+    """The prompt of the run's model: Whisper's start token and prefix (`prompt_ids`); a speech
+    encoder-decoder's start token alone (its labels carry no prefix)."""
+    if config.model_type == JOINED:
+        return np.array([config.decoder_start_token_id], np.int32)
+    return prompt_ids(tokenizer, config.decoder_start_token_id)
+
+
 # ----------------------------------------------------------------------------------------------
 # Features
 # ----------------------------------------------------------------------------------------------
 class Features:
-    """A clip -> the model's input features: loaded, resampled to the extractor's rate, extracted."""
+    """A clip -> the model's input features: loaded, resampled to the extractor's rate, extracted.
 
-    def __init__(self, extractor):
+    Whisper's extractor pads or cuts every clip to its chunk. A waveform extractor (wav2vec2's,
+    `raw`) has no chunk: the clips are padded to `max_seconds` (--max_duration_in_seconds), one
+    shape for every batch, each normalised over its own samples; `AudioMask` marks them."""
+
+    def __init__(self, extractor, max_seconds=None):
         self.extractor = extractor
         self.input_name = extractor.model_input_names[0]
+        self.raw = self.input_name == "input_values"
+        # The model inputs beside the features: a waveform's attention mask.
+        self.extra_inputs = ("attention_mask",) if self.raw else ()
+        self.samples = round(max_seconds * extractor.sampling_rate) if self.raw else None
         # Whisper's features computed for all frames at once (`tasks.audio.whisper_log_mel`: the same numbers).
         self.whisper = type(extractor).__name__ == "WhisperFeatureExtractor" and not getattr(extractor, "dither", 0.0)
 
@@ -249,19 +340,56 @@ class Features:
         samples = audio.load(source, self.extractor.sampling_rate)
         if self.whisper:
             return audio.whisper_log_mel(samples, self.extractor)
+        if self.raw:
+            return self.extractor(samples, sampling_rate=self.extractor.sampling_rate, padding="max_length",
+                                  max_length=self.samples, truncation=True, return_attention_mask=True,
+                                  return_tensors="np")[self.input_name][0]
         return self.extractor(samples, sampling_rate=self.extractor.sampling_rate,
                               return_tensors="np")[self.input_name][0]
 
     @property
     def shape(self):
+        if self.raw:
+            return (self.samples,)
         return (self.extractor.feature_size, self.extractor.nb_max_frames)
+
+    @property
+    def longest_seconds(self):
+        """The longest clip the model hears whole (the rest is cut)."""
+        return self.samples / self.extractor.sampling_rate if self.raw else chunk_seconds(self.extractor)
+
+    def sample_counts(self, seconds):
+        """The samples of clips lasting `seconds` at the extractor's rate, at most `samples`: what
+        `tasks.audio.resample` writes (SciPy's polyphase filter: ceil(frames x up / down); the
+        rate ratio's denominator is far below 1e6, so the small tolerance never rounds a real fraction)."""
+        counts = np.ceil(np.asarray(seconds, np.float64) * self.extractor.sampling_rate - 1e-6).astype(np.int64)
+        return np.minimum(counts, self.samples)
+
+    def mask_columns(self, clips):
+        """{"attention_mask": `AudioMask`} of a split's `Clips` for a waveform model; {} for Whisper."""
+        return {"attention_mask": AudioMask(self.sample_counts(clips.seconds), self.samples)} if self.raw else {}
+
+
+class AudioMask:
+    """The attention mask of padded waveforms: `mask[indices]` is int32 [len(indices), samples], 1 on
+    each clip's own samples, made from their counts when read (never held whole)."""
+
+    def __init__(self, counts, samples):
+        self.counts, self.samples = np.asarray(counts, np.int64), samples
+
+    def __len__(self):
+        return len(self.counts)
+
+    def __getitem__(self, indices):
+        counts = self.counts[np.atleast_1d(np.asarray(indices, np.int64))]
+        return (np.arange(self.samples)[None, :] < counts[:, None]).astype(np.int32)
 
 
 class FeatureColumn:
     """A column of input features: `column[indices]` computes those clips' features (on a pool of
-    `workers` threads) into float32 [len(indices), mel bins, frames]. What `utils.batch_order.gather` reads.
-    Features that give several arrays per clip (a dict: wav2vec2's samples and their attention mask)
-    make one column each (`parts`), which share one computation per batch."""
+    `workers` threads) into float32 [len(indices), *features.shape]. What `utils.batch_order.gather` reads.
+    Features that give several arrays per clip (a dict: wav2vec2 pretraining's samples and their attention
+    mask) make one column each (`parts`), which share one computation per batch."""
 
     def __init__(self, sources, features, workers=None):
         self.sources, self.features = sources, features
@@ -333,7 +461,8 @@ class SpeechData(ImageData):
 
 
 def eval_columns(clips, labels, features, workers=None):
-    """{split: input features (`FeatureColumn`) and label arrays} of the splits evaluated or predicted."""
+    """{split: input features (`FeatureColumn`) and label arrays (and the waveform's mask, with the
+    labels)} of the splits evaluated or predicted."""
     return {split: {features.input_name: FeatureColumn(found.sources, features, workers), **labels[split]}
             for split, found in clips.items() if split != "train"}
 
@@ -366,16 +495,38 @@ def generation_settings(model, label_length, num_beams):
     return settings
 
 
-def generate_ids(model, params, inputs, prompt, settings):
+def source_positions(model, features):
+    """The encoder positions of one clip (what throughput counts): Whisper's, or the frames a waveform
+    model's convolutions make of `features.samples`."""
+    if features.raw:
+        return int(model._get_feat_extract_output_lengths(features.samples))
+    return model.config.max_source_positions
+
+
+def frame_mask(model, attention_mask, frames):
+    """int32 [rows, frames]: the encoder frames of each waveform's own samples (`attention_mask`), as
+    the wav2vec2 encoder's convolutions shorten them (`_get_feat_extract_output_lengths`)."""
+    lengths = model._get_feat_extract_output_lengths(jnp.sum(attention_mask, axis=-1))
+    return (jnp.arange(frames)[None, :] < lengths[:, None]).astype(jnp.int32)
+
+
+def generate_ids(model, params, inputs, prompt, settings, attention_mask=None):
     """The generated token ids [rows, settings.max_length] of `inputs` (input features), each row
     started from `prompt` (traceable). Through the generic Flax `generate`: Whisper's override
-    writes task, language and forced tokens into the config it is given."""
+    writes task, language and forced tokens into the config it is given. With the waveform's
+    `attention_mask` (a speech encoder-decoder), the encoder runs here and the decoder gets the mask
+    of its frames: `generate` would pass the sample mask on to the cross-attention, of another length."""
     from transformers.generation.flax_utils import FlaxGenerationMixin
 
     rows = inputs.shape[0]
     decoder_input_ids = jnp.broadcast_to(jnp.asarray(prompt), (rows, len(prompt)))
+    kwargs = {}
+    if attention_mask is not None:
+        encoded = model.encode(inputs, attention_mask=attention_mask, params=params)
+        kwargs = dict(encoder_outputs=encoded,
+                      attention_mask=frame_mask(model, attention_mask, encoded.last_hidden_state.shape[1]))
     return FlaxGenerationMixin.generate(model, inputs, generation_config=settings, params=params,
-                                        decoder_input_ids=decoder_input_ids).sequences
+                                        decoder_input_ids=decoder_input_ids, **kwargs).sequences
 
 
 def decode_texts(tokenizer, ids):
@@ -430,8 +581,9 @@ def recognition_metrics(references, hypotheses, normalize=False):
 # ----------------------------------------------------------------------------------------------
 class Transcriber(Predictor):
     """run_speech_recognition_seq2seq.py's predict path for one clip: read and resampled by
-    `tasks.audio`, the features of the feature extractor saved beside the model, generation from the
-    run's prompt (its --language and --task) with its --max_label_length and --num_beams."""
+    `tasks.audio`, the features of the feature extractor saved beside the model (a waveform padded to
+    the run's --max_duration_in_seconds, with its mask), generation from the run's prompt (Whisper:
+    its --language and --task) with its --max_label_length and --num_beams."""
 
     auto_class = "FlaxAutoModelForSpeechSeq2Seq"
 
@@ -440,13 +592,20 @@ class Transcriber(Predictor):
 
         super().__init__(output_dir, run_args)
         self.extractor = AutoFeatureExtractor.from_pretrained(output_dir)
-        self.features = Features(self.extractor)
-        set_prefix(self.tokenizer, run_args.get("language"), run_args.get("task") or "transcribe")
-        start = self.config.decoder_start_token_id
-        prompt = prompt_ids(self.tokenizer, start)
+        self.features = Features(self.extractor, run_args.get("max_duration_in_seconds"))
+        if self.config.model_type != JOINED:
+            set_prefix(self.tokenizer, run_args.get("language"), run_args.get("task") or "transcribe")
+        prompt = prompt_of(self.tokenizer, self.config)
         settings = generation_settings(self.model, label_length(run_args["max_label_length"], self.config),
                                        run_args.get("num_beams") or self.model.generation_config.num_beams)
-        self._generate = jax.jit(lambda params, inputs: generate_ids(self.model, params, inputs, prompt, settings))
+        self._generate = jax.jit(lambda params, inputs, mask: generate_ids(self.model, params, inputs, prompt,
+                                                                           settings, mask))
+
+    def _mask(self, seconds):
+        """The waveform's attention mask [1, samples] of a clip lasting `seconds`; None for Whisper."""
+        if not self.features.raw:
+            return None
+        return AudioMask(self.features.sample_counts([seconds]), self.features.samples)[0]
 
     def predict(self, clip_bytes):
         if not clip_bytes:
@@ -458,16 +617,17 @@ class Transcriber(Predictor):
         except (audio.AudioError, EOFError, ValueError) as e:
             raise BadInput(f"the file is not audio that can be read ({e}): upload a WAV file") from e
         answer = Answer()
-        limit = chunk_seconds(self.extractor)
+        limit = self.features.longest_seconds
         if seconds > limit:
             answer.notes.append(f"the clip lasts {seconds:.1f} s; the model hears at most {limit:g} s, so only the "
                                 f"first {limit:g} s were transcribed")
-        ids = self._generate(self.params, inputs[None])
+        ids = self._generate(self.params, inputs[None], self._mask(seconds))
         answer.text = decode_texts(self.tokenizer, np.asarray(ids))[0]
         return answer
 
     def warm_up(self):
-        jax.block_until_ready(self._generate(self.params, np.zeros((1, *self.features.shape), np.float32)))
+        silence = np.zeros((1, *self.features.shape), np.float32)
+        jax.block_until_ready(self._generate(self.params, silence, self._mask(self.features.longest_seconds)))
 
 
 PREDICTOR = Transcriber

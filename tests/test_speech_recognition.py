@@ -154,3 +154,132 @@ def test_generation_settings_are_a_copy_the_model_never_sees():
     settings = speech.generation_settings(model, 10, 3)
     assert (settings.max_length, settings.num_beams, settings.forced_decoder_ids) == (11, 3, None)
     assert model.generation_config.to_dict() == before
+
+
+# ----------------------------------------------------------------------------------------------
+# The speech encoder-decoder (wav2vec2 + a decoder with cross-attention)
+# ----------------------------------------------------------------------------------------------
+WAV2VEC2 = os.path.join(ROOT, "data", "speech", "wav2vec2")
+
+
+@pytest.fixture(scope="module")
+def waveform_extractor():
+    from transformers import AutoFeatureExtractor
+
+    return AutoFeatureExtractor.from_pretrained(WAV2VEC2)
+
+
+def joined_arguments(decoder="gpt2", **flags):
+    from run_speech_recognition_seq2seq import SpeechModelArguments
+
+    overrides = {"gpt2": "n_embd=32,n_layer=1,n_head=2,n_positions=16",
+                 "bert": "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64"}
+    return SpeechModelArguments(encoder_config_name=WAV2VEC2, decoder_model_type=decoder,
+                                decoder_config_overrides=overrides.get(decoder), tokenizer_name=TOKENIZER, **flags)
+
+
+def test_waveform_features_are_the_extractors_own_padded_with_their_mask(tmp_path, waveform_extractor):
+    """Two 22.05 kHz clips: read, resampled to 16 kHz, normalised over their own samples, padded to
+    --max_duration_in_seconds; the mask made from the clips' durations alone marks those samples."""
+    rng = np.random.default_rng(2)
+    paths, resampled = [], []
+    for i, frames in enumerate((28665, 11025)):  # 1.3 s and 0.5 s
+        path = str(tmp_path / f"clip{i}.wav")
+        audio.write_wav(path, np.clip(rng.standard_normal(frames) * 0.2 + 0.05, -1, 1), 22050)
+        paths.append(path)
+        resampled.append(audio.resample(audio.read_wav(path)[0], 22050, 16000))
+    features = speech.Features(waveform_extractor, 2.0)
+    assert features.raw and features.shape == (32000,) and features.extra_inputs == ("attention_mask",)
+    own = waveform_extractor(resampled, sampling_rate=16000, padding="max_length", max_length=32000,
+                             return_attention_mask=True, return_tensors="np")
+    column = speech.FeatureColumn(paths, features, workers=2)
+    np.testing.assert_allclose(column[[0, 1]], own["input_values"], rtol=0, atol=1e-6)
+    for values, clip in zip(column[[0, 1]], resampled):  # the reference computed here
+        expected = np.zeros(32000)
+        expected[:len(clip)] = (clip - clip.mean()) / np.sqrt(clip.var() + 1e-7)
+        np.testing.assert_allclose(values, expected, rtol=0, atol=1e-4)
+    clips = speech.Clips(paths, ["a", "b"], paths, np.array([audio.clip_seconds(p) for p in paths]))
+    mask = features.mask_columns(clips)["attention_mask"]
+    np.testing.assert_array_equal(mask[[0, 1]], own["attention_mask"])
+    assert mask[[0, 1]].sum(axis=1).tolist() == [len(clip) for clip in resampled]
+    # --feature_extractor_name unset: a speech encoder-decoder's is its encoder's (here the folder of its config)
+    from utils.models import arguments_of
+
+    assert speech.Features(speech.load_feature_extractor(arguments_of(joined_arguments(), "encoder")), 2.0).raw
+
+
+def test_encoder_decoder_labels_carry_no_prefix_and_end_with_the_end_token(tokenizer, waveform_extractor, caplog):
+    config = speech.load_speech_config(joined_arguments(), waveform_extractor, tokenizer, True)
+    end = speech.end_token(config)
+    assert end == tokenizer.eos_token_id and config.decoder_start_token_id == tokenizer.bos_token_id
+    texts = ["three red cats jump", "one two three four five six seven eight nine one two three"]
+    with caplog.at_level(logging.WARNING):
+        encoded = speech.encode_labels(tokenizer, texts, 8, config.decoder_start_token_id, "train", end)
+    first = tokenizer(texts[0], add_special_tokens=False)["input_ids"] + [end]
+    assert not set(first[:-1]) & set(tokenizer.all_special_ids)  # no <|startoftranscript|><|en|>...
+    np.testing.assert_array_equal(encoded["labels"][0, :len(first)], first)
+    np.testing.assert_array_equal(encoded["decoder_attention_mask"][0], [1] * len(first) + [0] * (8 - len(first)))
+    np.testing.assert_array_equal(encoded["decoder_input_ids"][:, 0], [config.decoder_start_token_id] * 2)
+    np.testing.assert_array_equal(encoded["decoder_input_ids"][:, 1:], encoded["labels"][:, :-1])
+    np.testing.assert_array_equal(encoded["labels"][1], tokenizer(texts[1], add_special_tokens=False)["input_ids"][:8])
+    assert "1 of 2 transcripts are longer than --max_label_length 8" in caplog.text
+    assert speech.prompt_of(tokenizer, config).tolist() == [config.decoder_start_token_id]
+    assert speech.label_length(40, config) == 15  # the decoder's 16 positions hold the start token and 15 labels
+
+
+def test_only_the_decoders_it_can_generate_with_are_joined(tokenizer, waveform_extractor):
+    from utils.errors import UsageError
+
+    config = speech.load_speech_config(joined_arguments("bert"), waveform_extractor, tokenizer, True)
+    assert config.decoder.is_decoder and config.decoder.add_cross_attention
+    assert config.decoder.vocab_size == len(tokenizer)
+    with pytest.raises(UsageError, match="model type 't5' cannot be trained by this script: use one of gpt2, bart, "
+                                         "bert, roberta"):
+        speech.load_speech_config(joined_arguments("t5"), waveform_extractor, tokenizer, True)
+    with pytest.raises(UsageError, match="hears the waveform, but the feature extractor WhisperFeatureExtractor"):
+        speech.load_speech_config(joined_arguments(), speech.load_feature_extractor(
+            joined_arguments(feature_extractor_name=TOKENIZER)), tokenizer, True)
+
+
+def test_the_frame_mask_counts_the_frames_the_encoder_makes_of_each_clip(tokenizer, waveform_extractor, monkeypatch):
+    """The convolutions' output lengths computed here in plain Python, the encoder's own output length
+    for a clip alone, and the mask and the encoder's states handed to generation."""
+    from transformers import FlaxSpeechEncoderDecoderModel
+
+    config = speech.load_speech_config(joined_arguments(), waveform_extractor, tokenizer, True)
+    # A smaller encoder than the shipped one (3 convolutions, 1 layer): the same code, compiled faster.
+    encoder = config.encoder
+    encoder.conv_dim, encoder.conv_kernel, encoder.conv_stride = (16, 16, 16), (10, 4, 3), (5, 3, 2)
+    encoder.num_feat_extract_layers, encoder.num_hidden_layers = 3, 1
+    model = FlaxSpeechEncoderDecoderModel(config, input_shape=((1, 1024), (1, 8)), seed=0)
+    lengths = [6000, 4321, 1500]
+    mask = np.zeros((3, 6000), np.int32)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+
+    def frames(n):
+        for kernel, stride in zip(config.encoder.conv_kernel, config.encoder.conv_stride):
+            n = (n - kernel) // stride + 1
+        return n
+
+    frame_mask = np.asarray(speech.frame_mask(model, mask, frames(6000)))
+    assert frame_mask.sum(axis=1).tolist() == [frames(n) for n in lengths] == [199, 143, 49]
+    assert (np.diff(frame_mask, axis=1) <= 0).all()  # each clip's frames first
+    assert model.encode(np.ones((1, 4321), np.float32)).last_hidden_state.shape[1] == frames(4321)
+    # Generation: the encoder's states and this frame mask go to `generate` (which would otherwise hand the
+    # cross-attention the sample mask: tests/test_run_speech_encoder_decoder.py generates for real).
+    from transformers.generation.flax_utils import FlaxGenerationMixin
+
+    seen = {}
+
+    def generate(model, inputs, **kwargs):
+        seen.update(kwargs)
+        return type("Output", (), {"sequences": None})
+
+    monkeypatch.setattr(FlaxGenerationMixin, "generate", generate)
+    inputs = np.random.default_rng(3).standard_normal((3, 6000)).astype(np.float32) * mask
+    speech.generate_ids(model, model.params, inputs, speech.prompt_of(tokenizer, config),
+                        speech.generation_settings(model, 8, 1), mask)
+    np.testing.assert_array_equal(seen["attention_mask"], frame_mask)
+    assert seen["encoder_outputs"].last_hidden_state.shape[:2] == (3, frames(6000))
+    np.testing.assert_array_equal(seen["decoder_input_ids"], [[config.decoder_start_token_id]] * 3)

@@ -146,6 +146,29 @@ class BaseDataArguments:
             raise UsageError(f"--preprocessing_num_workers must be >= 1, got {self.preprocessing_num_workers}")
 
 
+
+@dataclass
+class EncoderDecoderModelArguments(ModelArguments):
+    """A model joined from an encoder and a decoder with cross-attention (image captioning, speech
+    recognition): each part pretrained or from its config (`utils.models.join_configs`)."""
+    encoder_model_name_or_path: Optional[str] = _help(
+        "Pretrained encoder (name or path, any checkpoint format), e.g. google/vit-base-patch16-224-in21k or "
+        "facebook/wav2vec2-base.", default=None)
+    encoder_config_name: Optional[str] = _help("Config (name or path) of a new encoder, trained from scratch.",
+                                               default=None)
+    encoder_model_type: Optional[str] = _help("Model type of a new encoder, from its family's default config.",
+                                              default=None)
+    encoder_config_overrides: Optional[str] = _help(
+        "Override config values of a new encoder, e.g. 'hidden_size=64,num_hidden_layers=2'.", default=None)
+    decoder_model_name_or_path: Optional[str] = _help(
+        "Pretrained decoder (name or path, any checkpoint format), e.g. gpt2.", default=None)
+    decoder_config_name: Optional[str] = _help("Config (name or path) of a new decoder, trained from scratch.",
+                                               default=None)
+    decoder_model_type: Optional[str] = _help("Model type of a new decoder, from its family's default config.",
+                                              default=None)
+    decoder_config_overrides: Optional[str] = _help(
+        "Override config values of a new decoder, e.g. 'hidden_size=64,num_hidden_layers=2'.", default=None)
+
 @dataclass
 class TrainingArguments:
     output_dir: str = _help("Where model, checkpoints, logs and results are written.")

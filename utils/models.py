@@ -1,8 +1,10 @@
 """Config, tokenizer and model loading shared by the scripts (pretrained or from a config)."""
 
 import copy
+import dataclasses
 import logging
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -405,6 +407,103 @@ def _overlaid(fresh, loaded, name, what):
                        ", ".join(missing))
     return unflatten_dict({**fresh, **{key: loaded[key] for key in set(fresh) & set(loaded)}})
 
+
+
+# ----------------------------------------------------------------------------------------------
+# A model joined from an encoder and a decoder (`utils.args.EncoderDecoderModelArguments`):
+# FlaxVisionEncoderDecoderModel (captioning), FlaxSpeechEncoderDecoderModel (speech recognition)
+# ----------------------------------------------------------------------------------------------
+PART_FLAGS = ("model_name_or_path", "config_name", "model_type", "config_overrides")
+
+
+def part_arguments(model_args, part):
+    """The `ModelArguments` of the encoder or decoder (`part`), from the --{part}_* flags."""
+    return dataclasses.replace(model_args, **{what: getattr(model_args, f"{part}_{what}") for what in PART_FLAGS})
+
+
+def arguments_of(model_args, part):
+    """Where the run reads what comes with `part` (the decoder: the tokenizer; the encoder: the image
+    processor or feature extractor): `model_args` for a saved joined model, else the part's own arguments."""
+    return model_args if model_args.model_name_or_path else part_arguments(model_args, part)
+
+
+def pretrained_part(model_args, part):
+    """The arguments naming the checkpoint of `part` ("encoder", "decoder"), or None: a part of a saved
+    joined model, or one built from its config."""
+    if model_args.model_name_or_path or not getattr(model_args, f"{part}_model_name_or_path"):
+        return None
+    return part_arguments(model_args, part)
+
+
+def joins_parts(model_args):
+    """Whether any --encoder_* / --decoder_* flag is given (a model to join from its parts)."""
+    return any(getattr(model_args, f"{part}_{what}") for part in ("encoder", "decoder") for what in PART_FLAGS)
+
+
+def check_joined_arguments(model_args, what):
+    """A saved `what` (e.g. "captioning model"), or an encoder and a decoder each from a checkpoint or a
+    config; every local path named exists. Runs before any work; the hub is probed for the names that are
+    not paths."""
+    given = [f"{part}_{flag}" for part in ("encoder", "decoder") for flag in PART_FLAGS
+             if getattr(model_args, f"{part}_{flag}")]
+    if model_args.model_name_or_path:
+        if given:
+            raise UsageError(f"--model_name_or_path loads a saved {what}; --{given[0]} builds a new one: "
+                             "pass one or the other")
+        return
+    if model_args.model_type or model_args.config_overrides:
+        raise UsageError(f"--model_type and --config_overrides name no part of a {what}: use "
+                         "--encoder_model_type / --decoder_model_type and --encoder_config_overrides / "
+                         "--decoder_config_overrides")
+    for part in ("encoder", "decoder"):
+        if not any(getattr(model_args, f"{part}_{flag}") for flag in ("model_name_or_path", "config_name",
+                                                                        "model_type")):
+            raise UsageError(f"no {part}: pass --{part}_model_name_or_path (a pretrained {part}), --{part}_config_name "
+                             f"or --{part}_model_type, or --model_name_or_path (a saved {what})")
+    names = {flag: getattr(model_args, flag) for flag in ("encoder_model_name_or_path", "encoder_config_name",
+                                                          "decoder_model_name_or_path", "decoder_config_name")}
+    for flag, name in names.items():
+        if name and hub_access.looks_like_path(name) and not os.path.exists(name):
+            raise UsageError(f"--{flag} {name} not found: check the path")
+    hub_access.check_access(names.values())
+
+
+class SpecialTokens(NamedTuple):
+    start: int  # the decoder's first input
+    end: int  # closes every target; generation stops there
+    pad: int
+
+
+def special_tokens(tokenizer):
+    """The start (bos, else cls), end (eos, else sep) and pad (pad, else the end) ids of `tokenizer`."""
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id
+    end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    if start is None or end is None:
+        raise UsageError("the tokenizer has no start token (bos or cls) or no end token (eos or sep) for the "
+                         "decoder: use a tokenizer that has both (--tokenizer_name)")
+    return SpecialTokens(start, end, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end)
+
+
+def join_configs(config_class, model_args, tokenizer, encoder_types, decoder_types):
+    """The `config_class` (e.g. `VisionEncoderDecoderConfig`): the saved joined model's
+    (--model_name_or_path), or one joining the encoder's config and the decoder's (made a decoder with
+    cross-attention, fitted to the tokenizer when new), each of the families allowed, its start, end
+    and pad ids the tokenizer's (`special_tokens`)."""
+    if model_args.model_name_or_path:
+        config = load_config(model_args, None, model_types=(config_class.model_type,))
+        fit_config_to_tokenizer(config.decoder, tokenizer, model_args)  # the tokenizer's ids fit its vocabulary
+        return config
+    encoder = load_config(part_arguments(model_args, "encoder"), None, model_types=encoder_types)
+    decoder_args = part_arguments(model_args, "decoder")
+    decoder = load_config(decoder_args, None, model_types=decoder_types)
+    encoder.is_decoder, encoder.add_cross_attention = False, False
+    decoder.is_decoder, decoder.add_cross_attention = True, True
+    decoder = fit_config_to_tokenizer(decoder, tokenizer, decoder_args)
+    config = config_class.from_encoder_decoder_configs(encoder, decoder)
+    tokens = special_tokens(tokenizer)
+    config.decoder_start_token_id, config.eos_token_id, config.pad_token_id = tokens.start, tokens.end, tokens.pad
+    config.decoder.pad_token_id = tokens.pad
+    return config
 
 def load_composed_model(model_class, config, model_args, parts, seed, layout):
     """(model, params) of a model made of others (`FlaxVisionEncoderDecoderModel`): the whole
