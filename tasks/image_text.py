@@ -371,7 +371,9 @@ def load_dual_encoder(model_args, config, seed, layout):
             tower = getattr(config, f"{side}_config")
             params[f"{side}_model"] = pretrained_params(FlaxAutoModel, args, tower, seed)
     adapters = plan_adapters(model, model_args, type(model).__name__)
-    params = layout.place_params(storage_cast(model_args, adapters)(params))
+    cast = storage_cast(model_args, adapters)
+    # Planning for a TPU: shapes only (a compile-only device holds no array)
+    params = layout.init_params(lambda: cast(params)) if layout.plan else layout.place_params(cast(params))
     return with_adapters(model, params, adapters, model_args, seed, layout)
 
 
