@@ -480,3 +480,5 @@ def test_the_lora_table_is_results_configs_cpu_json():
         keys = re.findall(r"`(\w+)`", results)
         assert sorted(keys) == sorted(run["results"]), f"{name}: {results}"
         assert_shows(results, [run["results"][key] for key in keys], name)
+    share = runs["glue LoRA"]["trainable_parameters"] / runs["glue LoRA"]["total_parameters"]
+    assert f"with {share:.0%} of the parameters it comes close to full" in " ".join(read("README.md").split())
