@@ -161,8 +161,9 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Model
     # ------------------------------------------------------------------------------------------
-    model, params = load_model(FlaxAutoModelForQuestionAnswering, model_args, config,
-                               training_args.seed, layout)
+    # With LoRA, the category head (outside the stock model) trains in full beside the adapters
+    model, params = load_model(FlaxAutoModelForQuestionAnswering, model_args, config, training_args.seed, layout,
+                               added_groups=(long_qa.HEAD,) if data_args.answer_categories else ())
     if data_args.answer_categories:  # the category head's weights beside the model's (saved ones reloaded)
         params = long_qa.add_category_head(params, model, model_args, config, training_args.seed, layout)
         head = long_qa.category_head(config, model.dtype)

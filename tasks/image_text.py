@@ -353,12 +353,12 @@ def load_dual_encoder(model_args, config, seed, layout):
     """(model, params placed by `layout`): the saved dual encoder or CLIP model of --model_name_or_path,
     or transformers' `FlaxVisionTextDualEncoderModel` of `config` with the pretrained encoders'
     weights where --text_model_name_or_path / --vision_model_name_or_path name them (any checkpoint
-    format); the projections and the temperature start fresh."""
-    import jax.numpy as jnp
+    format); the projections and the temperature start fresh. With --lora_rank, adapters on both
+    towers' attention; the projections and the temperature train in full (`utils.lora.head_modules`)."""
     from transformers import FlaxAutoModel, FlaxVisionTextDualEncoderModel
 
     from utils import weights
-    from utils.models import cast_floats, load_model, pretrained_params
+    from utils.models import load_model, plan_adapters, pretrained_params, storage_cast, with_adapters
 
     if model_args.model_name_or_path:
         return load_model(FlaxAutoModel, model_args, config, seed, layout)
@@ -370,7 +370,11 @@ def load_dual_encoder(model_args, config, seed, layout):
         if args.model_name_or_path:
             tower = getattr(config, f"{side}_config")
             params[f"{side}_model"] = pretrained_params(FlaxAutoModel, args, tower, seed)
-    return model, layout.place_params(cast_floats(params, jnp.dtype(model_args.param_dtype)))
+    adapters = plan_adapters(model, model_args, type(model).__name__)
+    cast = storage_cast(model_args, adapters)
+    # Planning for a TPU: shapes only (a compile-only device holds no array)
+    params = layout.init_params(lambda: cast(params)) if layout.plan else layout.place_params(cast(params))
+    return with_adapters(model, params, adapters, model_args, seed, layout)
 
 
 def processor_of(image_processor, tokenizer):

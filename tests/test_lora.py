@@ -24,7 +24,7 @@ from utils.checkpoint import Checkpointer, checkpoint_steps
 from utils.errors import UsageError
 from utils.layout import DataParallel, FullySharded
 from utils.loop import InMemoryData
-from utils.models import load_model
+from utils.models import load_composed_model, load_model
 from utils.run import training_plan
 from utils.steps import cross_entropy_sums
 from utils.training import make_steps
@@ -113,6 +113,122 @@ def test_adapted_model_equals_the_numpy_merge_and_starts_as_the_base(name):
         np.testing.assert_allclose(value, flatten_dict(merged)[path], atol=1e-6)
     zero_b = unflatten_dict({path: np.zeros_like(value) if path[-1] == "lora_B" else value for path, value in flat.items()})
     np.testing.assert_array_equal(forward(zero_b), plain)  # B = 0: exactly the base model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The scripts whose models are no stock Auto model, or have a head beside it
+# ---------------------------------------------------------------------------------------------------------
+VIT = dict(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8)
+TEXT = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8, vocab_size=50,
+            max_position_embeddings=16)
+ENCODER_DECODER = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                       decoder_attention_heads=2, encoder_ffn_dim=8, decoder_ffn_dim=8, vocab_size=50)
+
+
+def captioning_model(model_args):  # run_image_captioning_flax.py: ViT encoder, GPT-2 decoder with cross-attention
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(
+        transformers.ViTConfig(**VIT), transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=16,
+                                                               vocab_size=50, add_cross_attention=True, is_decoder=True))
+    model, params = load_composed_model(transformers.FlaxVisionEncoderDecoderModel, config, model_args, {}, 0,
+                                        DataParallel())
+    ids = np.arange(8, dtype=np.int32)[None] % 50
+    return model, params, lambda params: model(PIXELS, decoder_input_ids=ids, params=params).logits
+
+
+def dual_encoder_model(model_args):  # run_hybrid_clip.py from two towers: BERT text, ViT vision
+    from run_hybrid_clip import DualEncoderModelArguments
+    from tasks import image_text
+
+    config = transformers.VisionTextDualEncoderConfig.from_vision_text_configs(
+        transformers.ViTConfig(**VIT), transformers.BertConfig(**TEXT), projection_dim=8)
+    args = DualEncoderModelArguments(**{k: getattr(model_args, k) for k in ("lora_rank", "lora_alpha")})
+    model, params = image_text.load_dual_encoder(args, config, 0, DataParallel())
+    embeddings_of = image_text.embeddings_fn(model)
+    batch = {"input_ids": np.arange(16, dtype=np.int32).reshape(2, 8), "attention_mask": np.ones((2, 8), np.int32),
+             "pixel_values": np.concatenate([PIXELS, PIXELS[..., ::-1]])}
+    return model, params, lambda params: jnp.concatenate(embeddings_of(params, batch)[:2], axis=-1)
+
+
+def long_qa_model(model_args):  # run_qa.py --answer_categories: the category head beside the stock QA model
+    from tasks import long_qa
+
+    config = transformers.BertConfig(**TEXT, num_labels=2)
+    model, params = load_model(transformers.FlaxAutoModelForQuestionAnswering, model_args, config, 0, DataParallel(),
+                               added_groups=(long_qa.HEAD,))
+    params = long_qa.add_category_head(params, model, model_args, config, 0, DataParallel())
+    ids = np.arange(8, dtype=np.int32)[None]
+    return model, params, lambda params: model(ids, params=long_qa.model_params(params)).start_logits
+
+
+def seq2seq_model(auto_class, model_type, inputs, **settings):  # Whisper (speech recognition), BART (denoising)
+    def build(model_args):
+        config = transformers.AutoConfig.for_model(model_type, **ENCODER_DECODER, **settings)
+        model, params = load_model(auto_class, model_args, config, 0, DataParallel())
+        ids = np.arange(6, dtype=np.int32)[None] + 4
+        return model, params, lambda params: model(inputs, decoder_input_ids=ids, params=params).logits
+    return build
+
+
+PIXELS = np.random.default_rng(4).normal(size=(1, 3, 16, 16)).astype(np.float32)
+SCRIPT_MODELS = {  # the model, the layers of its layer 0 adapted by default, the groups trained in full
+    "image_captioning": (captioning_model, {
+        *(f"encoder/encoder/layer/0/attention/{name}" for name in
+          ("attention/query", "attention/key", "attention/value", "output/dense")),
+        *(f"decoder/transformer/h/0/{name}" for name in
+          ("attn/c_attn", "attn/c_proj", "crossattention/c_attn", "crossattention/q_attn", "crossattention/c_proj"))},
+        ()),
+    "hybrid_clip": (dual_encoder_model, {
+        *(f"text_model/encoder/layer/0/attention/{name}" for name in
+          ("self/query", "self/key", "self/value", "output/dense")),
+        *(f"vision_model/encoder/layer/0/attention/{name}" for name in
+          ("attention/query", "attention/key", "attention/value", "output/dense"))},
+        ("logit_scale", "text_projection", "visual_projection")),
+    "long_qa": (long_qa_model, {f"bert/encoder/layer/0/attention/{name}" for name in
+                                ("self/query", "self/key", "self/value", "output/dense")},
+                ("answer_category_head", "qa_outputs")),
+    "speech_recognition": (seq2seq_model(
+        transformers.FlaxAutoModelForSpeechSeq2Seq, "whisper",
+        np.random.default_rng(5).normal(size=(1, 8, 16)).astype(np.float32), num_mel_bins=8,
+        max_source_positions=8, max_target_positions=16), {
+        f"model/{side}/layers/0/{attention}/{proj}" for side, attentions in
+        (("encoder", ("self_attn",)), ("decoder", ("self_attn", "encoder_attn")))
+        for attention in attentions for proj in ("q_proj", "k_proj", "v_proj", "out_proj")}, ()),
+    "bart_dlm": (seq2seq_model(transformers.FlaxAutoModelForSeq2SeqLM, "bart", np.arange(8, dtype=np.int32)[None] + 4,
+                               max_position_embeddings=16), {
+        f"model/{side}/layers/0/{attention}/{proj}" for side, attentions in
+        (("encoder", ("self_attn",)), ("decoder", ("self_attn", "encoder_attn")))
+        for attention in attentions for proj in ("q_proj", "k_proj", "v_proj", "out_proj")}, ()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPT_MODELS))
+def test_each_scripts_model_gets_adapters_its_heads_train_and_the_export_merges_them(name):
+    build, expected_layers, heads = SCRIPT_MODELS[name]
+    model, params, forward = build(ModelArguments(lora_rank=RANK, lora_alpha=ALPHA))
+    adapters = lora.adapters_of(model)
+    assert {"/".join(path) for path in adapters.targets} == expected_layers  # one layer each: all of them
+    assert adapters.heads == heads
+    flat = flatten_dict(params)
+    assert set(lora.trainable_paths(params, adapters)) == {
+        path for path in flat if path[-1] in lora.ADAPTER_LEAVES or path[0] in heads}
+    forward = jax.jit(forward)
+    base = {path: value for path, value in flat.items() if path[-1] not in lora.ADAPTER_LEAVES}
+    np.testing.assert_array_equal(forward(params), forward(unflatten_dict(base)))  # step 0: the base exactly
+    # Trained adapters (B random): the export's kernels are W + (alpha / R) A B (torch's out x in for
+    # GPT-2's Conv1D), and the merged model computes what the adapted one does
+    rng = np.random.default_rng(6)
+    flat = {path: rng.normal(size=value.shape).astype(np.float32) if path[-1] == "lora_B" else value
+            for path, value in flat.items()}
+    merged = flatten_dict(lora.merged(unflatten_dict(flat), adapters))
+    assert set(merged) == set(base)  # the heads (the category head too) saved, no adapter leaf
+    for path in adapters.targets:
+        delta = (ALPHA / RANK) * np.asarray(flat[path + ("lora_A",)]) @ np.asarray(flat[path + ("lora_B",)])
+        kernel = np.asarray(base[path + ("kernel",)], np.float32)
+        transposed = kernel.shape != delta.shape or "transformer" in path  # GPT-2's Conv1D (square ones too)
+        np.testing.assert_allclose(merged[path + ("kernel",)], kernel + (delta.T if transposed else delta), atol=1e-6)
+    adapted = np.asarray(forward(unflatten_dict(flat)))
+    np.testing.assert_allclose(adapted, forward(unflatten_dict(merged)), atol=5e-5)
+    assert np.abs(adapted - np.asarray(forward(unflatten_dict(base)))).max() > 1e-3  # the adapters are applied
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -477,3 +477,20 @@ def test_every_link_to_a_heading_reaches_one(path):
     for target, anchor in links(path):
         if anchor and target.endswith(".md") and os.path.isfile(os.path.join(ROOT, target)):
             assert anchor in anchors(target), f"{path}: {target} has no heading #{anchor}"
+
+
+def test_the_lora_table_is_results_configs_cpu_json():
+    runs = {run["name"]: run for run in json_file("results_configs_cpu.json")["lora"]["runs"]}
+    rows = table("README.md", "| LoRA run |")
+    assert sorted(row[0] for row in rows) == sorted(runs)
+    for name, command, trained, results in rows:
+        run = runs[name]
+        # the command as run, less where it wrote and its cold start
+        assert re.fullmatch(re.escape("python " + command.strip("`")) + r"( --output_dir \S+)? --compilation_cache_dir "
+                            "none", run["command"]), f"{name}: {command} is not {run['command']}"
+        assert_shows(trained, [run["trainable_parameters"], run["total_parameters"]], name)
+        keys = re.findall(r"`(\w+)`", results)
+        assert sorted(keys) == sorted(run["results"]), f"{name}: {results}"
+        assert_shows(results, [run["results"][key] for key in keys], name)
+    share = runs["glue LoRA"]["trainable_parameters"] / runs["glue LoRA"]["total_parameters"]
+    assert f"with {share:.0%} of the parameters it comes close to full" in " ".join(read("README.md").split())

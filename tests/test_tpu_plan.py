@@ -235,3 +235,22 @@ def test_a_compile_only_run_plans_each_step_it_would_call_and_trains_nothing(tmp
     assert [row["split"] for row in rows] == ["memory"]  # not a single train step
     assert {key: rows[0][key] for key in results if key in rows[0]} == {
         key: value for key, value in results.items() if key not in ("compile_only", "fits")}
+
+
+@needs_libtpu
+def test_a_dual_encoder_of_two_towers_with_lora_is_planned_from_shapes_alone(v3):
+    # run_hybrid_clip.py --compile_only --lora_rank: its fresh dual encoder was once sent to the compile-only
+    # devices, which hold no array ("MakeArraysFromHostBufferShards not available with compile-only client")
+    from transformers import BertConfig, VisionTextDualEncoderConfig, ViTConfig
+
+    from run_hybrid_clip import DualEncoderModelArguments
+    from tasks import image_text
+
+    tower = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8)
+    config = VisionTextDualEncoderConfig.from_vision_text_configs(
+        ViTConfig(image_size=16, patch_size=8, **tower), BertConfig(vocab_size=50, **tower), projection_dim=8)
+    _, params = image_text.load_dual_encoder(DualEncoderModelArguments(lora_rank=4), config, 0, FullySharded(8, v3))
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for _, leaf in leaves)  # nothing allocated
+    names = {str(path[-1].key) for path, _ in leaves}
+    assert {"lora_A", "lora_B"} <= names

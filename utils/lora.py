@@ -34,6 +34,7 @@ ADAPTER_LEAVES = ("lora_A", "lora_B")
 # `--lora_target attention` (the default): each family's attention projections, by module path.
 ATTENTION_TARGETS = "|".join((
     r"(^|/)attn/c_(attn|proj)$",  # GPT-2 (its MLP's c_proj is mlp/c_proj: not matched)
+    r"(^|/)crossattention/(c_attn|q_attn|c_proj)$",  # GPT-2 as a decoder: keys and values, queries, output
     r"(^|/)(SelfAttention|EncDecAttention)/[qkvo]$",  # T5, mT5, LongT5
     r"(^|/)attention/(self|attention)/(query|key|value)$|(^|/)attention/output/dense$",  # BERT-likes, ViT, BigBird
     r"(^|/)attention/(query|key|value|dense)$",  # ALBERT
@@ -46,9 +47,11 @@ TARGET_RULES = {"attention": ATTENTION_TARGETS, "all-linear": ".*"}
 # The Auto classes whose head a checkpoint of the base model lacks: it is new, so it trains in full.
 # PEFT's task types, by the end of the Auto class's name (none for the others: masked LM, images).
 PEFT_TASK_TYPES = {"SequenceClassification": "SEQ_CLS", "TokenClassification": "TOKEN_CLS",
-                   "QuestionAnswering": "QUESTION_ANS", "CausalLM": "CAUSAL_LM", "Seq2SeqLM": "SEQ_2_SEQ_LM"}
+                   "QuestionAnswering": "QUESTION_ANS", "CausalLM": "CAUSAL_LM", "Seq2SeqLM": "SEQ_2_SEQ_LM",
+                   "SpeechSeq2Seq": "SEQ_2_SEQ_LM"}
 TASK_HEAD_CLASSES = ("SequenceClassification", "TokenClassification", "QuestionAnswering", "ImageClassification",
                      "MultipleChoice")
+TWO_TOWERS = {"text_model", "vision_model"}
 
 
 @dataclass(frozen=True)
@@ -101,23 +104,28 @@ def _kernel_modules(model):
 
 
 def head_modules(model, auto_class_name):
-    """The top-level parameter groups of a task head (`TASK_HEAD_CLASSES`): all but the base model's."""
+    """The top-level parameter groups of a task head (`TASK_HEAD_CLASSES`): all but the base model's;
+    of a two-tower model (CLIP, a dual encoder), all but the towers: the projections and the temperature."""
+    top = {path[0] for path in flatten_dict(model.params_shape_tree)}
+    if TWO_TOWERS <= top:
+        return tuple(sorted(top - TWO_TOWERS))
     if not any(name in auto_class_name for name in TASK_HEAD_CLASSES):
         return ()
-    top = {path[0] for path in flatten_dict(model.params_shape_tree)}
     return tuple(sorted(top - {model.base_model_prefix})) if model.base_model_prefix in top else ()
 
 
-def plan(model, model_args, auto_class_name):
+def plan(model, model_args, auto_class_name, added_groups=()):
     """The `Adapters` of `--lora_*` for `model`, checked: the target rule must match at least one
-    module outside the heads, and the rank fit every matched module's dimensions."""
+    module outside the heads, and the rank fit every matched module's dimensions. `added_groups`: the
+    top-level parameter groups of a head a task adds beside the model's parameters (outside the stock
+    model), trained in full with the model's own heads."""
     rule = model_args.lora_target
     try:
         pattern = re.compile(TARGET_RULES.get(rule, rule))
     except re.error as error:
         raise UsageError(f"--lora_target {rule!r} is not a valid regular expression ({error}): use 'attention', "
                          "'all-linear' or a regex searched in module paths such as encoder/layer/0/attention/self/query")
-    heads = head_modules(model, auto_class_name)
+    heads = tuple(sorted(set(head_modules(model, auto_class_name)) | set(added_groups)))
     modules = _kernel_modules(model)
     targets = {path: dims for path, dims in modules.items()
                if path[0] not in heads and "lm_head" not in path and pattern.search("/".join(path))}

@@ -320,7 +320,7 @@ def _from_config(auto_class, config, kwargs):
             return auto_class.from_config(config, **kwargs)
 
 
-def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatched=False):
+def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatched=False, added_groups=()):
     """(model, params): the model (its code and config, no weights) and its parameters, placed by
     `layout` (`utils.layout`): pretrained, or fresh ones from `config`.
 
@@ -336,20 +336,12 @@ def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatc
 
     With `--lora_rank`, the adapters `utils.lora` plans for the model are checked first, then added to
     the parameters (float32) and attached to the model; the frozen base is stored in `--lora_base_dtype`.
+    `added_groups`: see `plan_adapters`.
     """
-    param_dtype = jnp.dtype(model_args.param_dtype)
     kwargs = dict(seed=seed, dtype=devices.to_dtype(model_args.dtype), trust_remote_code=model_args.trust_remote_code)
-    adapters = None
-    if model_args.lora_rank:  # checked on the model of `config` before any weight is read
-        adapters = lora.plan(_from_config(auto_class, config, kwargs), model_args, auto_class.__name__)
-    base_dtype = jnp.dtype(model_args.lora_base_dtype or model_args.param_dtype)
-
-    def cast(params):
-        if adapters is None:
-            return cast_floats(params, param_dtype)
-        return {name: cast_floats(group, param_dtype if name in adapters.heads else base_dtype)
-                for name, group in params.items()}
-
+    # With LoRA, checked on the model of `config` before any weight is read
+    adapters = plan_adapters(_from_config(auto_class, config, kwargs), model_args, auto_class.__name__, added_groups)
+    cast = storage_cast(model_args, adapters)
     if model_args.model_name_or_path and not layout.plan:
         name = model_args.model_name_or_path
         # Read with the checkpoint's own config, whose shapes its weights have; then fitted to `config`'s.
@@ -369,13 +361,37 @@ def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatc
             params = layout.place_params(cast(model.params))
         else:
             params = layout.init_params(lambda: cast(model.init_weights(model.key, model.input_shape)))
+    return with_adapters(model, params, adapters, model_args, seed, layout)
+
+
+def plan_adapters(model, model_args, class_name, added_groups=()):
+    """The `utils.lora.Adapters` of --lora_rank for `model` (built from `class_name`), checked; None
+    without --lora_rank. `added_groups`: top-level parameter groups a task adds beside the model's (a
+    head the stock model lacks), trained in full."""
+    return lora.plan(model, model_args, class_name, added_groups) if model_args.lora_rank else None
+
+
+def storage_cast(model_args, adapters):
+    """params -> params in the dtypes they are stored in: --param_dtype; with LoRA the frozen base in
+    --lora_base_dtype (the heads in --param_dtype)."""
+    param_dtype = jnp.dtype(model_args.param_dtype)
+    if adapters is None:
+        return lambda params: cast_floats(params, param_dtype)
+    base_dtype = jnp.dtype(model_args.lora_base_dtype or model_args.param_dtype)
+    return lambda params: {name: cast_floats(group, param_dtype if name in adapters.heads else base_dtype)
+                           for name, group in params.items()}
+
+
+def with_adapters(model, params, adapters, model_args, seed, layout):
+    """(model, params): with `adapters` (None: as they are), fresh adapters (float32, placed by `layout`;
+    a PEFT adapter's with --model_name_or_path ADAPTER_DIR) joined to `params` and attached to `model`."""
     if adapters is None:
         return model, params
     new = lora.new_weights(adapters, seed, shapes_only=bool(layout.plan))
     if model_args.lora_adapter_dir and not layout.plan:  # continuing a PEFT adapter: its weights and heads
         loaded = lora.load_peft_weights(model_args.lora_adapter_dir, adapters, lora.join(new, params))
         new = unflatten_dict({**flatten_dict(new), **{k: v for k, v in loaded.items() if k[-1] in lora.ADAPTER_LEAVES}})
-        heads = {k: v.astype(param_dtype) for k, v in loaded.items() if k[-1] not in lora.ADAPTER_LEAVES}
+        heads = {k: v.astype(model_args.param_dtype) for k, v in loaded.items() if k[-1] not in lora.ADAPTER_LEAVES}
         if heads:
             params = lora.join(layout.place_params(unflatten_dict(heads)), params)
         logger.info("LoRA: continuing the adapter in %s", model_args.lora_adapter_dir)
@@ -515,8 +531,8 @@ def load_composed_model(model_class, config, model_args, parts, seed, layout):
     on the host with fresh ones; pretrained weights, in any checkpoint format (`utils.weights`), then
     replace them part by part, and what a part's checkpoint lacks (a GPT-2's cross-attention) stays
     fresh, with a warning. Weights are stored in --param_dtype and placed by `layout` like
-    `load_model`'s; planning for a TPU, only their shapes are kept."""
-    param_dtype = jnp.dtype(model_args.param_dtype)
+    `load_model`'s; planning for a TPU, only their shapes are kept. With `--lora_rank`, adapters as
+    `load_model`'s (a GPT-2 decoder's cross-attention among the attention layers)."""
     kwargs = dict(seed=seed, dtype=devices.to_dtype(model_args.dtype))
     name = model_args.model_name_or_path
     with weights.on_host():
@@ -546,9 +562,10 @@ def load_composed_model(model_class, config, model_args, parts, seed, layout):
                 except (OSError, ValueError) as e:
                     raise _hub_error(f"{part} model", part_name, e)
                 params[part] = _overlaid(params[part], loaded, part_name, f"the {part}")
-    if layout.plan:
-        return model, layout.init_params(lambda: cast_floats(model.params, param_dtype))
-    return model, layout.place_params(cast_floats(params, param_dtype))
+    adapters = plan_adapters(model, model_args, model_class.__name__)
+    cast = storage_cast(model_args, adapters)
+    params = layout.init_params(lambda: cast(model.params)) if layout.plan else layout.place_params(cast(params))
+    return with_adapters(model, params, adapters, model_args, seed, layout)
 
 
 def enable_gradient_checkpointing(model):
