@@ -241,11 +241,12 @@ def prepare_split(dataset, split, data_args, tokenizer, seq_length, has_answers,
                       zip(examples["id"], examples["answer_categories"], examples["answer_texts"])}
     dataset = make_windows(examples, tokenizer, seq_length, data_args.doc_stride, data_args)
     inputs = [name for name in qa.MODEL_INPUTS if name in dataset.features]
+    labels = ["start_positions", "end_positions", "category"]
     if split == "train":
         dataset = thinned(dataset, keep_null_windows, seed)
-        arrays = arrow_columns.to_arrays(dataset, inputs + ["start_positions", "end_positions", "category"])
-        return qa.Features(examples, arrays, len(dataset))
-    arrays = arrow_columns.to_arrays(dataset, inputs + ["start_positions", "end_positions", "category"])
+        weighted = ["window_weight"] if "window_weight" in dataset.features else []
+        return qa.Features(examples, arrow_columns.to_arrays(dataset, inputs + labels + weighted), len(dataset))
+    arrays = arrow_columns.to_arrays(dataset, inputs + labels)
     windows = {name: column[:] for name, column in
                arrow_columns.to_arrays(dataset, ["example_index", "offsets", "null_index"]).items()}
     windows["offsets"] = windows["offsets"].reshape(len(dataset), seq_length, 2)
@@ -255,11 +256,14 @@ def prepare_split(dataset, split, data_args, tokenizer, seq_length, has_answers,
 def thinned(windows, keep_null_windows, seed):
     """The training windows with a `keep_null_windows` fraction of the null ones, drawn with `seed`:
     most windows of a long document hold no answer, and the research project trains on 40 % of them
-    so that the categories weigh more alike."""
+    so that an epoch is shorter. Each kept null window weighs 1 / `keep_null_windows` in the loss
+    (column `window_weight`, 1 for the others): the model still learns how rare an answering window
+    is, else it finds an answer in some window of every document."""
     if keep_null_windows >= 1.0:
         return windows
     null = np.asarray(windows["category"]) == CATEGORIES.index("null")
     kept = ~null | (np.random.default_rng(seed).random(len(null)) < keep_null_windows)
+    windows = windows.add_column("window_weight", np.where(null, 1.0 / keep_null_windows, 1.0).astype(np.float32))
     logger.info("training windows: %d with an answer, %d of %d null ones kept (--keep_null_windows %g)",
                 int((~null).sum()), int((kept & null).sum()), int(null.sum()), keep_null_windows)
     return windows.select(np.flatnonzero(kept))
@@ -400,9 +404,12 @@ def export_note(model):
 # ----------------------------------------------------------------------------------------------
 def loss(start_logits, end_logits, category_logits, batch, label_smoothing=0.0):
     """(loss sum, {"loss", "category_loss", "tokens"}): per window the mean of its start, end and
-    category cross entropies (the research project's loss), summed; "tokens" counts the windows."""
+    category cross entropies (the research project's loss), summed, each window weighted by its
+    `window_weight` (`thinned`) where the batch has one; "tokens" sums the weights."""
     weights_ = batch.get("example_weight")
     weights_ = jnp.ones(batch["category"].shape, jnp.float32) if weights_ is None else weights_
+    if "window_weight" in batch:
+        weights_ = weights_ * batch["window_weight"]
     span, sums = qa.span_loss(start_logits, end_logits, batch["start_positions"], batch["end_positions"], weights_,
                               label_smoothing)
     category, _ = cross_entropy_sums(category_logits, batch["category"], weights_, label_smoothing)
