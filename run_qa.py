@@ -78,8 +78,9 @@ class DataTrainingArguments(BaseDataArguments):
                                          "scored by exact match and category accuracy."})
     keep_null_windows: float = field(
         default=1.0, metadata={"help": "With --answer_categories: the fraction of the training windows without an "
-                                       "answer kept (drawn with --seed); the BigBird research project keeps 0.4, so "
-                                       "that a long document's many empty windows weigh less."})
+                                       "answer kept (drawn with --seed; the BigBird research project keeps 0.4): "
+                                       "shorter epochs. Each kept one weighs 1 / this in the loss, so the model "
+                                       "still learns how rare an answer is."})
     max_long_answer_length: int = field(
         default=1024, metadata={"help": "With --answer_categories: longest long answer, in tokens."})
     attention_type: Optional[str] = field(

@@ -73,8 +73,8 @@ def windows_of(tokenizer, rows, seq_length=48, doc_stride=16):
 # Windows and their labels
 # ----------------------------------------------------------------------------------------------
 def test_every_window_is_labelled_from_the_answers_own_position(tokenizer):
-    """An answer near the end of a long document: the windows holding it point at it (its tokens
-    decode to it) with its category; every other window, before and after, is null at its CLS."""
+    """An answer at the end of a long document (in its last window): the windows holding it point at
+    it (its tokens decode to it) with its category; every other window is null at its CLS."""
     document, fact, lyon = long_document(fillers_before=12)
     rows = [{"id": "late", "question": "Where did Amara move to?", "context": document,
              "answers": [{"category": "short", "text": "Lyon", "answer_start": lyon}]},
@@ -88,7 +88,7 @@ def test_every_window_is_labelled_from_the_answers_own_position(tokenizer):
         assert len(rows_of_example) >= 4  # a long document: many windows
         holding = [w for w in rows_of_example if text.replace(" .", ".") in
                    tokenizer.decode(ids[w][features.windows["offsets"][w][:, 0] >= 0])]
-        assert holding and holding[-1] != rows_of_example[0], "the answer is in a later window"
+        assert holding[-1] == rows_of_example[-1] and holding[0] != rows_of_example[0], "the answer is in the last window"
         for w in rows_of_example:
             start, end = arrays["start_positions"][w], arrays["end_positions"][w]
             if w in holding:
