@@ -17,7 +17,7 @@ Rows are JSON lines `id`, `question`, `context`, `answers`: a list of {category,
 `long_qa/`: `train.jsonl.gz`, `validation.jsonl.gz`, `test.jsonl.gz` (no answers) and `tokenizer/`
 (cased WordPiece trained on the training documents and questions).
 
-    python data/make_long_qa_data.py [--train_documents 40] [--seed 42]
+    python data/make_long_qa_data.py [--train_documents 300] [--seed 42]
 """
 
 import argparse
@@ -127,11 +127,11 @@ def write_jsonl(path, rows):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output_dir", default=os.path.join(ROOT, "data", "long_qa"))
-    p.add_argument("--train_documents", type=int, default=40)
+    p.add_argument("--train_documents", type=int, default=300)
     p.add_argument("--validation_documents", type=int, default=12)
     p.add_argument("--test_documents", type=int, default=3)
-    p.add_argument("--train_sentences", default="40,200", help="sentences of the shortest and longest "
-                   "training documents (shorter than the others: the tiny config trains in a minute)")
+    p.add_argument("--train_sentences", default="20,80", help="sentences of the shortest and longest "
+                   "training documents (shorter than the others: the tiny config trains in two minutes)")
     p.add_argument("--sentences", default="150,450", help="sentences of the shortest and longest validation and "
                    "test documents")
     p.add_argument("--seed", type=int, default=42)
