@@ -327,6 +327,27 @@ def test_thinning_keeps_every_answer_window_and_a_fraction_of_the_null_ones():
     assert abs(np.isin(np.flatnonzero(null), rows).mean() - 0.25) < 0.03
     assert np.array_equal(rows, np.asarray(long_qa.thinned(windows, 0.25, seed=7)["row"]))  # a pure function of the seed
     assert long_qa.thinned(windows, 1.0, seed=7) is windows
+    # A kept null window stands for 1 / 0.25 of them in the loss: the null share of the weights is the data's.
+    weights = np.asarray(kept["window_weight"])
+    assert np.array_equal(weights, np.where(null[rows], 4.0, 1.0))
+    assert abs(weights[null[rows]].sum() / weights.sum() - null.mean()) < 0.03
+
+
+def test_the_loss_weighs_each_window_by_its_window_weight():
+    """The loss with window weights is the weighted mean of the windows' own losses (each computed
+    alone), the weights summed as its count."""
+    rng = np.random.default_rng(0)
+    start, end, categories = rng.normal(size=(3, 8)), rng.normal(size=(3, 8)), rng.normal(size=(3, 5))
+    batch = {"start_positions": np.array([1, 0, 4]), "end_positions": np.array([2, 0, 6]),
+             "category": np.array([1, 0, 0]), "window_weight": np.array([1.0, 4.0, 4.0], np.float32)}
+
+    def alone(i):
+        one = {k: v[i:i + 1] for k, v in batch.items() if k != "window_weight"}
+        return float(long_qa.loss(start[i:i + 1], end[i:i + 1], categories[i:i + 1], one)[0])
+
+    total, sums = long_qa.loss(start, end, categories, batch)
+    assert float(sums["tokens"]) == 9.0
+    assert float(total) == pytest.approx(sum(w * alone(i) for i, w in enumerate(batch["window_weight"])), rel=1e-5)
 
 
 def test_only_big_bird_takes_the_tokenizers_separator_for_the_questions_end(tokenizer):
