@@ -15,6 +15,8 @@ them on loading, with transformers' warning) and `add_category_head` reloads the
 the spans and categories together; `predicted_answers` decides each example's category from its
 windows and takes the best span of the window most sure it holds the answer; `category_metrics`
 scores exact match against any gold answer, as the research project's evaluation does.
+`LongAnswerer` answers the demo page's question about a document the same way (a saved run of
+this kind is its own task, "long-question-answering").
 """
 
 import collections
@@ -263,7 +265,7 @@ def thinned(windows, keep_null_windows, seed):
     most windows of a long document hold no answer, and the research project trains on 40 % of them
     so that an epoch is shorter. Each kept null window weighs 1 / `keep_null_windows` in the loss
     (column `window_weight`, 1 for the others): the model still learns how rare an answering window
-    is, else it finds an answer in some window of every document."""
+    is, else it answers questions that have none."""
     if keep_null_windows >= 1.0:
         return windows
     null = np.asarray(windows["category"]) == CATEGORIES.index("null")
