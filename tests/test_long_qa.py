@@ -143,6 +143,25 @@ def test_the_shipped_data_labels_each_answer_in_the_windows_that_hold_it(tokeniz
 # ----------------------------------------------------------------------------------------------
 # Rows
 # ----------------------------------------------------------------------------------------------
+def test_the_generator_reproduces_the_shipped_data(tmp_path, tokenizer):
+    """data/make_long_qa_data.py writes the committed rows byte for byte (its tokenizer is trained
+    anew, not reproducibly: tests/test_classification_data.py); validation documents run to thousands
+    of tokens, and every category is asked."""
+    import gzip
+
+    from test_classification_data import _load_generator
+
+    _load_generator("make_long_qa_data").main(["--output_dir", str(tmp_path)])
+    for split in ("train", "validation", "test"):
+        name = f"{split}.jsonl.gz"
+        assert (tmp_path / name).read_bytes() == open(os.path.join(ROOT, "data", "long_qa", name), "rb").read(), name
+    with gzip.open(tmp_path / "validation.jsonl.gz", "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    assert {row["answers"][0]["category"] if row["answers"] else "null" for row in rows} == set(long_qa.CATEGORIES)
+    lengths = [len(tokenizer(context)["input_ids"]) for context in {row["context"] for row in rows}]
+    assert min(lengths) > 1000 and max(lengths) > 2500
+
+
 def test_simplified_natural_questions_rows_lose_their_tags_and_keep_their_answers():
     tokens = "<H1> Lyon </H1> <P> Amara moved to Lyon in 1998 . </P> <P> She liked it . </P>".split(" ")
     row = {"example_id": 7, "question_text": "where did amara move", "document_text": " ".join(tokens),
