@@ -26,14 +26,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from transformers import FlaxAutoModelForQuestionAnswering
 
 from tasks import long_qa
 from tasks import question_answering as qa
-from tasks.question_answering import TASK
 from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
@@ -80,8 +78,9 @@ class DataTrainingArguments(BaseDataArguments):
                                          "scored by exact match and category accuracy."})
     keep_null_windows: float = field(
         default=1.0, metadata={"help": "With --answer_categories: the fraction of the training windows without an "
-                                       "answer kept (drawn with --seed); the BigBird research project keeps 0.4, so "
-                                       "that a long document's many empty windows weigh less."})
+                                       "answer kept (drawn with --seed; the BigBird research project keeps 0.4): "
+                                       "shorter epochs. Each kept one weighs 1 / this in the loss, so the model "
+                                       "still learns how rare an answer is."})
     max_long_answer_length: int = field(
         default=1024, metadata={"help": "With --answer_categories: longest long answer, in tokens."})
     attention_type: Optional[str] = field(
@@ -121,7 +120,9 @@ def main(argv=None):
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-    preflight = check_before_work(training_args, data_args, TASK, files, allowed=qa.FILE_FORMATS,
+    # Its own task with --answer_categories: the demo serves its export with the category head.
+    declared = (long_qa if data_args.answer_categories else qa).TASK
+    preflight = check_before_work(training_args, data_args, declared, files, allowed=qa.FILE_FORMATS,
                                   model_args=model_args)
     splits = needed_splits(training_args)
     logger, is_main = set_up(training_args)
@@ -176,15 +177,12 @@ def main(argv=None):
 
     def logits_of(params, batch, dropout_rng=None, train=False):
         """(start logits, end logits) per token; with --answer_categories also the category logits per window."""
-        outputs = model(**{k: batch[k] for k in inputs}, params=long_qa.model_params(params),
-                        dropout_rng=dropout_rng, train=train, output_hidden_states=data_args.answer_categories,
+        model_inputs = {k: batch[k] for k in inputs}
+        if data_args.answer_categories:
+            return long_qa.answer_logits(model, head, params, model_inputs, dropout_rng, train)
+        outputs = model(**model_inputs, params=params, dropout_rng=dropout_rng, train=train,
                         **long_qa.random_blocks_key(model, dropout_rng if train else None))
-        if not data_args.answer_categories:
-            return outputs.start_logits, outputs.end_logits
-        first_tokens = outputs.hidden_states[-1][:, 0]
-        category_logits = head.apply({"params": params[long_qa.HEAD]}, first_tokens, deterministic=not train,
-                                     rngs={"dropout": jax.random.fold_in(dropout_rng, 2)} if train else None)
-        return outputs.start_logits, outputs.end_logits, category_logits
+        return outputs.start_logits, outputs.end_logits
 
     def loss_fn(params, batch, dropout_rng, train, label_smoothing):
         logits = logits_of(params, batch, dropout_rng, train)
@@ -223,7 +221,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
-    run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
+    run = TrainingRun(training_args, (model_args, data_args, training_args), declared, plan, layout, train_data, is_main)
     state = run.start(state, preflight.resume, config, model, tokenizer)
 
     # ------------------------------------------------------------------------------------------

@@ -1,20 +1,23 @@
 """Build a toy long-document question-answering data set (Natural Questions-style answer categories) and its tokenizer.
 
-Each document is a long chronicle of a town: hundreds of filler sentences with a few facts about
-people scattered anywhere in it (hundreds to thousands of tokens, so a question's answer sits in one
-window of many), built from `make_qa_data.py`'s facts. Each question has one answer category:
+Each document is a long chronicle of a town: hundreds of filler sentences with two or three facts
+about people scattered anywhere in it (hundreds to thousands of tokens, so a question's answer sits
+in one window of many), built from `make_qa_data.py`'s facts, each of another kind (a move, a
+purchase, a job, a meeting): a question's verb finds its sentence, which a tiny model from scratch
+learns in minutes, where matching a name across thousands of tokens it does not. Each question has
+one answer category:
 
 - short: a span of the fact ("Where did Amara move to?" -> "Lyon");
-- long: the whole fact sentence ("What does the chronicle say about Amara?");
+- long: the whole fact sentence ("What does the chronicle say about where Amara moved?");
 - yes / no: a fact checked ("Did Amara move to Lyon?"), the fact sentence its evidence;
-- null: about someone the document never mentions.
+- null: about a kind of fact the document does not hold, of someone in it or not.
 
 Rows are JSON lines `id`, `question`, `context`, `answers`: a list of {category, text, answer_start}
 (empty: null; yes / no: the evidence sentence and its offset). Writes next to this script, in
 `long_qa/`: `train.jsonl.gz`, `validation.jsonl.gz`, `test.jsonl.gz` (no answers) and `tokenizer/`
 (cased WordPiece trained on the training documents and questions).
 
-    python data/make_long_qa_data.py [--train_documents 40] [--seed 42]
+    python data/make_long_qa_data.py [--train_documents 300] [--seed 42]
 """
 
 import argparse
@@ -38,16 +41,20 @@ MORE_FILLERS = ["The bakery opened a second shop .", "A storm closed the harbour
 # A yes / no question per kind of fact, about its person and one more slot.
 CHECKS = {"move": ("Did {P} move to {L}?", "L"), "buy": ("Did {P} buy a {O}?", "O"),
           "work": ("Does {P} work as a {J}?", "J"), "meet": ("Did {P} meet {Q}?", "Q")}
-LONG_QUESTION = "What does the chronicle say about {P}?"
+LONG_QUESTIONS = {"move": "What does the chronicle say about where {P} moved?",
+                  "buy": "What does the chronicle say about what {P} bought?",
+                  "work": "What does the chronicle say about the work of {P}?",
+                  "meet": "What does the chronicle say about whom {P} met?"}
 POOLS = {"L": PLACES, "O": OBJECTS, "J": JOBS}
 
 
 def document(rng, sentences):
-    """(context, facts): `sentences` sentences, 3 to 5 of them facts about people, the rest fillers;
-    each fact is (kind, {slot: value}, {slot: character offset}, (sentence start, sentence end))."""
+    """(context, facts, taken): `sentences` sentences, 2 or 3 of them facts about people (each of
+    another kind), the rest fillers; each fact is (kind, {slot: value}, {slot: character offset},
+    (sentence start, sentence end)); `taken` the names the document uses."""
     taken = set()
-    count = rng.randint(3, 5)
-    slots = sorted(rng.sample(range(sentences), count))
+    kinds = rng.sample(list(FACTS), rng.randint(2, 3))
+    slots = dict(zip(sorted(rng.sample(range(sentences), len(kinds))), kinds))
     context, facts = "", []
     for position in range(sentences):
         if context:
@@ -55,7 +62,7 @@ def document(rng, sentences):
         if position not in slots:
             context += rng.choice(FILLERS + MORE_FILLERS)
             continue
-        kind = rng.choice(list(FACTS))
+        kind = slots[position]
         values = {"P": person(rng, taken), "L": rng.choice(PLACES), "O": rng.choice(OBJECTS),
                   "J": rng.choice(JOBS), "Y": str(rng.randint(1950, 2024)), "D": rng.choice(DAYS)}
         values["Q"] = person(rng, taken)
@@ -73,7 +80,8 @@ def document(rng, sentences):
 
 
 def questions(rng, doc_id, context, facts, taken):
-    """The questions of one document: per fact one of short / long / yes / no, and one null question."""
+    """The questions of one document: per fact a short one and one of short / long / yes / no, and
+    one null question, about a kind of fact the document does not hold."""
     rows = []
 
     def add(question, category, text="", start=-1):
@@ -82,23 +90,26 @@ def questions(rng, doc_id, context, facts, taken):
 
     for kind, values, offsets, (first, last) in facts:
         sentence = context[first:last]
-        category = rng.choice(["short", "short", "long", "yes", "no"])
-        if category == "short":
-            template, slot = rng.choice(FACTS[kind][1])
-            add(template.format(**values), "short", values[slot], offsets[slot])
-        elif category == "long":
-            add(LONG_QUESTION.format(**values), "long", sentence, first)
-        else:
-            template, slot = CHECKS[kind]
-            asked = dict(values)
-            if category == "no":  # another value of the slot than the document's
-                pool = POOLS.get(slot) or [name for name in FIRST_NAMES if name not in taken]
-                asked[slot] = rng.choice([value for value in pool if value != values[slot]])
-            add(template.format(**asked), category, sentence, first)
-    kind, values, _, _ = rng.choice(facts)
-    template, _ = rng.choice([q for q in FACTS[kind][1] if "{P}" in q[0]])
-    stranger = rng.choice([name for name in FIRST_NAMES if name not in taken])
-    add(template.format(**{**values, "P": stranger}), "null")
+        shorts = iter(rng.sample(FACTS[kind][1], 2))  # two short questions of one fact ask different things
+        for category in ("short", rng.choice(["short", "long", "yes", "no"])):
+            if category == "short":
+                template, slot = next(shorts)
+                add(template.format(**values), "short", values[slot], offsets[slot])
+            elif category == "long":
+                add(LONG_QUESTIONS[kind].format(**values), "long", sentence, first)
+            else:
+                template, slot = CHECKS[kind]
+                asked = dict(values)
+                if category == "no":  # another value of the slot than the document's
+                    pool = POOLS.get(slot) or [name for name in FIRST_NAMES if name not in taken]
+                    asked[slot] = rng.choice([value for value in pool if value != values[slot]])
+                add(template.format(**asked), category, sentence, first)
+    _, values, _, _ = rng.choice(facts)
+    missing = rng.choice([kind for kind in FACTS if kind not in {fact[0] for fact in facts}])
+    if rng.random() < 0.5:  # someone the document never mentions, else someone in it
+        values = {**values, "P": rng.choice([name for name in FIRST_NAMES if name not in taken])}
+    template, _ = rng.choice([q for q in FACTS[missing][1] if "{P}" in q[0]])
+    add(template.format(**values), "null")
     return rows
 
 
@@ -116,11 +127,11 @@ def write_jsonl(path, rows):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output_dir", default=os.path.join(ROOT, "data", "long_qa"))
-    p.add_argument("--train_documents", type=int, default=40)
+    p.add_argument("--train_documents", type=int, default=300)
     p.add_argument("--validation_documents", type=int, default=12)
     p.add_argument("--test_documents", type=int, default=3)
-    p.add_argument("--train_sentences", default="40,200", help="sentences of the shortest and longest "
-                   "training documents (shorter than the others: the tiny config trains in a minute)")
+    p.add_argument("--train_sentences", default="20,80", help="sentences of the shortest and longest "
+                   "training documents (shorter than the others: the tiny config trains in two minutes)")
     p.add_argument("--sentences", default="150,450", help="sentences of the shortest and longest validation and "
                    "test documents")
     p.add_argument("--seed", type=int, default=42)

@@ -44,6 +44,7 @@ MODULES = {
     "text-classification": "tasks.text_classification",
     "token-classification": "tasks.token_classification",
     "question-answering": "tasks.question_answering",
+    "long-question-answering": "tasks.long_qa",
     "image-classification": "tasks.image_classification",
     "image-text": "tasks.image_text",
     "image-captioning": "tasks.image_captioning",
@@ -78,7 +79,9 @@ def task_of(architecture, run_args):
     with `run_args` (run_args.json as a dict); None when no script here trains it."""
     for ending, task in _HEADS:
         if architecture.endswith(ending):
-            return task
+            # run_qa.py --answer_categories: the same model class with a category head beside it.
+            return "long-question-answering" if task == "question-answering" and run_args.get(
+                "answer_categories") else task
     if architecture.endswith(_SEQ2SEQ_HEADS):
         # run_t5_mlm_flax.py's arguments have the span lengths, run_bart_dlm_flax.py's the Poisson mean,
         # run_speech_recognition_seq2seq.py's the audio column, run_summarization_flax.py's the text columns.

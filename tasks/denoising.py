@@ -313,16 +313,29 @@ def reconstruction_loss(logits, labels, example_weight=None, label_smoothing=0.0
 # ----------------------------------------------------------------------------------------------
 class MaskInfiller(Predictor):
     """Writes a text back whole, as run_bart_dlm_flax.py trained the model to: each mask token (which
-    may stand for no word, one or several) filled in, greedily."""
+    may stand for no word, one or several) filled in, greedily. The text is encoded as the script
+    encodes its examples (`encode`: each sentence followed by the run's separator); the model writes
+    the sentences back with their separators, so generation does not stop at one (the default
+    separator is EOS) and the text is cut after as many separators as the input has (`reconstruction`)."""
 
     auto_class = "FlaxAutoModelForSeq2SeqLM"
 
     def __init__(self, output_dir, run_args):
         super().__init__(output_dir, run_args)
+        self.separator_id = separator_id(self.tokenizer, run_args.get("sentence_separator"))
         self.input_buckets = buckets(run_args.get("max_seq_length") or min(512, self.tokenizer.model_max_length))
         self.max_length = self.input_buckets[-1]
+        # An end token past the vocabulary, which the model never writes: generation does not stop at the
+        # separator (EOS by default); `reconstruction` cuts the text.
         self._generate = jax.jit(lambda params, ids, mask: self.model.generate(
-            ids, attention_mask=mask, params=params, max_length=self.max_length, num_beams=1).sequences)
+            ids, attention_mask=mask, params=params, max_length=self.max_length, num_beams=1,
+            eos_token_id=self.config.vocab_size).sequences)
+
+    def encode(self, text):
+        """The ids of `text` as the script's examples read: BOS, each sentence then the separator
+        (`encode_sentences`), EOS."""
+        prefix = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
+        return prefix + encode_sentences(self.tokenizer, [text], self.separator_id)[0] + [self.tokenizer.eos_token_id]
 
     def predict(self, text):
         require_text(text, "text")
@@ -330,7 +343,7 @@ class MaskInfiller(Predictor):
         if mask_token not in text:
             raise BadInput(f"the text has no {mask_token}: put {mask_token} where words are missing")
         answer = Answer()
-        ids = self.tokenizer(text)["input_ids"]
+        ids = self.encode(text)
         limit = self.input_buckets[-1]
         if len(ids) > limit:
             answer.notes.append(truncation_note(len(ids), limit))
@@ -339,14 +352,26 @@ class MaskInfiller(Predictor):
         padded = np.full((1, size), self.tokenizer.pad_token_id, np.int32)
         padded[0, :len(ids)] = ids
         mask = (np.arange(size) < len(ids)).astype(np.int32)[None]
-        output = np.asarray(self._generate(self.params, padded, mask))
-        answer.text = self.tokenizer.decode(output[0], skip_special_tokens=True).strip()
+        output = np.asarray(self._generate(self.params, padded, mask))[0, 1:]  # after the decoder's start token
+        body = ids[self.tokenizer.bos_token_id is not None:-1]  # between BOS and EOS, which may be the separator
+        sentences = body.count(self.separator_id)
+        kept = reconstruction(output, self.separator_id, sentences)
+        answer.text = self.tokenizer.decode(kept, skip_special_tokens=True).strip()
         return answer
 
     def warm_up(self):
         for size in self.input_buckets:
             ids = np.full((1, size), self.tokenizer.pad_token_id, np.int32)
             self._generate(self.params, ids, np.ones_like(ids)).block_until_ready()
+
+
+def reconstruction(generated, separator_id, sentences):
+    """The generated ids up to and including the `sentences`-th separator (the input's count), or
+    its last where it wrote fewer; what follows is text the model was never trained to write."""
+    ends = np.flatnonzero(np.asarray(generated) == separator_id)
+    if not len(ends):
+        return list(generated)
+    return list(generated[:ends[min(sentences, len(ends)) - 1] + 1])
 
 
 PREDICTOR = MaskInfiller

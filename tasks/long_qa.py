@@ -15,6 +15,8 @@ them on loading, with transformers' warning) and `add_category_head` reloads the
 the spans and categories together; `predicted_answers` decides each example's category from its
 windows and takes the best span of the window most sure it holds the answer; `category_metrics`
 scores exact match against any gold answer, as the research project's evaluation does.
+`LongAnswerer` answers the demo page's question about a document the same way (a saved run of
+this kind is its own task, "long-question-answering").
 """
 
 import collections
@@ -31,7 +33,9 @@ from flax.serialization import msgpack_restore
 from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers.utils import cached_file
 
+from tasks import Task
 from tasks import question_answering as qa
+from tasks.demo import Answer, escape_markdown, show_answer
 # By name: `datasets` hashes the map functions, and a module object among their globals cannot be hashed.
 from tasks.question_answering import answer_tokens, cut_questions, cut_windows
 from utils import arrow_columns, weights
@@ -40,6 +44,9 @@ from utils.models import cast_floats
 from utils.steps import cross_entropy_sums
 
 logger = logging.getLogger(__name__)
+
+# Its own task name: a saved run is served by `LongAnswerer`; the files are those of run_qa.py's runs.
+TASK = Task("long-question-answering", "question-answering", outputs=qa.TASK.outputs)
 
 CATEGORIES = ("null", "short", "long", "yes", "no")  # the research project's order (its CATEGORY_MAPPING)
 SPAN_CATEGORIES = ("short", "long")
@@ -241,11 +248,12 @@ def prepare_split(dataset, split, data_args, tokenizer, seq_length, has_answers,
                       zip(examples["id"], examples["answer_categories"], examples["answer_texts"])}
     dataset = make_windows(examples, tokenizer, seq_length, data_args.doc_stride, data_args)
     inputs = [name for name in qa.MODEL_INPUTS if name in dataset.features]
+    labels = ["start_positions", "end_positions", "category"]
     if split == "train":
         dataset = thinned(dataset, keep_null_windows, seed)
-        arrays = arrow_columns.to_arrays(dataset, inputs + ["start_positions", "end_positions", "category"])
-        return qa.Features(examples, arrays, len(dataset))
-    arrays = arrow_columns.to_arrays(dataset, inputs + ["start_positions", "end_positions", "category"])
+        weighted = ["window_weight"] if "window_weight" in dataset.features else []
+        return qa.Features(examples, arrow_columns.to_arrays(dataset, inputs + labels + weighted), len(dataset))
+    arrays = arrow_columns.to_arrays(dataset, inputs + labels)
     windows = {name: column[:] for name, column in
                arrow_columns.to_arrays(dataset, ["example_index", "offsets", "null_index"]).items()}
     windows["offsets"] = windows["offsets"].reshape(len(dataset), seq_length, 2)
@@ -255,11 +263,14 @@ def prepare_split(dataset, split, data_args, tokenizer, seq_length, has_answers,
 def thinned(windows, keep_null_windows, seed):
     """The training windows with a `keep_null_windows` fraction of the null ones, drawn with `seed`:
     most windows of a long document hold no answer, and the research project trains on 40 % of them
-    so that the categories weigh more alike."""
+    so that an epoch is shorter. Each kept null window weighs 1 / `keep_null_windows` in the loss
+    (column `window_weight`, 1 for the others): the model still learns how rare an answering window
+    is, else it answers questions that have none."""
     if keep_null_windows >= 1.0:
         return windows
     null = np.asarray(windows["category"]) == CATEGORIES.index("null")
     kept = ~null | (np.random.default_rng(seed).random(len(null)) < keep_null_windows)
+    windows = windows.add_column("window_weight", np.where(null, 1.0 / keep_null_windows, 1.0).astype(np.float32))
     logger.info("training windows: %d with an answer, %d of %d null ones kept (--keep_null_windows %g)",
                 int((~null).sum()), int((kept & null).sum()), int(null.sum()), keep_null_windows)
     return windows.select(np.flatnonzero(kept))
@@ -389,6 +400,17 @@ def model_params(params):
     return {name: value for name, value in params.items() if name != HEAD}
 
 
+def answer_logits(model, head, params, inputs, dropout_rng=None, train=False):
+    """(start logits, end logits [windows, tokens], category logits [windows, categories]) of the
+    stock model and the category head on its first token's last hidden state, `params` holding
+    both (`add_category_head`); dropout with `dropout_rng` when `train`."""
+    outputs = model(**inputs, params=model_params(params), dropout_rng=dropout_rng, train=train,
+                    output_hidden_states=True, **random_blocks_key(model, dropout_rng if train else None))
+    category_logits = head.apply({"params": params[HEAD]}, outputs.hidden_states[-1][:, 0], deterministic=not train,
+                                 rngs={"dropout": jax.random.fold_in(dropout_rng, 2)} if train else None)
+    return outputs.start_logits, outputs.end_logits, category_logits
+
+
 def export_note(model):
     logger.info("the export holds the answer-category head under %r in its weights: run_qa.py --answer_categories "
                 "reloads it; %s.from_pretrained loads the rest and drops it (transformers warns of the unused "
@@ -400,9 +422,12 @@ def export_note(model):
 # ----------------------------------------------------------------------------------------------
 def loss(start_logits, end_logits, category_logits, batch, label_smoothing=0.0):
     """(loss sum, {"loss", "category_loss", "tokens"}): per window the mean of its start, end and
-    category cross entropies (the research project's loss), summed; "tokens" counts the windows."""
+    category cross entropies (the research project's loss), summed, each window weighted by its
+    `window_weight` (`thinned`) where the batch has one; "tokens" sums the weights."""
     weights_ = batch.get("example_weight")
     weights_ = jnp.ones(batch["category"].shape, jnp.float32) if weights_ is None else weights_
+    if "window_weight" in batch:
+        weights_ = weights_ * batch["window_weight"]
     span, sums = qa.span_loss(start_logits, end_logits, batch["start_positions"], batch["end_positions"], weights_,
                               label_smoothing)
     category, _ = cross_entropy_sums(category_logits, batch["category"], weights_, label_smoothing)
@@ -516,3 +541,56 @@ def eval_metrics(means, features, answers):
 def write_predictions(run, prefix, answers):
     """`{prefix}_predictions.json`: per example id its category, answer and answer score."""
     run.write_json(f"{prefix}_predictions.json", answers)
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo page (demo.py): the predictor and the form asking for its input
+# ----------------------------------------------------------------------------------------------
+class LongAnswerer(qa.QuestionAnswerer):
+    """run_qa.py --answer_categories' predict path for one question and its document: the windows
+    of `tasks.question_answering.QuestionAnswerer`, read by the model and its category head (saved
+    in the run's weights), then `best_answers` with the run's settings. The answer is the span's
+    text (short, long), "yes" / "no", or "" (null); `details` [{category, score}]."""
+
+    MAX_WINDOWS = 64  # a document of several thousand tokens in windows of a few hundred
+
+    def __init__(self, output_dir, run_args):
+        super().__init__(output_dir, run_args)
+        saved = saved_head(output_dir)
+        if saved is None:
+            raise UsageError(f"{output_dir} holds no answer-category head in its weights: export the model of a "
+                             "run_qa.py --answer_categories run again")
+        self.head = category_head(self.config, self.model.dtype)
+        self.params = {**self.params, HEAD: saved}
+        self.settings = dict(top_k=run_args["n_best_size"], max_answer_length=run_args["max_answer_length"],
+                             max_long_answer_length=run_args["max_long_answer_length"])
+
+    def window_outputs(self, params, inputs):
+        return window_outputs(*answer_logits(self.model, self.head, params, inputs))
+
+    def predict(self, question, context):
+        answer = Answer()
+        windows, rows = self.read_windows(question, context, answer)
+        start_logits, end_logits, category_logits = split_outputs(rows, self.seq_length)
+        found = best_answers([("request", context)], [0] * len(windows), start_logits, end_logits, category_logits,
+                             np.stack([w.offsets for w in windows]), **self.settings)["request"]
+        answer.text, answer.details = found["answer"], [{"category": found["category"], "score": found["score"]}]
+        return answer
+
+
+PREDICTOR = LongAnswerer
+
+
+def demo_form(st, predictor):
+    with st.form("request"):
+        question = st.text_input("Question", key="text")
+        context = st.text_area("Document", height=250, key="context")
+        submitted = st.form_submit_button("Answer")
+    if submitted:
+        def show():
+            answer = predictor(question, context)
+            show_answer(st, answer)
+            (found,) = answer.details
+            st.markdown(f"Answer category: **{escape_markdown(found['category'])}** (score {found['score']:.3f}: "
+                        "how much more likely an answer than none, in log probability)")
+        return show

@@ -619,17 +619,19 @@ class QuestionAnswerer(Predictor):
         self.window_buckets = buckets(self.MAX_WINDOWS, smallest=1)
         accepted = inspect.signature(self.model.__call__).parameters
         self.inputs = [name for name in MODEL_INPUTS if name in accepted]
+        self._outputs = jax.jit(self.window_outputs)
 
-        def logits(params, inputs):
-            outputs = self.model(**inputs, params=params)
-            return jnp.stack([outputs.start_logits, outputs.end_logits], axis=-1).astype(jnp.float32)
+    def window_outputs(self, params, inputs):
+        """The model's outputs for a batch of windows, one array (compiled once per window bucket):
+        here [windows, tokens, start / end logits]."""
+        outputs = self.model(**inputs, params=params)
+        return jnp.stack([outputs.start_logits, outputs.end_logits], axis=-1).astype(jnp.float32)
 
-        self._logits = jax.jit(logits)
-
-    def predict(self, question, context):
+    def read_windows(self, question, context, answer):
+        """(windows, outputs): `question` and `context` cut into windows as run_qa.py cuts them (at
+        most MAX_WINDOWS), and `window_outputs` of each; what was cut goes to `answer`'s notes."""
         require_text(question, "question")
         require_text(context, "context")
-        answer = Answer()
         # As `read_examples` reads them: left-stripped, cut to the run's --max_question_length (runs before it: whole).
         limit = self.run_args.get("max_question_length")
         (question,), (question_tokens,), (cut,) = cut_questions([question.lstrip()], self.tokenizer, limit)
@@ -651,7 +653,11 @@ class QuestionAnswerer(Predictor):
             rows = np.zeros((size, self.seq_length), np.int32)
             rows[:len(windows)] = np.asarray(encoded[name][:len(windows)])
             inputs[name] = rows
-        logits = np.asarray(self._logits(self.params, inputs))[:len(windows)]
+        return windows, np.asarray(self._outputs(self.params, inputs))[:len(windows)]
+
+    def predict(self, question, context):
+        answer = Answer()
+        windows, logits = self.read_windows(question, context, answer)
         answers, nbest, _ = best_answers(
             [("request", context)], [0] * len(windows), logits[..., 0], logits[..., 1],
             np.stack([w.offsets for w in windows]), [w.null for w in windows], **self.settings)
@@ -661,7 +667,7 @@ class QuestionAnswerer(Predictor):
     def warm_up(self):
         for size in self.window_buckets:
             ids = np.zeros((size, self.seq_length), np.int32)
-            jax.block_until_ready(self._logits(self.params, {name: ids for name in self.inputs}))
+            jax.block_until_ready(self._outputs(self.params, {name: ids for name in self.inputs}))
 
 
 PREDICTOR = QuestionAnswerer

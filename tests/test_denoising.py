@@ -378,3 +378,59 @@ def test_reconstruction_loss_counts_every_token_of_real_rows():
         assert float(sums["tokens"]) == 10 and float(sums["accuracy"]) == accuracy
         assert float(loss) / 10 == pytest.approx(per_token, abs=1e-3)
     assert float(dn.reconstruction_loss(right, labels)[1]["tokens"]) == 15
+
+
+@pytest.fixture(scope="module")
+def infiller(tokenizer, tmp_path_factory):
+    """The demo's predictor of a tiny random BART saved as a run of the script (max_seq_length 32)."""
+    import json
+
+    from transformers import BartConfig, FlaxBartForConditionalGeneration
+
+    out = tmp_path_factory.mktemp("bart_dlm_demo")
+    config = BartConfig(vocab_size=len(tokenizer), d_model=16, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16,
+                        max_position_embeddings=32, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                        decoder_start_token_id=tokenizer.eos_token_id, forced_eos_token_id=None)
+    FlaxBartForConditionalGeneration(config, seed=0).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    run_args = {"max_seq_length": 32, "sentence_separator": None, "poisson_lambda": 3.0}
+    (out / "run_args.json").write_text(json.dumps(run_args))
+    return dn.MaskInfiller(str(out), run_args)
+
+
+def test_the_demo_encodes_a_text_as_the_script_does(tokenizer, infiller):
+    """The demo's ids of a text are the script's example of it without noise: BOS, each sentence
+    followed by the separator (EOS), EOS."""
+    text = "Anna met Bob<mask> in Rome. They sang a song.\nThen it rained"
+    body = dn.SentenceBlocks(tokenizer, 1, tokenizer.eos_token_id)([text])["input_ids"].reshape(1, -1)
+    plan = dn.plan_denoising(tokenizer, bart_config(), data_args(mlm_probability=0.0, permute_sentence_ratio=0.0))
+    plan = dn.DenoisingPlan(**{**plan.__dict__, "body_length": body.shape[1], "seq_length": body.shape[1] + 2})
+    script = dn.denoising(plan, tokenizer.eos_token_id, seed=0, stream=0)({"input_ids": body}, 0, np.arange(1))
+    assert infiller.encode(text) == script["input_ids"][0].tolist()
+    ids = infiller.encode(text)
+    assert ids.count(tokenizer.eos_token_id) == 4 and ids[0] == tokenizer.bos_token_id  # 3 sentences, then EOS
+    assert tokenizer.mask_token_id in ids
+
+
+def test_the_demo_cuts_the_reconstruction_after_the_inputs_sentences(tokenizer, infiller, monkeypatch):
+    """The model writes each sentence then the separator (EOS): the answer is the generated text
+    up to the input's last separator, the rest dropped; generation itself runs past EOS."""
+    eos, bos, pad = tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id
+    one, two, three = (tokenizer(f" {word}.", add_special_tokens=False)["input_ids"] for word in ("Ann", "Bo", "Cy"))
+    fed = []
+
+    def generate(params, ids, mask):
+        fed.append(ids[0, :int(mask.sum())].tolist())
+        return np.array([[eos, bos, *one, eos, *two, eos, *three, eos, eos]])
+
+    ids = np.array([infiller.encode("Ann<mask>.")])
+    raw = np.asarray(infiller._generate(infiller.params, ids, np.ones_like(ids)))
+    assert eos in raw[0, 1:] and pad not in raw[0]  # this random model writes EOS; generation went on after it
+    monkeypatch.setattr(infiller, "_generate", generate)
+    assert infiller("Ann<mask>. Bo.").text == "Ann. Bo."
+    assert fed == [infiller.encode("Ann<mask>. Bo.")]
+    # Fewer separators written than the input has: up to the last.
+    assert infiller("Ann sang<mask>. Then Bob came. Then it rained. Then we left.").text == "Ann. Bo. Cy."
+    assert dn.reconstruction([5, 2, 6, 2, 7], 2, 1) == [5, 2] and dn.reconstruction([5, 6], 2, 1) == [5, 6]

@@ -73,8 +73,8 @@ def windows_of(tokenizer, rows, seq_length=48, doc_stride=16):
 # Windows and their labels
 # ----------------------------------------------------------------------------------------------
 def test_every_window_is_labelled_from_the_answers_own_position(tokenizer):
-    """An answer near the end of a long document: the windows holding it point at it (its tokens
-    decode to it) with its category; every other window, before and after, is null at its CLS."""
+    """An answer at the end of a long document (in its last window): the windows holding it point at
+    it (its tokens decode to it) with its category; every other window is null at its CLS."""
     document, fact, lyon = long_document(fillers_before=12)
     rows = [{"id": "late", "question": "Where did Amara move to?", "context": document,
              "answers": [{"category": "short", "text": "Lyon", "answer_start": lyon}]},
@@ -88,7 +88,7 @@ def test_every_window_is_labelled_from_the_answers_own_position(tokenizer):
         assert len(rows_of_example) >= 4  # a long document: many windows
         holding = [w for w in rows_of_example if text.replace(" .", ".") in
                    tokenizer.decode(ids[w][features.windows["offsets"][w][:, 0] >= 0])]
-        assert holding and holding[-1] != rows_of_example[0], "the answer is in a later window"
+        assert holding[-1] == rows_of_example[-1] and holding[0] != rows_of_example[0], "the answer is in the last window"
         for w in rows_of_example:
             start, end = arrays["start_positions"][w], arrays["end_positions"][w]
             if w in holding:
@@ -143,6 +143,25 @@ def test_the_shipped_data_labels_each_answer_in_the_windows_that_hold_it(tokeniz
 # ----------------------------------------------------------------------------------------------
 # Rows
 # ----------------------------------------------------------------------------------------------
+def test_the_generator_reproduces_the_shipped_data(tmp_path, tokenizer):
+    """data/make_long_qa_data.py writes the committed rows byte for byte (its tokenizer is trained
+    anew, not reproducibly: tests/test_classification_data.py); validation documents run to thousands
+    of tokens, and every category is asked."""
+    import gzip
+
+    from test_classification_data import _load_generator
+
+    _load_generator("make_long_qa_data").main(["--output_dir", str(tmp_path)])
+    for split in ("train", "validation", "test"):
+        name = f"{split}.jsonl.gz"
+        assert (tmp_path / name).read_bytes() == open(os.path.join(ROOT, "data", "long_qa", name), "rb").read(), name
+    with gzip.open(tmp_path / "validation.jsonl.gz", "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    assert {row["answers"][0]["category"] if row["answers"] else "null" for row in rows} == set(long_qa.CATEGORIES)
+    lengths = [len(tokenizer(context)["input_ids"]) for context in {row["context"] for row in rows}]
+    assert min(lengths) > 1000 and max(lengths) > 2500
+
+
 def test_simplified_natural_questions_rows_lose_their_tags_and_keep_their_answers():
     tokens = "<H1> Lyon </H1> <P> Amara moved to Lyon in 1998 . </P> <P> She liked it . </P>".split(" ")
     row = {"example_id": 7, "question_text": "where did amara move", "document_text": " ".join(tokens),
@@ -327,6 +346,27 @@ def test_thinning_keeps_every_answer_window_and_a_fraction_of_the_null_ones():
     assert abs(np.isin(np.flatnonzero(null), rows).mean() - 0.25) < 0.03
     assert np.array_equal(rows, np.asarray(long_qa.thinned(windows, 0.25, seed=7)["row"]))  # a pure function of the seed
     assert long_qa.thinned(windows, 1.0, seed=7) is windows
+    # A kept null window stands for 1 / 0.25 of them in the loss: the null share of the weights is the data's.
+    weights = np.asarray(kept["window_weight"])
+    assert np.array_equal(weights, np.where(null[rows], 4.0, 1.0))
+    assert abs(weights[null[rows]].sum() / weights.sum() - null.mean()) < 0.03
+
+
+def test_the_loss_weighs_each_window_by_its_window_weight():
+    """The loss with window weights is the weighted mean of the windows' own losses (each computed
+    alone), the weights summed as its count."""
+    rng = np.random.default_rng(0)
+    start, end, categories = rng.normal(size=(3, 8)), rng.normal(size=(3, 8)), rng.normal(size=(3, 5))
+    batch = {"start_positions": np.array([1, 0, 4]), "end_positions": np.array([2, 0, 6]),
+             "category": np.array([1, 0, 0]), "window_weight": np.array([1.0, 4.0, 4.0], np.float32)}
+
+    def alone(i):
+        one = {k: v[i:i + 1] for k, v in batch.items() if k != "window_weight"}
+        return float(long_qa.loss(start[i:i + 1], end[i:i + 1], categories[i:i + 1], one)[0])
+
+    total, sums = long_qa.loss(start, end, categories, batch)
+    assert float(sums["tokens"]) == 9.0
+    assert float(total) == pytest.approx(sum(w * alone(i) for i, w in enumerate(batch["window_weight"])), rel=1e-5)
 
 
 def test_only_big_bird_takes_the_tokenizers_separator_for_the_questions_end(tokenizer):

@@ -6,6 +6,7 @@ Negative control (broken on purpose and seen failing): `add_category_head` ignor
 (always fresh): `test_eval_only_from_the_saved_dir_reloads_the_category_head`.
 """
 
+import gzip
 import json
 import os
 
@@ -75,3 +76,25 @@ def test_eval_only_from_the_saved_dir_reloads_the_category_head(trained, tmp_pat
         assert got[key] == pytest.approx(expected[key], abs=1e-4)
     with open(out / "flax_model.msgpack", "rb") as f:
         assert long_qa.HEAD.encode() in f.read()
+
+
+def test_the_demo_answers_as_the_run_predicted(trained):
+    """The saved run is served as long-question-answering; its predictor gives each validation
+    question the category, answer and score of the run's own eval_predictions.json."""
+    import tasks
+    from tasks.demo import BadInput
+
+    out, _ = trained
+    task, run_args = tasks.saved_task(str(out))
+    assert task == "long-question-answering"
+    predictor = tasks.module_of(task).PREDICTOR(str(out), run_args)  # no warm-up: only the shapes used compile
+    predictions = read_json(out / "eval_predictions.json")
+    rows = [json.loads(line) for line in gzip.open(os.path.join(DATA, "validation.jsonl.gz"), "rt")][:EVAL_EXAMPLES]
+    for row in rows:
+        answer = predictor(row["question"], row["context"])
+        expected = predictions[row["id"]]
+        assert (answer.text, answer.details[0]["category"]) == (expected["answer"], expected["category"])
+        assert answer.details[0]["score"] == pytest.approx(expected["score"], abs=1e-4)
+        assert not answer.notes
+    with pytest.raises(BadInput, match="the context is empty"):
+        predictor("Who?", " ")
