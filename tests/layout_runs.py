@@ -98,11 +98,22 @@ SCRIPTS = {
         "--test_file", "data/speech/test.csv", "--language", "english", "--max_duration_in_seconds", 2,
         "--max_label_length", 12, "--max_train_samples", 48, "--max_eval_samples", 16, "--max_predict_samples", 8,
         "--do_predict", "--predict_with_generate"]),
+    "captioning": ("run_image_captioning_flax.py", [
+        "--encoder_model_type", "vit", "--encoder_config_overrides",
+        "image_size=32,patch_size=8,hidden_size=64,num_hidden_layers=1,num_attention_heads=2,intermediate_size=256,"
+        "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+        "--decoder_model_type", "gpt2", "--decoder_config_overrides",
+        "n_embd=64,n_layer=1,n_head=2,n_positions=32,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0",
+        "--tokenizer_name", "data/image_text/tokenizer", "--train_file", "data/image_text/train_dataset.json",
+        "--validation_file", "data/image_text/valid_dataset.json", "--test_file", "data/image_text/test_dataset.json",
+        "--max_target_length", 20, "--max_train_samples", 160, "--max_eval_samples", 24, "--max_predict_samples", 16,
+        "--do_predict", "--predict_with_generate", "--num_beams", 2]),
 }
 # What each script predicts, one line per example: the same lines in every layout.
 PREDICTIONS = {"summarization": "generated_predictions.txt", "glue": "predict_results_cola.txt",
                "ner": "predictions.txt", "image": "predict_results.txt", "qa": "predict_predictions.json",
-               "chat": "generated_predictions.txt", "speech": "generated_predictions.txt"}
+               "chat": "generated_predictions.txt", "speech": "generated_predictions.txt",
+               "captioning": "generated_predictions.txt"}
 
 
 def command(name, output_dir, *extra):
