@@ -79,6 +79,16 @@ SCRIPTS = {
         "--train_file", "data/qa/train_v2.json.gz", "--validation_file", "data/qa/validation_v2.json",
         "--test_file", "data/qa/test.jsonl", "--version_2_with_negative", "--max_seq_length", 64, "--doc_stride", 16,
         "--max_train_samples", 60, "--max_eval_samples", 21, "--max_predict_samples", 13, "--do_predict"]),
+    # Long documents in windows with the category head; full attention: block-sparse attention draws its
+    # random blocks from the dropout key, which the layouts draw differently by design.
+    "long qa": ("run_qa.py", [
+        "--model_type", "big_bird", "--tokenizer_name", "data/long_qa/tokenizer", "--config_overrides",
+        "hidden_size=64,num_hidden_layers=1,num_attention_heads=2,intermediate_size=128,max_position_embeddings=128,"
+        "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+        "--train_file", "data/long_qa/train.jsonl.gz", "--validation_file", "data/long_qa/validation.jsonl.gz",
+        "--test_file", "data/long_qa/test.jsonl.gz", "--answer_categories", "--attention_type", "original_full",
+        "--max_seq_length", 64, "--doc_stride", 32, "--max_train_samples", 40, "--max_eval_samples", 6,
+        "--max_predict_samples", 4, "--do_predict"]),
     # Chat rows (run_clm_flax.py): the loss on the answers, greedy answers to the held-out prompts.
     "chat": ("run_clm_flax.py", [
         "--model_type", "llama", "--tokenizer_name", "data/chat/tokenizer", "--config_overrides",
@@ -112,6 +122,7 @@ SCRIPTS = {
 # What each script predicts, one line per example: the same lines in every layout.
 PREDICTIONS = {"summarization": "generated_predictions.txt", "glue": "predict_results_cola.txt",
                "ner": "predictions.txt", "image": "predict_results.txt", "qa": "predict_predictions.json",
+               "long qa": "predict_predictions.json",
                "chat": "generated_predictions.txt", "speech": "generated_predictions.txt",
                "captioning": "generated_predictions.txt"}
 
