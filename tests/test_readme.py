@@ -412,6 +412,35 @@ def test_the_bart_denoising_prose_is_results_configs_cpu_json():
         assert command in benchmarks
 
 
+def test_the_wav2vec2_transfer_prose_is_results_configs_cpu_json():
+    transfer = json_file("results_configs_cpu.json")["transfer_wav2vec2"]
+    runs = {(run["from"], run["steps"], run["seed"]): run["results"] for run in transfer["runs"]}
+    export = transfer["export"]
+    first, scratch = runs[(export, 280, 42)], runs[("scratch", 280, 42)]
+    readme = " ".join(read("README.md").split())
+    assert (f"for 280 steps, reaches `test_wer` {first['test_wer']} (`test_cer` {first['test_cer']}) from the export, "
+            f"{scratch['test_wer']} (`test_cer` {scratch['test_cer']}) from scratch; seed 43: "
+            f"{runs[(export, 280, 43)]['test_wer']} against {runs[('scratch', 280, 43)]['test_wer']}; the config's "
+            f"560 steps: {runs[(export, 560, 42)]['test_wer']} against {runs[('scratch', 560, 42)]['test_wer']}") in readme
+    # Every pair shares its budget and seed; the README's claim holds for each of them.
+    assert len(runs) == len(transfer["runs"]) == 6
+    for (origin, steps, seed), results in runs.items():
+        if origin == export:
+            assert results["test_wer"] < runs[("scratch", steps, seed)]["test_wer"]
+    benchmarks = " ".join(read(BENCHMARKS).split())
+    for command in [transfer["pretraining"]] + [run["command"] for run in transfer["runs"]]:
+        assert command in benchmarks
+    for run in transfer["runs"]:  # the command says what the row says
+        command = run["command"]
+        assert (f"--encoder_model_name_or_path {export} " in command) == (run["from"] == export)
+        assert ("--num_train_epochs 20 " in command) == (run["steps"] == 280)
+        assert (f"--seed {run['seed']} " in command) == (run["seed"] != 42)
+        row = (f"| {run['steps']} | {run['seed']} | "
+               f"{'the `run_wav2vec2_pretrain_flax.py` export' if run['from'] == export else 'the same model from scratch'}"
+               f" | {run['results']['test_wer']} | {run['results']['test_cer']} | {run['results']['test_loss']} |")
+        assert row in benchmarks
+
+
 def test_the_wav2vec2_prose_is_results_configs_cpu_json():
     untrained = json_file("results_configs_cpu.json")["untrained"]["configs/wav2vec2_pretrain_tiny.json"]
     assert (f"the same model scores `eval_contrastive_loss` {untrained['eval_contrastive_loss']} (guessing among the "

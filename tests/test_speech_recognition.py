@@ -283,3 +283,31 @@ def test_the_frame_mask_counts_the_frames_the_encoder_makes_of_each_clip(tokeniz
     np.testing.assert_array_equal(seen["attention_mask"], frame_mask)
     assert seen["encoder_outputs"].last_hidden_state.shape[:2] == (3, frames(6000))
     np.testing.assert_array_equal(seen["decoder_input_ids"], [[config.decoder_start_token_id]] * 3)
+
+
+def test_a_wav2vec2_pretraining_export_is_the_encoder_it_fine_tunes(tmp_path, tokenizer, waveform_extractor, caplog):
+    """What run_wav2vec2_pretrain_flax.py saves (a FlaxWav2Vec2ForPreTraining of the shipped filterbank
+    encoder, its codebooks beside it) as --encoder_model_name_or_path: the joined model's encoder is the
+    export's `wav2vec2` weights, none left fresh; the codebooks stay behind (the README's transfer row)."""
+    from flax.traverse_util import flatten_dict
+    from transformers import (AutoConfig, FlaxAutoModel, FlaxAutoModelForCausalLM, FlaxSpeechEncoderDecoderModel,
+                              FlaxWav2Vec2ForPreTraining)
+
+    from utils.layout import make_layout
+    from utils.models import load_composed_model, pretrained_part
+
+    pretraining = AutoConfig.from_pretrained(WAV2VEC2, codevector_dim=16, proj_codevector_dim=16,
+                                             num_codevectors_per_group=8)
+    export = FlaxWav2Vec2ForPreTraining(pretraining, input_shape=(1, 4000), seed=5)
+    export.save_pretrained(tmp_path / "export")
+    args = joined_arguments(encoder_model_name_or_path=str(tmp_path / "export"))
+    config = speech.load_speech_config(args, waveform_extractor, tokenizer, True)
+    parts = {"encoder": (FlaxAutoModel, pretrained_part(args, "encoder")),
+             "decoder": (FlaxAutoModelForCausalLM, pretrained_part(args, "decoder"))}
+    with caplog.at_level(logging.WARNING):
+        _, params = load_composed_model(FlaxSpeechEncoderDecoderModel, config, args, parts, 0, make_layout("dp"))
+    assert "the encoder" not in caplog.text  # no encoder weight initialised fresh
+    encoder, saved = flatten_dict(params["encoder"]), flatten_dict(export.params["wav2vec2"])
+    assert set(encoder) == set(saved)
+    for key, value in saved.items():
+        np.testing.assert_array_equal(encoder[key], value)
