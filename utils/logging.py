@@ -208,8 +208,9 @@ class EventFile:
 class MetricsLogger:
     """Writes each metrics dict to TensorBoard (tags `"{split}/{key}"`) and to `metrics.jsonl`.
 
-    `metrics.jsonl` gets one JSON object per `log` call, `{"step", "split", "time", **metrics}`, flushed
-    at once so a killed run keeps every line. A resumed run calls `rewind(step)` first, so both files
+    `metrics.jsonl` gets one JSON object per `log` call, `{"step", "split", "time", **metrics}`; both files
+    are flushed before `log` returns, so a run killed after a checkpoint keeps all it logged up to it
+    (its resumed run starts after it). A resumed run calls `rewind(step)` first, so both files
     read like one uninterrupted run. On a process other than the main one every method is a no-op and
     nothing is created.
 
