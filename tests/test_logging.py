@@ -81,6 +81,20 @@ def test_lines_are_on_disk_before_close(tmp_path):
     metrics.close()
 
 
+def test_events_are_on_disk_before_close(tmp_path):
+    """A run killed right after its checkpoint of step 2 keeps the events of steps 1 and 2: its resumed run
+    starts at step 3 and never writes them again."""
+    metrics = MetricsLogger(tmp_path, progress=False)
+    metrics.hparams({"learning_rate": 1e-3})
+    for step in (1, 2):
+        metrics.log(step, {"loss": float(step)})
+    events = EventAccumulator(str(tmp_path))  # read before close: a kill -9 never closes
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0)]
+    assert any("hparams" in tag for tag in events.Tags()["tensors"])
+    metrics.close()
+
+
 def test_rewind_makes_a_resumed_run_read_like_an_uninterrupted_one(tmp_path):
     killed = MetricsLogger(tmp_path, progress=False)
     for step in range(1, 7):

@@ -21,8 +21,9 @@ import datetime
 
 import jax
 import numpy as np
-from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.summary import scalar, text
 from tqdm.auto import tqdm
 
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
@@ -182,11 +183,34 @@ def _parse_line(line):
         return None
 
 
+class EventFile:
+    """A TensorBoard event file in `logdir` that holds every event once `flush()` returns.
+
+    Not tensorboardX's `SummaryWriter`: it hands events to a thread, and its flush() writes only those the
+    thread got to, so the last logged step's events reached the disk at the next log. A run killed after
+    its checkpoint of that step lost them for good: its resumed run starts after that step.
+    """
+
+    def __init__(self, logdir):
+        self._writer = EventsWriter(os.path.join(logdir, "events"))  # events.out.tfevents.<time>.<host>
+
+    def add(self, step, **fields):
+        """One event at `step` with `fields` (summary=, session_log=)."""
+        self._writer.write_event(Event(wall_time=time.time(), step=step, **fields))
+
+    def flush(self):
+        self._writer.flush()
+
+    def close(self):
+        self._writer.close()
+
+
 class MetricsLogger:
     """Writes each metrics dict to TensorBoard (tags `"{split}/{key}"`) and to `metrics.jsonl`.
 
-    `metrics.jsonl` gets one JSON object per `log` call, `{"step", "split", "time", **metrics}`, flushed
-    at once so a killed run keeps every line. A resumed run calls `rewind(step)` first, so both files
+    `metrics.jsonl` gets one JSON object per `log` call, `{"step", "split", "time", **metrics}`; both files
+    are flushed before `log` returns, so a run killed after a checkpoint keeps all it logged up to it
+    (its resumed run starts after it). A resumed run calls `rewind(step)` first, so both files
     read like one uninterrupted run. On a process other than the main one every method is a no-op and
     nothing is created.
 
@@ -199,7 +223,7 @@ class MetricsLogger:
         self._closed = not is_main_process
         self._total_steps = total_steps
         self._progress = progress
-        self._writer = None
+        self._events = None
         self._file = None
         self._bar = None
         self._live = progress and stderr_is_a_terminal()
@@ -212,7 +236,7 @@ class MetricsLogger:
         self._path = os.path.join(output_dir, "metrics.jsonl")
         self._file = open(self._path, "a", encoding="utf-8")
         if tensorboard:
-            self._writer = SummaryWriter(logdir=str(output_dir))
+            self._events = EventFile(str(output_dir))
 
     def log(self, step: int, metrics: dict, split: str = "train"):
         """Record `metrics` (scalars: Python, numpy or JAX) at `step` for `split` ("train"/"eval"/"test")."""
@@ -228,10 +252,10 @@ class MetricsLogger:
             self._rewrite(lambda row: (row["split"], row["step"]) != (split, step))
         self._file.write(json.dumps({"step": step, "split": split, "time": time.time(), **values}) + "\n")
         self._file.flush()
-        if self._writer is not None:
+        if self._events is not None:
             for key, value in values.items():
-                self._writer.add_scalar(f"{split}/{key}", value, step)
-            self._writer.flush()
+                self._events.add(step, summary=scalar(f"{split}/{key}", value))
+            self._events.flush()
         if split == "train":
             self._update_postfix(values)
             if self._progress and not self._live:
@@ -258,9 +282,9 @@ class MetricsLogger:
             return
         kept = self._rewrite(lambda row: row["step"] <= step)
         self._replaceable = {(row["split"], step) for row in kept if row["step"] == step and row["split"] != "train"}
-        if self._writer is not None:
-            self._writer.file_writer.add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
-            self._writer.flush()
+        if self._events is not None:
+            self._events.add(step + 1, session_log=SessionLog(status=SessionLog.START))
+            self._events.flush()
 
     def _rewrite(self, keep):
         """Keep only the lines of metrics.jsonl whose row satisfies `keep`; returns those rows."""
@@ -312,12 +336,12 @@ class MetricsLogger:
 
     def hparams(self, params: dict):
         """Record the run's arguments as a TensorBoard text summary. Strip secrets before calling."""
-        if self._closed or self._writer is None:
+        if self._closed or self._events is None:
             return
-        text = json.dumps(params, indent=2, sort_keys=True, default=str)
+        arguments = json.dumps(params, indent=2, sort_keys=True, default=str)
         # Indented lines render as a code block in TensorBoard's markdown text view.
-        self._writer.add_text("hparams", textwrap.indent(text, "    "), 0)
-        self._writer.flush()
+        self._events.add(0, summary=text("hparams", textwrap.indent(arguments, "    ")))
+        self._events.flush()
 
     def close(self):
         """Flush and close the bar, the event file and metrics.jsonl. Safe to call more than once."""
@@ -326,8 +350,8 @@ class MetricsLogger:
         self._closed = True
         if self._bar is not None:
             self._bar.close()
-        if self._writer is not None:
-            self._writer.close()
+        if self._events is not None:
+            self._events.close()
         self._file.close()
 
 
