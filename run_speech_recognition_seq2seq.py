@@ -87,11 +87,7 @@ class SpeechDataArguments(BaseDataArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.max_duration_in_seconds <= 0 or self.min_duration_in_seconds < 0:
-            raise UsageError("--max_duration_in_seconds must be positive and --min_duration_in_seconds >= 0")
-        if self.min_duration_in_seconds >= self.max_duration_in_seconds:
-            raise UsageError(f"--min_duration_in_seconds {self.min_duration_in_seconds:g} must be below "
-                             f"--max_duration_in_seconds {self.max_duration_in_seconds:g}")
+        speech.check_durations(self)
         for name in ("max_label_length", "num_beams"):
             value = getattr(self, name)
             if value is not None and value <= 0:

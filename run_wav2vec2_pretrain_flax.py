@@ -90,11 +90,7 @@ class Wav2Vec2DataArguments(BaseDataArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.max_duration_in_seconds <= 0 or self.min_duration_in_seconds < 0:
-            raise UsageError("--max_duration_in_seconds must be positive and --min_duration_in_seconds >= 0")
-        if self.min_duration_in_seconds >= self.max_duration_in_seconds:
-            raise UsageError(f"--min_duration_in_seconds {self.min_duration_in_seconds:g} must be below "
-                             f"--max_duration_in_seconds {self.max_duration_in_seconds:g}")
+        speech.check_durations(self)
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
             raise UsageError(f"--pad_to_multiple_of must be positive, got {self.pad_to_multiple_of}")
 

@@ -214,6 +214,15 @@ def resolve_columns(data_args, columns, transcribed=True):
     return data_args.audio_column_name, data_args.text_column_name if transcribed else None
 
 
+def check_durations(data_args):
+    """--max_duration_in_seconds / --min_duration_in_seconds: a UsageError unless 0 <= min < max."""
+    if data_args.max_duration_in_seconds <= 0 or data_args.min_duration_in_seconds < 0:
+        raise UsageError("--max_duration_in_seconds must be positive and --min_duration_in_seconds >= 0")
+    if data_args.min_duration_in_seconds >= data_args.max_duration_in_seconds:
+        raise UsageError(f"--min_duration_in_seconds {data_args.min_duration_in_seconds:g} must be below "
+                         f"--max_duration_in_seconds {data_args.max_duration_in_seconds:g}")
+
+
 def max_duration(data_args, extractor):
     """--max_duration_in_seconds, at most the extractor's chunk (with a warning where it is lowered)."""
     limit = chunk_seconds(extractor)
