@@ -166,14 +166,14 @@ def measure_row(name, work, data, steps, logs, classic, save):
 
     if classic:
         try:
-            record.update(classic_speed(name, work, data, steps, logs, classic, config, record["tokens_per_step"]))
+            record.update(classic_speed(name, work, data, steps, logs, classic, config, env, record["tokens_per_step"]))
             record["vs_classic"] = record["script_tokens_per_second"] / record["classic_tokens_per_second"]
         except RunFailed as failure:  # e.g. out of memory: the row keeps ours, and says why the classic has none
             record["classic_failed"] = last_line(failure)
     return record
 
 
-def classic_speed(name, work, data, steps, logs, classic, config, tokens_per_step):
+def classic_speed(name, work, data, steps, logs, classic, config, env, tokens_per_step):
     """The classic script's steady-state tokens/s on the row's data, model and batch."""
     task, _, _, flags = ROWS[name]
     timings = os.path.join(work, f"classic-{name}.json")
@@ -187,7 +187,7 @@ def classic_speed(name, work, data, steps, logs, classic, config, tokens_per_ste
          "--dtype", "bfloat16", "--do_train", "--do_eval", "--output_dir", os.path.join(work, f"classic-out-{name}"),
          "--overwrite_output_dir", "--num_train_epochs", "1000", "--logging_steps", "1000000",
          "--save_steps", "1000000", "--eval_steps", "1000000"],
-        classic_environment(environment(os.path.join(work, "datasets"))), os.path.join(logs, f"{name}-classic.log"),
+        classic_environment(env), os.path.join(logs, f"{name}-classic.log"),
         cwd=work)
     with open(timings, encoding="utf-8") as f:
         seconds = json.load(f)["seconds_per_step"]
