@@ -1,5 +1,8 @@
-"""The splash attention route (utils/attention.py), run by Pallas' interpreter on the CPU: the kernel
-against softmax attention written here in numpy, and GPT-2 / Llama models with and without the route."""
+"""The attention kernels' route (utils/attention.py, utils/dropout_attention.py), run by Pallas'
+interpreter on the CPU: the kernels against softmax attention written here, and GPT-2 / Llama models
+with and without the route."""
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +11,7 @@ import pytest
 from transformers import BertConfig, FlaxBertForMaskedLM, FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, GPT2Config, \
     LlamaConfig
 
-from utils import attention, compat
+from utils import attention, compat, dropout_attention
 from utils.errors import UsageError
 
 LENGTH = 128  # one kernel block
@@ -80,14 +83,79 @@ def test_a_model_computes_the_same_loss_and_gradients_through_the_kernel(make_mo
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
 
 
-def test_attention_dropout_while_training_keeps_the_stock_attention():
-    """The kernel has no dropout: a training call with attention dropout runs the stock attention, same masks."""
-    model = tiny_gpt2(attn_pdrop=0.5)
+def dropped_attention(q, k, v, segments, seed, rate):
+    """softmax(q k^T) over the keys before the query in its segment, weights dropped where the interpreter's
+    bits (`hashed_bits` of the seed, the number of the kernel's tile and the place in it) fall below
+    rate * 2^31 and the rest scaled by 1 / (1 - rate), times v; [batch, heads, length, head_dim], written
+    with jnp to be differentiated."""
+    batch, heads, length, _ = q.shape
+    positions = jnp.arange(length)
+    block = dropout_attention.block_size(length)
+    allowed = ((positions[None, :] <= positions[:, None])[None, None]
+               & (segments[:, None, :, None] == segments[:, None, None, :]))
+    scores = jnp.where(allowed, jnp.einsum("bhqd,bhkd->bhqk", q, k), -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)
+    rows, columns = positions[:, None], positions[None, :]
+    tiles = dropout_attention.tile_number(jnp.arange(batch)[:, None, None, None], jnp.arange(heads)[None, :, None, None],
+                                          rows // block, columns // block, heads, length // block)
+    bits = dropout_attention.hashed_bits(seed, tiles, rows % block, columns % block)
+    kept = bits >= int(rate * 2**31)
+    return jnp.einsum("bhqk,bhkd->bhqd", jnp.where(kept, weights / (1 - rate), 0.0), v), kept
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.25])
+def test_the_dropout_kernel_is_dropped_softmax_attention_with_its_gradients(rate):
+    """Three 128-token tiles: the causal skip, the running softmax across tiles and each tile's mask in the
+    forward and both backward kernels; a sequence padded on the left and one in two segments."""
+    length = 3 * LENGTH
+    rng = np.random.default_rng(4)
+    q, k, v, d_out = (jnp.asarray(rng.normal(size=(2, 2, length, 16)), jnp.float32) for _ in range(4))
+    segments = np.ones((2, length), np.int32)
+    segments[0, :150] = 0
+    segments[1, 200:] = 2
+    segments, seed = jnp.asarray(segments), jnp.asarray([77], jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        out = dropout_attention.dropout_attention(q, k, v, segments, seed, rate, interpret=True)
+        expected, kept = dropped_attention(q, k, v, segments, seed[0], rate)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-5)
+        grads = jax.grad(lambda *qkv: jnp.sum(dropout_attention.dropout_attention(*qkv, segments, seed, rate,
+                                                                                  interpret=True) * d_out),
+                         argnums=(0, 1, 2))(q, k, v)
+        expected_grads = jax.grad(lambda *qkv: jnp.sum(dropped_attention(*qkv, segments, seed[0], rate)[0] * d_out),
+                                  argnums=(0, 1, 2))(q, k, v)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+    assert abs(float(kept.mean()) - (1 - rate)) < 0.01
+
+
+def test_the_interpreters_dropout_bits_are_uniform_and_change_with_seed_and_tile():
+    positions = jnp.arange(512)
+    bits = np.asarray(dropout_attention.hashed_bits(jnp.int32(1), jnp.int32(0), positions[:, None], positions[None, :]))
+    assert bits.min() >= 0 and abs(bits.mean() / 2**31 - 0.5) < 0.005
+    assert abs((bits >= dropout_attention.keep_threshold(0.1)).mean() - 0.9) < 0.005
+    for changed in [(2, 0), (1, 1)]:
+        other = np.asarray(dropout_attention.hashed_bits(*(jnp.int32(x) for x in changed), positions[:, None],
+                                                         positions[None, :]))
+        assert (other == bits).mean() < 0.001, changed
+    assert (bits[1:] == bits[:-1]).mean() < 0.001 and (bits[:, 1:] == bits[:, :-1]).mean() < 0.001
+
+
+@pytest.mark.parametrize("make_model", [partial(tiny_gpt2, attn_pdrop=0.5, resid_pdrop=0.0, embd_pdrop=0.0),
+                                        partial(tiny_llama, attention_dropout=0.5)], ids=["gpt2", "llama"])
+def test_a_training_call_with_attention_dropout_runs_the_dropout_kernel(make_model):
+    """The kernel's masks are not the stock attention's, so the loss differs from the stock call's with the
+    same key; it is the same for the same key, and another key draws other masks."""
+    model = make_model()
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 64, size=(2, LENGTH)), jnp.int32)
-    mask, rng = jnp.ones((2, LENGTH), jnp.int32), jax.random.PRNGKey(3)
-    stock = loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0]
+    mask = jnp.asarray(padding_mask()[:2])
+    rng, other = jax.random.PRNGKey(3), jax.random.PRNGKey(4)
+    stock = float(loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0])
     attention.use_splash_attention(model, interpret=True)
-    assert float(loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0]) == float(stock)
+    routed, grads = loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)
+    assert float(routed) != stock and np.isfinite(float(routed))
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree_util.tree_leaves(grads))
+    assert float(loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0]) == float(routed)
+    assert float(loss_and_grads(model, ids, mask, train=True, dropout_rng=other)[0]) != float(routed)
 
 
 def test_choose_routes_only_where_the_kernel_runs_and_names_why_not():

@@ -1,14 +1,15 @@
-"""Causal self-attention through Pallas' splash attention kernel on TPUs (GPT-2, Llama).
+"""Causal self-attention through Pallas kernels on TPUs (GPT-2, Llama).
 
 transformers' Flax attention forms the whole [batch, heads, length, length] score matrix, masks it and
 takes its softmax in HBM: at 1024 tokens that traffic, not the products, is the time (a GPT-2 layer,
 forward and backward on a v5e chip: 6.3 ms; JAX's splash kernel, which never writes the scores out,
 3.3 ms). `use_splash_attention(model)` routes the self-attention of the models' training and scoring
-calls through that kernel, with the causal mask and the padding mask (as segment ids: a real token
-sees only the real tokens before it, as the stock mask has it) and the same scale. Where the kernel
-would compute something else, the stock call runs: attention dropout while training (the kernel has
-none), a generation cache, attention weights asked for, cross-attention, a sliding window, or a length
-that is not a whole number of 128-token blocks.
+calls through a kernel, with the causal mask and the padding mask (as segment ids: a real token sees
+only the real tokens before it, as the stock mask has it) and the same scale: JAX's splash kernel, or,
+while training with attention dropout (which splash has not), `utils.dropout_attention`'s flash kernel
+that draws the dropout mask tile by tile on the chip. Where the kernels would compute something else,
+the stock call runs: a generation cache, attention weights asked for, cross-attention, a sliding
+window, or a length that is not a whole number of 128-token blocks.
 """
 
 import functools
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from utils import dropout_attention
 from utils.errors import UsageError
 
 BLOCK = 128  # the kernel's tile: lengths must be a multiple of it
@@ -35,16 +37,23 @@ def _kernel(heads, length, interpret):
     return splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
-def causal_attention(query, key, value, attention_mask, interpret=False):
+def causal_attention(query, key, value, attention_mask, interpret=False, dropout=None):
     """softmax(q k^T / sqrt(d) + causal and padding masks) v for [batch, length, heads, head_dim] inputs
     (keys and values with as many heads as the queries), in the queries' dtype. `attention_mask`
-    [batch, length] (1 real, 0 padding) or None."""
+    [batch, length] (1 real, 0 padding) or None; `dropout`: None, or (rate, key) to drop the weights
+    as `nn.Dropout` does, with a mask drawn from `key`."""
     from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
 
     batch, length, heads, head_dim = query.shape
-    kernel = _kernel(heads, length, interpret)
     scaled = (query * jnp.asarray(head_dim ** -0.5, query.dtype)).transpose(0, 2, 1, 3)
     key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
+    if dropout is not None:
+        rate, rng = dropout
+        seed = jax.lax.bitcast_convert_type(jax.random.bits(rng, (1,), jnp.uint32), jnp.int32)
+        segments = jnp.ones((batch, length), jnp.int32) if attention_mask is None else attention_mask
+        out = dropout_attention.dropout_attention(scaled, key, value, segments, seed, rate, interpret)
+        return out.transpose(0, 2, 1, 3).astype(query.dtype)
+    kernel = _kernel(heads, length, interpret)
     if attention_mask is None:
         out = jax.vmap(kernel)(scaled, key, value)
     else:
@@ -54,17 +63,24 @@ def causal_attention(query, key, value, attention_mask, interpret=False):
     return out.transpose(0, 2, 1, 3).astype(query.dtype)
 
 
-def _plain_self_attention(module, length, deterministic, dropout_rate, init_cache, output_attentions):
-    """Whether the kernel computes what the stock call would."""
+def _plain_self_attention(module, length, init_cache, output_attentions):
+    """Whether the kernels compute what the stock call would."""
     return (length % BLOCK == 0 and not init_cache and not output_attentions
-            and not module.has_variable("cache", "cached_key") and (deterministic or dropout_rate == 0.0))
+            and not module.has_variable("cache", "cached_key"))
+
+
+def _dropout(module, deterministic, rate):
+    """(rate, key) for `causal_attention` when the call drops attention weights, else None; the key is drawn
+    where the stock attention draws its own."""
+    return None if deterministic or rate == 0.0 else (rate, module.make_rng("dropout"))
 
 
 def _gpt2(module, interpret, hidden_states, key_value_states=None, attention_mask=None, deterministic=True,
           init_cache=False, output_attentions=False):
     query, key, value = jnp.split(module.c_attn(hidden_states), 3, axis=2)
     query, key, value = (module._split_heads(x) for x in (query, key, value))
-    out = causal_attention(query, key, value, attention_mask, interpret)
+    out = causal_attention(query, key, value, attention_mask, interpret,
+                           _dropout(module, deterministic, module.config.attn_pdrop))
     out = module.c_proj(module._merge_heads(out))
     return (module.resid_dropout(out, deterministic=deterministic),)
 
@@ -72,8 +88,7 @@ def _gpt2(module, interpret, hidden_states, key_value_states=None, attention_mas
 def _gpt2_applies(module, hidden_states, key_value_states=None, attention_mask=None, deterministic=True,
                   init_cache=False, output_attentions=False):
     return (key_value_states is None and module.causal
-            and _plain_self_attention(module, hidden_states.shape[1], deterministic, module.config.attn_pdrop,
-                                      init_cache, output_attentions))
+            and _plain_self_attention(module, hidden_states.shape[1], init_cache, output_attentions))
 
 
 def _llama(module, interpret, hidden_states, attention_mask, position_ids, deterministic=True, init_cache=False,
@@ -84,15 +99,15 @@ def _llama(module, interpret, hidden_states, attention_mask, position_ids, deter
     key, query = module.rotary_emb(key, query, position_ids)
     key = jnp.repeat(key, module.num_key_value_groups, axis=2)
     value = jnp.repeat(value, module.num_key_value_groups, axis=2)
-    out = causal_attention(query, key, value, attention_mask, interpret)
+    out = causal_attention(query, key, value, attention_mask, interpret,
+                           _dropout(module, deterministic, module.config.attention_dropout))
     return (module.o_proj(module._merge_heads(out)),)
 
 
 def _llama_applies(module, hidden_states, attention_mask, position_ids, deterministic=True, init_cache=False,
                    output_attentions=False):
     return (getattr(module.config, "sliding_window", None) is None
-            and _plain_self_attention(module, hidden_states.shape[1], deterministic, module.config.attention_dropout,
-                                      init_cache, output_attentions))
+            and _plain_self_attention(module, hidden_states.shape[1], init_cache, output_attentions))
 
 
 def _routes():
@@ -130,9 +145,8 @@ def choose(choice, model, platform, layout_name, checkpointing=False):
 
 
 def use_splash_attention(model, interpret=False):
-    """Make every call of `model` run its causal self-attention through the splash kernel where the
-    kernel computes what the stock call would (the module docstring). `interpret`: Pallas'
-    interpreter, for CPUs (tests)."""
+    """Make every call of `model` run its causal self-attention through the kernels where they compute
+    what the stock call would (the module docstring). `interpret`: Pallas' interpreter, for CPUs (tests)."""
     routes = _routes()
     module = model.module
     apply = module.apply
