@@ -6,7 +6,8 @@
 
 A run is ROW:SETTING. The settings: `threefry` / `rbg` (--dropout_rng: what draws the dropout masks),
 `xla` / `splash` (--attention: the stock attention or Pallas' splash kernel; the model without dropout, as
-the kernel has none, and as Llama trains). Each run trains from scratch in bf16 with an empty compilation
+Llama trains), `dropout_kernel` (--attention splash with the model's dropouts: its attention dropout
+drawn inside utils/dropout_attention's kernel). Each run trains from scratch in bf16 with an empty compilation
 cache, for --steps steps; its steady-state tokens/s and MFU come from its metrics.jsonl (the first step left
 out), its first step's seconds after start from its log. Refuses to run without TPU chips; writes --output
 after each run and prints a table.
@@ -30,7 +31,8 @@ NO_DROPOUT = {"gpt2": ",resid_pdrop=0,embd_pdrop=0,attn_pdrop=0", "llama": ""}  
 SETTINGS = {"threefry": (False, ["--dropout_rng", "threefry", "--attention", "xla"]),
             "rbg": (False, ["--dropout_rng", "rbg", "--attention", "xla"]),
             "xla": (True, ["--attention", "xla"]),
-            "splash": (True, ["--attention", "splash"])}
+            "splash": (True, ["--attention", "splash"]),
+            "dropout_kernel": (False, ["--dropout_rng", "rbg", "--attention", "splash"])}
 DEFAULT_RUNS = ["gpt2_small:threefry", "gpt2_small:rbg", "gpt2_small:xla", "gpt2_small:splash", "llama_0.6b:xla",
                 "llama_0.6b:splash"]
 

@@ -128,6 +128,38 @@ def test_the_dropout_kernel_is_dropped_softmax_attention_with_its_gradients(rate
     assert abs(float(kept.mean()) - (1 - rate)) < 0.01
 
 
+def test_the_forward_and_backward_kernels_drop_the_same_weights():
+    """On a TPU the chip's generator draws the masks (elsewhere the interpreter's hash): the forward kernel
+    shows its mask (q = k = 0 weighs the visible keys equally; v = the identity puts each key's weight in
+    its own column), and the gradients of all three kernels must be those of attention with that mask."""
+    interpret = jax.devices()[0].platform != "tpu"
+    batch, heads, length, rate = 2, 2, 3 * LENGTH, 0.25
+    segments, seed = jnp.ones((batch, length), jnp.int32), jnp.asarray([5], jnp.int32)
+    zeros = jnp.zeros((batch, heads, length, length), jnp.float32)
+    identity = jnp.broadcast_to(jnp.eye(length, dtype=jnp.float32), zeros.shape)
+    shown = dropout_attention.dropout_attention(zeros, zeros, identity, segments, seed, rate, interpret)
+    kept = np.asarray(shown) * np.arange(1, length + 1)[:, None] * (1 - rate) > 0.5
+    causal = np.tril(np.ones((length, length), bool))
+    assert abs(kept[:, :, causal].mean() - (1 - rate)) < 0.01 and not kept[:, :, ~causal].any()
+    assert (kept[0, 0] != kept[0, 1])[causal].mean() > 0.2 and (kept[0, 0] != kept[1, 0])[causal].mean() > 0.2
+
+    def masked(q, k, v):
+        scores = jnp.where(causal, jnp.einsum("bhqd,bhkd->bhqk", q, k), -jnp.inf)
+        return jnp.einsum("bhqk,bhkd->bhqd", jnp.where(kept, jax.nn.softmax(scores, -1) / (1 - rate), 0.0), v)
+
+    rng = np.random.default_rng(6)
+    q, k, v, d_out = (jnp.asarray(rng.normal(size=zeros.shape) * 0.1, jnp.float32) for _ in range(4))
+    with jax.default_matmul_precision("highest"):
+        out = dropout_attention.dropout_attention(q, k, v, segments, seed, rate, interpret)
+        want = np.asarray(masked(q, k, v))  # tolerances: 2% of the largest value (a TPU's float32 products)
+        np.testing.assert_allclose(np.asarray(out), want, atol=0.02 * np.abs(want).max())
+        grads = jax.grad(lambda *qkv: jnp.sum(dropout_attention.dropout_attention(*qkv, segments, seed, rate,
+                                                                                  interpret) * d_out), (0, 1, 2))(q, k, v)
+        expected = jax.grad(lambda *qkv: jnp.sum(masked(*qkv) * d_out), (0, 1, 2))(q, k, v)
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.02 * np.abs(np.asarray(want)).max())
+
+
 def test_the_interpreters_dropout_bits_are_uniform_and_change_with_seed_and_tile():
     positions = jnp.arange(512)
     bits = np.asarray(dropout_attention.hashed_bits(jnp.int32(1), jnp.int32(0), positions[:, None], positions[None, :]))

@@ -221,10 +221,11 @@ class TrainingArguments:
     hub_token: Optional[str] = _help("Token for pushing to the hub (never logged or saved).", default=None)
     gradient_checkpointing: bool = _help("Recompute activations in the backward pass to save memory.", default=False)
     attention: str = _help(
-        "The causal self-attention kernel of GPT-2 and Llama models: 'splash' (Pallas' TPU kernel, which never "
-        "writes the score matrix out; where it would compute something else, attention dropout while training, "
-        "generation, a sliding window, lengths not a multiple of 128, the stock attention runs), 'xla' (the "
-        "stock attention), or 'auto': splash on TPUs under --sharding dp without --gradient_checkpointing.", default="auto")
+        "The causal self-attention kernel of GPT-2 and Llama models: 'splash' (Pallas' TPU kernels, which never "
+        "write the score matrix out: JAX's splash kernel, and while training with attention dropout a flash kernel "
+        "that draws the dropout mask on the chip; for generation, a sliding window or lengths not a multiple of "
+        "128 the stock attention runs), 'xla' (the stock attention), or 'auto': splash on TPUs under --sharding dp "
+        "without --gradient_checkpointing.", default="auto")
     sharding: str = _help(
         "Where the train state lives: 'dp' (jax.pmap; every device holds the whole model, its gradients and "
         "optimizer state) or 'fsdp' (jax.jit over a mesh of all devices; parameters, gradients and optimizer "
