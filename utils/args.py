@@ -224,8 +224,7 @@ class TrainingArguments:
         "The causal self-attention kernel of GPT-2 and Llama models: 'splash' (Pallas' TPU kernels, which never "
         "write the score matrix out: JAX's splash kernel, and while training with attention dropout a flash kernel "
         "that draws the dropout mask on the chip; for generation, a sliding window or lengths not a multiple of "
-        "128 the stock attention runs), 'xla' (the stock attention), or 'auto': splash on TPUs under --sharding dp "
-        "without --gradient_checkpointing.", default="auto")
+        "128 the stock attention runs), 'xla' (the stock attention), or 'auto': splash on TPUs under --sharding dp.", default="auto")
     sharding: str = _help(
         "Where the train state lives: 'dp' (jax.pmap; every device holds the whole model, its gradients and "
         "optimizer state) or 'fsdp' (jax.jit over a mesh of all devices; parameters, gradients and optimizer "

@@ -5,9 +5,9 @@ takes its softmax in HBM: at 1024 tokens that traffic, not the products, is the 
 forward and backward on a v5e chip: 6.3 ms; JAX's splash kernel, which never writes the scores out,
 3.3 ms). `use_splash_attention(model)` routes the self-attention of the models' training and scoring
 calls through a kernel, with the causal mask and the padding mask (as segment ids: a real token sees
-only the real tokens before it, as the stock mask has it) and the same scale: JAX's splash kernel, or,
-while training with attention dropout (which splash has not), `utils.dropout_attention`'s flash kernel
-that draws the dropout mask tile by tile on the chip. Where the kernels would compute something else,
+only the real tokens before it, as the stock mask has it) and the same scale: JAX's splash kernel, or
+`utils.dropout_attention`'s flash kernel, which draws the dropout mask tile by tile on the chip, while
+training with attention dropout (splash has none). Where the kernels would compute something else,
 the stock call runs: a generation cache, attention weights asked for, cross-attention, a sliding
 window, or a length that is not a whole number of 128-token blocks.
 """
@@ -34,14 +34,17 @@ def _kernel(heads, length, interpret):
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
     mask = masks.MultiHeadMask([masks.CausalMask((length, length))] * heads)
-    return splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
+    # The kernel is cached across traces: its block tables must be values, never one trace's tracers
+    # (built inside `nn.checkpoint`, they leaked into the next step's trace).
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
 def causal_attention(query, key, value, attention_mask, interpret=False, dropout=None):
     """softmax(q k^T / sqrt(d) + causal and padding masks) v for [batch, length, heads, head_dim] inputs
     (keys and values with as many heads as the queries), in the queries' dtype. `attention_mask`
     [batch, length] (1 real, 0 padding) or None; `dropout`: None, or (rate, key) to drop the weights
-    as `nn.Dropout` does, with a mask drawn from `key`."""
+    as `nn.Dropout` does, with a mask drawn from `key` (the flash kernel; splash without)."""
     from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
 
     batch, length, heads, head_dim = query.shape
@@ -122,15 +125,11 @@ def supports(model):
     return model.config.model_type in FAMILIES
 
 
-def choose(choice, model, platform, layout_name, checkpointing=False):
-    """Whether `--attention` `choice` routes `model`'s attention through the kernel on `platform` ("tpu",
-    "cpu", ...) under the layout named `layout_name`; "auto": on TPUs under dp, for the families it knows,
-    without gradient checkpointing. A `UsageError` when "splash" cannot be had."""
+def choose(choice, model, platform, layout_name):
+    """Whether `--attention` `choice` routes `model`'s attention through the kernels on `platform` ("tpu",
+    "cpu", ...) under the layout named `layout_name`; "auto": on TPUs under dp, for the families it knows.
+    A `UsageError` when "splash" cannot be had."""
     if choice == "xla":
-        return False
-    if checkpointing:  # the kernel's block tables inside nn.checkpoint break the ahead-of-time compiled step
-        if choice == "splash":
-            raise UsageError("--attention splash does not run with --gradient_checkpointing yet: drop one of them")
         return False
     if layout_name != "dp":  # under jit over a mesh the kernel would need shard_map's per-device view
         if choice == "splash":
@@ -144,7 +143,7 @@ def choose(choice, model, platform, layout_name, checkpointing=False):
     return choice == "splash" or platform == "tpu"
 
 
-def use_splash_attention(model, interpret=False):
+def use_attention_kernels(model, interpret=False):
     """Make every call of `model` run its causal self-attention through the kernels where they compute
     what the stock call would (the module docstring). `interpret`: Pallas' interpreter, for CPUs (tests)."""
     routes = _routes()
@@ -157,9 +156,9 @@ def use_splash_attention(model, interpret=False):
             return next_fun(*args, **kwargs)
         return found[1](context.module, interpret, *args, **kwargs)
 
-    def apply_with_splash_attention(*args, **kwargs):
+    def apply_with_attention_kernels(*args, **kwargs):
         with nn.intercept_methods(route):
             return apply(*args, **kwargs)
 
     # As utils.remat does: the module's own `apply` is the hook that leaves the model class untouched.
-    object.__setattr__(module, "apply", apply_with_splash_attention)
+    object.__setattr__(module, "apply", apply_with_attention_kernels)

@@ -90,9 +90,8 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     """
     if training_args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    if attention.choose(training_args.attention, model, layout.platform, layout.name,
-                        training_args.gradient_checkpointing):
-        attention.use_splash_attention(model, interpret=layout.platform != "tpu")  # the interpreter: tests on CPUs
+    if attention.choose(training_args.attention, model, layout.platform, layout.name):
+        attention.use_attention_kernels(model, interpret=layout.platform != "tpu")  # the interpreter: tests on CPUs
         logger.info("attention: Pallas kernels (splash; flash with the mask drawn in the kernel under attention dropout)")
     optimizer = create_optimizer(plan.schedule, training_args.adafactor, training_args.adam_beta1,
                                  training_args.adam_beta2, training_args.adam_epsilon, training_args.weight_decay)
