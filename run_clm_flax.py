@@ -25,6 +25,7 @@ from transformers import FlaxAutoModelForCausalLM
 
 from tasks import causal_lm, chat, lm
 from tasks.causal_lm import PREDICTIONS_FILE, TASK
+from utils import lm_head
 from utils.args import ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
@@ -52,6 +53,10 @@ class DataTrainingArguments(lm.LMDataArguments):
         default=False, metadata={"help": "Chat and instruction rows: answer each evaluated prompt greedily, write "
                                          f"{PREDICTIONS_FILE} and the exact match (whitespace normalised)."})
     max_new_tokens: int = field(default=32, metadata={"help": "With --predict_with_generate: tokens per answer."})
+    chunked_loss: str = field(
+        default="auto", metadata={"help": "Form the LM head's logits 1024 positions at a time inside the loss, "
+                                          "never the whole batch's (GPT-2, Llama, Mistral, Gemma): 'true', 'false', "
+                                          "or 'auto': from a 32,768-token vocabulary up."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -59,6 +64,8 @@ class DataTrainingArguments(lm.LMDataArguments):
             raise UsageError(f"--block_size must be at least 2 (a token and its successor), got {self.block_size}")
         if self.max_new_tokens < 1:
             raise UsageError(f"--max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.chunked_loss not in ("auto", "true", "false"):
+            raise UsageError(f"--chunked_loss {self.chunked_loss!r}: use auto, true or false")
 
 # ----------------------------------------------------------------------------------------------
 # Main
@@ -105,9 +112,13 @@ def main(argv=None):
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
 
+    chunked_loss = lm_head.choose(data_args.chunked_loss, model)
+
     def loss_fn(params, batch, dropout_rng, train, label_smoothing):
-        logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"), params=params,
-                       dropout_rng=dropout_rng, train=train)[0]
+        # With --chunked_loss the head hands back its inputs: the loss forms the logits chunk by chunk.
+        with lm_head.head_inputs(chunked_loss):
+            logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"), params=params,
+                           dropout_rng=dropout_rng, train=train)[0]
         return causal_lm.next_token_loss(logits, batch["input_ids"], batch.get("example_weight"), label_smoothing,
                                          batch.get("answer_mask"))
 

@@ -9,7 +9,7 @@ import numpy as np
 from tasks import Task, chat, lm
 from tasks.demo import (Answer, BadInput, Predictor, bucket_for, buckets, escape_markdown, require_text,
                         show_answer)
-from utils import dataset_loading
+from utils import dataset_loading, lm_head
 from utils.errors import UsageError
 from utils.run import needed_splits, phase_datasets
 
@@ -104,10 +104,12 @@ def next_token_loss(logits, input_ids, example_weight=None, label_smoothing=0.0,
     The labels are the inputs shifted by one: position t predicts token t + 1, the last position
     nothing, so a block of n tokens scores n - 1. With `answer_mask` (chat and instruction rows)
     only the answers' tokens are scored. `example_weight` (eval: 0 for padded rows) scales a row's
-    tokens.
+    tokens. `logits` may be the LM head's `utils.lm_head.HeadInputs` (--chunked_loss).
     """
     weights = None if answer_mask is None else answer_mask[:, 1:].astype(jnp.float32)
-    return lm.token_sums(logits[:, :-1], input_ids[:, 1:], weights, example_weight=example_weight,
+    scored = (lm_head.without_last_position(logits) if isinstance(logits, lm_head.HeadInputs)
+              else logits[:, :-1])
+    return lm.token_sums(scored, input_ids[:, 1:], weights, example_weight=example_weight,
                          label_smoothing=label_smoothing)
 
 

@@ -12,9 +12,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from utils import lm_head
+
 
 def cross_entropy_sums(logits, labels, weights, label_smoothing=0.0):
-    """(sum of weighted token losses, sum of weights); loss computed in float32."""
+    """(sum of weighted token losses, sum of weights); loss computed in float32. `logits` may be an LM
+    head's `utils.lm_head.HeadInputs`: the logits are then formed chunk by chunk."""
+    if isinstance(logits, lm_head.HeadInputs):
+        return lm_head.cross_entropy_sums(logits, labels, weights, label_smoothing)
     logits = logits.astype(jnp.float32)
     if label_smoothing:
         vocab = logits.shape[-1]

@@ -1,0 +1,108 @@
+"""The next-token loss of a decoder without its full-vocabulary logits (`--chunked_loss`).
+
+A decoder's LM head turns every position into vocabulary-sized logits, and the loss then holds them in
+float32: for a Llama-3-style vocabulary (128,256 tokens) and 8 x 1024 positions that is 4.2 GB, as
+much again for their gradient, more than a 1B model's weights. `head_inputs(model)` makes the model's
+`lm_head` (a `nn.Dense` in GPT-2, Llama, Mistral and Gemma, the kernel tied to the embeddings or its
+own) return what it was given, `HeadInputs`, in place of the logits; `cross_entropy_sums` then forms
+the logits `CHUNK` positions at a time under `jax.checkpoint`, so one chunk's logits exist at once,
+forward and backward (the backward pass forms each chunk's again).
+"""
+
+import contextlib
+import logging
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import struct
+
+CHUNK = 1024  # positions whose logits exist at once: 0.5 GB in float32 at a 128K vocabulary
+FAMILIES = ("gpt2", "llama", "mistral", "gemma")  # model types whose `lm_head` output is the logits
+AUTO_VOCABULARY = 32768  # `--chunked_loss auto`: on from this vocabulary size up
+
+logger = logging.getLogger(__name__)
+
+
+@struct.dataclass  # not a tuple: the model's output class would take a tuple for (name, value) pairs
+class HeadInputs:
+    """What the LM head was given: logits = hidden @ kernel (+ bias), in `dtype`."""
+    hidden: jax.Array  # [batch, length, hidden]
+    kernel: jax.Array  # [hidden, vocabulary]
+    bias: Optional[jax.Array]
+    dtype: Any = struct.field(pytree_node=False)
+
+
+def supports(model):
+    return model.config.model_type in FAMILIES
+
+
+def choose(choice, model):
+    """Whether `--chunked_loss` `choice` ("auto", "true", "false") applies to `model`; "auto": for the
+    families whose head it knows, at vocabularies of `AUTO_VOCABULARY` tokens and more (logged)."""
+    chunked = (choice != "false" and supports(model)
+               and (choice == "true" or model.config.vocab_size >= AUTO_VOCABULARY))
+    if chunked:
+        logger.info("loss: the LM head's logits formed %d positions at a time (--chunked_loss %s)", CHUNK, choice)
+    return chunked
+
+
+def _return_inputs(next_fun, args, kwargs, context):
+    module = context.module
+    if context.method_name != "__call__" or module.name != "lm_head" or not isinstance(module, nn.Dense):
+        return next_fun(*args, **kwargs)
+    params = module.variables["params"]
+    return HeadInputs(args[0], params["kernel"], params.get("bias"), module.dtype or args[0].dtype)
+
+
+@contextlib.contextmanager
+def head_inputs(enabled=True):
+    """Inside (when `enabled`), a model's `lm_head` returns `HeadInputs` where it would return logits."""
+    if not enabled:
+        yield
+        return
+    with nn.intercept_methods(_return_inputs):
+        yield
+
+
+def without_last_position(head):
+    """`head` for every position but the last (a block's last token predicts nothing)."""
+    return head.replace(hidden=head.hidden[:, :-1])
+
+
+def logits(head):
+    """The logits `head` stands for, as the LM head computes them."""
+    out = jnp.dot(head.hidden.astype(head.dtype), head.kernel.astype(head.dtype))
+    return out if head.bias is None else out + head.bias.astype(head.dtype)
+
+
+def cross_entropy_sums(head, labels, weights, label_smoothing=0.0):
+    """(sum of weighted token losses, sum of weights) of `head`'s logits against `labels` [batch, length],
+    as `utils.steps.cross_entropy_sums` computes them from the logits (float32), chunk by chunk."""
+    width = head.hidden.shape[-1]
+    hidden, labels, weights = head.hidden.reshape(-1, width), labels.reshape(-1), weights.reshape(-1)
+    pad = -hidden.shape[0] % CHUNK
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
+    labels, weights = jnp.pad(labels, (0, pad)), jnp.pad(weights.astype(jnp.float32), (0, pad))
+    vocab = head.kernel.shape[-1]
+
+    @jax.checkpoint  # the backward pass forms each chunk's logits again instead of keeping them
+    def chunk_sum(hidden, labels, weights):
+        scores = logits(head.replace(hidden=hidden)).astype(jnp.float32)
+        normaliser = jax.nn.logsumexp(scores, axis=-1)
+        picked = jnp.take_along_axis(scores, labels[:, None], axis=-1)[:, 0]
+        if label_smoothing:
+            # The smoothed target puts 1 - s on the label and s / (V - 1) on every other token; less its
+            # entropy, so a perfect prediction scores 0 (as the full computation does).
+            confidence, off = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
+            floor = -(confidence * jnp.log(confidence) + (vocab - 1) * off * jnp.log(off + 1e-20))
+            expected = (confidence - off) * picked + off * scores.sum(-1)
+            losses = normaliser - expected - floor
+        else:
+            losses = normaliser - picked
+        return (losses * weights).sum()
+
+    parts = (x.reshape((-1, CHUNK) + x.shape[1:]) for x in (hidden, labels, weights))
+    sums = jax.lax.map(lambda chunk: chunk_sum(*chunk), tuple(parts))
+    return sums.sum(), weights.sum()
