@@ -53,10 +53,10 @@ class DataTrainingArguments(lm.LMDataArguments):
         default=False, metadata={"help": "Chat and instruction rows: answer each evaluated prompt greedily, write "
                                          f"{PREDICTIONS_FILE} and the exact match (whitespace normalised)."})
     max_new_tokens: int = field(default=32, metadata={"help": "With --predict_with_generate: tokens per answer."})
-    chunked_loss: str = field(
-        default="auto", metadata={"help": "Form the LM head's logits 1024 positions at a time inside the loss, "
-                                          "never the whole batch's (GPT-2, Llama, Mistral, Gemma): 'true', 'false', "
-                                          "or 'auto': from a 32,768-token vocabulary up."})
+    chunked_loss: bool = field(
+        default=False, metadata={"help": "Form the LM head's logits 1024 positions at a time inside the loss, never "
+                                         "the whole batch's, and again in the backward pass: less memory for large "
+                                         "vocabularies, one more product of the head (GPT-2, Llama, Mistral, Gemma)."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -64,8 +64,6 @@ class DataTrainingArguments(lm.LMDataArguments):
             raise UsageError(f"--block_size must be at least 2 (a token and its successor), got {self.block_size}")
         if self.max_new_tokens < 1:
             raise UsageError(f"--max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.chunked_loss not in ("auto", "true", "false"):
-            raise UsageError(f"--chunked_loss {self.chunked_loss!r}: use auto, true or false")
 
 # ----------------------------------------------------------------------------------------------
 # Main
@@ -86,6 +84,7 @@ def main(argv=None):
     tokenizer = load_tokenizer(model_args)
     config = fit_config_to_tokenizer(load_config(model_args, task="causal-lm"), tokenizer, model_args)
     block_size = causal_lm.fit_block_size(data_args, tokenizer, config)
+    chunked_loss = lm_head.choose(data_args.chunked_loss, config)
 
     # ------------------------------------------------------------------------------------------
     # Data: chat or instruction rows, one example each; or text in blocks, read into memory or
@@ -112,7 +111,6 @@ def main(argv=None):
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
 
-    chunked_loss = lm_head.choose(data_args.chunked_loss, model)
 
     def loss_fn(params, batch, dropout_rng, train, label_smoothing):
         # With --chunked_loss the head hands back its inputs: the loss forms the logits chunk by chunk.

@@ -6,12 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxGemmaForCausalLM, FlaxGPT2LMHeadModel,
+from transformers import (BertConfig, FlaxGemmaForCausalLM, FlaxGPT2LMHeadModel,
                           FlaxLlamaForCausalLM, GemmaConfig, GPT2Config, LlamaConfig)
 
 from tasks.causal_lm import next_token_loss
 from tests.script_runner import read_json, read_metrics, run_script
 from utils import compat, lm_head
+from utils.errors import UsageError
 
 compat.apply()
 VOCAB, LENGTH = 96, 24
@@ -91,14 +92,10 @@ def test_only_one_chunk_of_logits_is_planned(monkeypatch):
     assert whole > logits_bytes and chunked < logits_bytes / 4, (whole, chunked, logits_bytes)
 
 
-def test_auto_chunks_large_vocabularies_of_the_families_it_knows():
-    small, large = gpt2(), FlaxGPT2LMHeadModel(GPT2Config(vocab_size=50257, n_embd=8, n_layer=1, n_head=1,
-                                                         n_positions=8), seed=0, _do_init=False)
-    assert lm_head.choose("auto", large) and not lm_head.choose("auto", small)
-    assert lm_head.choose("true", small) and not lm_head.choose("false", large)
-    bert = FlaxBertForMaskedLM(BertConfig(vocab_size=50000, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
-                                          intermediate_size=8), seed=0, _do_init=False)
-    assert not lm_head.choose("true", bert)
+def test_a_head_it_does_not_know_is_refused():
+    assert lm_head.choose(True, GPT2Config()) and not lm_head.choose(False, GPT2Config())
+    with pytest.raises(UsageError, match="not bert's: drop --chunked_loss"):
+        lm_head.choose(True, BertConfig())
 
 
 @pytest.mark.slow

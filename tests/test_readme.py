@@ -242,6 +242,15 @@ def test_the_readme_tpu_sentence_is_the_tpu_results():
     assert f"{kernel['tokens_per_second'] / classic:.2f}x the classic script's {classic:,.0f} tokens/s" in readme
 
 
+def test_the_chunked_loss_figures_are_its_plan_json():
+    plans = {row["chunked_loss"]: row for row in json_file("results_chunked_loss_plan.json")["plans"]}
+    gib = lambda row, part: f"{row[f'train_step_device_bytes{part}'] / 2**30:.2f}"  # noqa: E731
+    chunked, whole = plans["true"], plans["false"]
+    assert (f"{gib(chunked, '')} GiB per device instead of {gib(whole, '')} (temporaries "
+            f"{gib(chunked, '_temporaries')} instead of {gib(whole, '_temporaries')} GiB)") in \
+        " ".join(read(os.path.join("docs", "performance.md")).split())
+
+
 def test_benchmarks_speed_table_is_results_cpu_json():
     check_table(BENCHMARKS, "| script | size | limit tok/s |", speed_records(), [
         lambda r: [r["limit_tokens_per_second"]], tokens, of_limit, lambda r: [r["startup_cold_seconds"]],
