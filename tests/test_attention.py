@@ -2,6 +2,7 @@
 interpreter on the CPU: the kernels against softmax attention written here, and GPT-2 / Llama models
 with and without the route."""
 
+import importlib.util
 from functools import partial
 
 import jax
@@ -12,7 +13,7 @@ from transformers import BertConfig, FlaxBertForMaskedLM, FlaxGPT2LMHeadModel, F
     LlamaConfig
 
 from tests.script_runner import read_metrics, run_script
-from utils import attention, compat, dropout_attention, remat
+from utils import attention, compat, dropout_attention, remat, tpu_plan
 from utils.errors import UsageError
 
 LENGTH = 128  # one kernel block
@@ -163,6 +164,23 @@ def test_the_forward_and_backward_kernels_drop_the_same_weights():
         expected = jax.grad(lambda *qkv: jnp.sum(masked(*qkv) * d_out), (0, 1, 2))(q, k, v)
     for got, want in zip(grads, expected):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.02 * np.abs(np.asarray(want)).max())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed")
+def test_the_dropout_kernels_compile_for_a_tpu():
+    """Mosaic, the TPU kernel compiler, takes what the interpreter runs (it refuses, say, a generator
+    seeded with more than two numbers): the forward and both backward kernels, three tiles a row."""
+    device = tpu_plan.load("v5e-4").devices[0]
+    placed = lambda shape, dtype: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+    x = placed((1, 2, 3 * LENGTH, 64), jnp.bfloat16)
+
+    def loss(q, k, v, segments, seed):
+        return jnp.sum(dropout_attention.dropout_attention(q, k, v, segments, seed, 0.1).astype(jnp.float32))
+
+    compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, x, x, placed((1, 3 * LENGTH), jnp.int32),
+                                                         placed((1,), jnp.int32)).compile()
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
 
 
 def test_the_interpreters_dropout_bits_are_uniform_and_change_with_seed_and_tile():

@@ -4,9 +4,9 @@ JAX's splash kernel has no dropout, and GPT-2 trains with attention dropout (`at
 stock attention then writes the [batch, heads, length, length] scores, their softmax and a dropout
 mask out to HBM, and that traffic, not the products, is the layer's time. These kernels keep one
 tile of scores at a time in VMEM, as flash attention does, and draw the tile's dropout mask there:
-the forward kernel and both backward kernels seed the chip's generator with (seed, batch, head,
-query tile, key tile) and draw the tile's bits in one call, so all three see the same mask and none
-stores it.
+the forward kernel and both backward kernels seed the chip's generator with the seed and the tile's
+number (`tile_number` of its batch, head, query tile and key tile) and draw the tile's bits in one
+call, so all three see the same mask and none stores it.
 
 The dropout is flax's `nn.Dropout` on the softmax'd weights (as transformers' Flax attention applies
 it): a weight is kept with probability 1 - rate and scaled by 1 / (1 - rate). The normaliser is the
