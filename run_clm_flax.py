@@ -111,7 +111,6 @@ def main(argv=None):
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
 
-
     def loss_fn(params, batch, dropout_rng, train, label_smoothing):
         # With --chunked_loss the head hands back its inputs: the loss forms the logits chunk by chunk.
         with lm_head.head_inputs(chunked_loss):

@@ -30,7 +30,7 @@ def _kernel(heads, length, interpret):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    block = next(size for size in (512, 256, BLOCK) if length % size == 0)
+    block = dropout_attention.block_size(length)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
     mask = masks.MultiHeadMask([masks.CausalMask((length, length))] * heads)

@@ -4,9 +4,9 @@ A decoder's LM head turns every position into vocabulary-sized logits, and the l
 float32: for a Llama-3-style vocabulary (128,256 tokens) and 8 x 1024 positions that is 4.2 GB, as
 much again for their gradient, more than a 1B model's weights. `head_inputs(model)` makes the model's
 `lm_head` (a `nn.Dense` in GPT-2, Llama, Mistral and Gemma, the kernel tied to the embeddings or its
-own) return what it was given, `HeadInputs`, in place of the logits; `cross_entropy_sums` then forms
-the logits `CHUNK` positions at a time under `jax.checkpoint`, so one chunk's logits exist at once,
-forward and backward (the backward pass forms each chunk's again).
+own) return what it was given, `HeadInputs`, in place of the logits; `utils.steps.cross_entropy_sums`
+then forms the logits (`logits`) `CHUNK` positions at a time under `jax.checkpoint`, so one chunk's
+logits exist at once, forward and backward (the backward pass forms each chunk's again).
 
 It trades memory for time: the backward pass forms the logits again, one more product of the LM
 head (a Llama-3-style 1.67B model at 4 x 1024 tokens: about 4% more arithmetic per step for 0.84 GiB
@@ -77,34 +77,3 @@ def logits(head):
     """The logits `head` stands for, as the LM head computes them."""
     out = jnp.dot(head.hidden.astype(head.dtype), head.kernel.astype(head.dtype))
     return out if head.bias is None else out + head.bias.astype(head.dtype)
-
-
-def cross_entropy_sums(head, labels, weights, label_smoothing=0.0):
-    """(sum of weighted token losses, sum of weights) of `head`'s logits against `labels` [batch, length],
-    as `utils.steps.cross_entropy_sums` computes them from the logits (float32), chunk by chunk."""
-    width = head.hidden.shape[-1]
-    hidden, labels, weights = head.hidden.reshape(-1, width), labels.reshape(-1), weights.reshape(-1)
-    pad = -hidden.shape[0] % CHUNK
-    hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
-    labels, weights = jnp.pad(labels, (0, pad)), jnp.pad(weights.astype(jnp.float32), (0, pad))
-    vocab = head.kernel.shape[-1]
-
-    @jax.checkpoint  # the backward pass forms each chunk's logits again instead of keeping them
-    def chunk_sum(hidden, labels, weights):
-        scores = logits(head.replace(hidden=hidden)).astype(jnp.float32)
-        normaliser = jax.nn.logsumexp(scores, axis=-1)
-        picked = jnp.take_along_axis(scores, labels[:, None], axis=-1)[:, 0]
-        if label_smoothing:
-            # The smoothed target puts 1 - s on the label and s / (V - 1) on every other token; less its
-            # entropy, so a perfect prediction scores 0 (as the full computation does).
-            confidence, off = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
-            floor = -(confidence * jnp.log(confidence) + (vocab - 1) * off * jnp.log(off + 1e-20))
-            expected = (confidence - off) * picked + off * scores.sum(-1)
-            losses = normaliser - expected - floor
-        else:
-            losses = normaliser - picked
-        return (losses * weights).sum()
-
-    parts = (x.reshape((-1, CHUNK) + x.shape[1:]) for x in (hidden, labels, weights))
-    sums = jax.lax.map(lambda chunk: chunk_sum(*chunk), tuple(parts))
-    return sums.sum(), weights.sum()
