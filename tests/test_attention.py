@@ -167,20 +167,23 @@ def test_the_forward_and_backward_kernels_drop_the_same_weights():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed")
-def test_the_dropout_kernels_compile_for_a_tpu():
+@pytest.mark.parametrize("length, head_dim", [(3 * LENGTH, 64), (8192, 128)])
+def test_the_dropout_kernels_compile_for_a_tpu(length, head_dim):
     """Mosaic, the TPU kernel compiler, takes what the interpreter runs (it refuses, say, a generator
-    seeded with more than two numbers): the forward and both backward kernels, three tiles a row."""
+    seeded with more than two numbers): the forward and the backward kernel, three tiles a row; and the
+    longest sequence `fits` promises keeps the backward kernel's dq within a v5e's VMEM."""
+    assert dropout_attention.fits(length, head_dim)
     device = tpu_plan.load("v5e-4").devices[0]
     placed = lambda shape, dtype: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
-    x = placed((1, 2, 3 * LENGTH, 64), jnp.bfloat16)
+    x = placed((1, 2, length, head_dim), jnp.bfloat16)
 
     def loss(q, k, v, segments, seed):
         return jnp.sum(dropout_attention.dropout_attention(q, k, v, segments, seed, 0.1).astype(jnp.float32))
 
-    compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, x, x, placed((1, 3 * LENGTH), jnp.int32),
+    compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, x, x, placed((1, length), jnp.int32),
                                                          placed((1,), jnp.int32)).compile()
-    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2
 
 
 def test_the_interpreters_dropout_bits_are_uniform_and_change_with_seed_and_tile():
@@ -211,6 +214,18 @@ def test_a_training_call_with_attention_dropout_runs_the_dropout_kernel(make_mod
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree_util.tree_leaves(grads))
     assert float(loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0]) == float(routed)
     assert float(loss_and_grads(model, ids, mask, train=True, dropout_rng=other)[0]) != float(routed)
+
+
+def test_attention_dropout_over_more_tokens_than_the_kernel_holds_runs_the_stock_attention(monkeypatch):
+    """Past `dropout_attention.fits` the stock call runs, masks and all: the loss is the stock one's."""
+    model = tiny_gpt2(attn_pdrop=0.5, resid_pdrop=0.0, embd_pdrop=0.0)
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, 64, size=(2, LENGTH)), jnp.int32)
+    mask, rng = jnp.asarray(padding_mask()[:2]), jax.random.PRNGKey(3)
+    stock = float(loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0])
+    head_dim = model.config.n_embd // model.config.n_head
+    monkeypatch.setattr(dropout_attention, "MAX_DQ_ELEMENTS", LENGTH * head_dim - 1)
+    attention.use_attention_kernels(model, interpret=True)
+    assert float(loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0]) == stock
 
 
 def test_choose_routes_only_where_the_kernel_runs_and_names_why_not():

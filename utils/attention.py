@@ -9,7 +9,8 @@ only the real tokens before it, as the stock mask has it) and the same scale: JA
 `utils.dropout_attention`'s flash kernel, which draws the dropout mask tile by tile on the chip, while
 training with attention dropout (splash has none). Where the kernels would compute something else,
 the stock call runs: a generation cache, attention weights asked for, cross-attention, a sliding
-window, or a length that is not a whole number of 128-token blocks.
+window, a length that is not a whole number of 128-token blocks, or attention dropout over more
+tokens than the flash kernel's backward pass holds (`dropout_attention.fits`).
 """
 
 import functools
@@ -66,10 +67,12 @@ def causal_attention(query, key, value, attention_mask, interpret=False, dropout
     return out.transpose(0, 2, 1, 3).astype(query.dtype)
 
 
-def _plain_self_attention(module, length, init_cache, output_attentions):
-    """Whether the kernels compute what the stock call would."""
+def _plain_self_attention(module, length, init_cache, output_attentions, deterministic, dropout_rate):
+    """Whether the kernels compute what the stock call would (and, dropping weights, the flash kernel takes it)."""
+    dropping = not deterministic and dropout_rate > 0.0
     return (length % BLOCK == 0 and not init_cache and not output_attentions
-            and not module.has_variable("cache", "cached_key"))
+            and not module.has_variable("cache", "cached_key")
+            and (not dropping or dropout_attention.fits(length, module.head_dim)))
 
 
 def _dropout(module, deterministic, rate):
@@ -91,7 +94,8 @@ def _gpt2(module, interpret, hidden_states, key_value_states=None, attention_mas
 def _gpt2_applies(module, hidden_states, key_value_states=None, attention_mask=None, deterministic=True,
                   init_cache=False, output_attentions=False):
     return (key_value_states is None and module.causal
-            and _plain_self_attention(module, hidden_states.shape[1], init_cache, output_attentions))
+            and _plain_self_attention(module, hidden_states.shape[1], init_cache, output_attentions, deterministic,
+                                      module.config.attn_pdrop))
 
 
 def _llama(module, interpret, hidden_states, attention_mask, position_ids, deterministic=True, init_cache=False,
@@ -110,7 +114,8 @@ def _llama(module, interpret, hidden_states, attention_mask, position_ids, deter
 def _llama_applies(module, hidden_states, attention_mask, position_ids, deterministic=True, init_cache=False,
                    output_attentions=False):
     return (getattr(module.config, "sliding_window", None) is None
-            and _plain_self_attention(module, hidden_states.shape[1], init_cache, output_attentions))
+            and _plain_self_attention(module, hidden_states.shape[1], init_cache, output_attentions, deterministic,
+                                      module.config.attention_dropout))
 
 
 def _routes():

@@ -4,9 +4,9 @@ JAX's splash kernel has no dropout, and GPT-2 trains with attention dropout (`at
 stock attention then writes the [batch, heads, length, length] scores, their softmax and a dropout
 mask out to HBM, and that traffic, not the products, is the layer's time. These kernels keep one
 tile of scores at a time in VMEM, as flash attention does, and draw the tile's dropout mask there:
-the forward kernel and both backward kernels seed the chip's generator with the seed and the tile's
-number (`tile_number` of its batch, head, query tile and key tile) and draw the tile's bits in one
-call, so all three see the same mask and none stores it.
+the forward kernel and the backward kernel (dq, dk and dv in one pass) seed the chip's generator with
+the seed and the tile's number (`tile_number` of its batch, head, query tile and key tile) and draw
+the tile's bits in one call, so both see the same mask and none stores it.
 
 The dropout is flax's `nn.Dropout` on the softmax'd weights (as transformers' Flax attention applies
 it): a weight is kept with probability 1 - rate and scaled by 1 / (1 - rate). The normaliser is the
@@ -28,6 +28,16 @@ from jax.experimental.pallas import tpu as pltpu
 LANES = 128  # a vector register's lanes: per-row statistics are kept broadcast across them
 SUBLANES = 8
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a score no query sees (finite: no inf - inf)
+
+
+# The backward kernel keeps a head's dq (length x head_dim, float32) in VMEM: 4 MiB of it fit beside the tiles
+# in the compiler's default VMEM budget (16,384 x 128 do not, on a v5e).
+MAX_DQ_ELEMENTS = 8192 * 128
+
+
+def fits(length, head_dim):
+    """Whether the kernels take `length` tokens of `head_dim` per head (a multiple of 128, dq within VMEM)."""
+    return length % LANES == 0 and length * head_dim <= MAX_DQ_ELEMENTS
 
 
 def block_size(length):
@@ -148,50 +158,44 @@ def _tile_gradients(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q
     return dropped, d_scores
 
 
-def _key_value_kernel(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_segment_ref, kv_segment_ref,
-                      dk_ref, dv_ref, dk_acc_ref, dv_acc_ref, *, rate, interpret):
+def _backward_kernel(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_segment_ref, kv_segment_ref,
+                     dq_ref, dk_ref, dv_ref, dq_acc_ref, dk_acc_ref, dv_acc_ref, *, rate, interpret):
+    """dq, dk and dv in one pass over the tiles, key tile by key tile: each tile's scores, weights and mask
+    are formed once for all three (a dq kernel of its own would form them again). dk and dv of the key
+    tile accumulate over the query tiles; dq of the whole sequence stays in VMEM until the head is done."""
     key_tile, query_tile = pl.program_id(2), pl.program_id(3)
     tile = _grid_tile(swapped=True)
-    last_query_tile = pl.num_programs(3) - 1
+    last = pl.num_programs(3) - 1
+    block = q_ref.shape[0]
+
+    @pl.when((key_tile == 0) & (query_tile == 0))
+    def _start_head():
+        dq_acc_ref[...] = jnp.zeros(dq_acc_ref.shape, jnp.float32)
 
     @pl.when(query_tile == 0)
-    def _start():
+    def _start_key_tile():
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
 
-    @pl.when(query_tile >= key_tile)
+    @pl.when(query_tile >= key_tile)  # query tiles before the key tile see none of its keys
     def _accumulate():
         dropped, d_scores = _tile_gradients(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_segment_ref,
                                             kv_segment_ref, tile, query_tile, key_tile, rate, interpret)
         transposed = (((0,), (0,)), ((), ()))
         dv_acc_ref[...] += jax.lax.dot_general(dropped.astype(do_ref.dtype), do_ref[...], transposed,
                                                preferred_element_type=jnp.float32)
-        dk_acc_ref[...] += jax.lax.dot_general(d_scores.astype(q_ref.dtype), q_ref[...], transposed,
-                                               preferred_element_type=jnp.float32)
+        d_scores = d_scores.astype(q_ref.dtype)
+        dk_acc_ref[...] += jax.lax.dot_general(d_scores, q_ref[...], transposed, preferred_element_type=jnp.float32)
+        rows = pl.ds(pl.multiple_of(query_tile * block, block), block)
+        dq_acc_ref[rows, :] += jax.lax.dot(d_scores, k_ref[...], preferred_element_type=jnp.float32)
 
-    @pl.when(query_tile == last_query_tile)
-    def _finish():
+    @pl.when(query_tile == last)
+    def _finish_key_tile():
         dk_ref[...] = dk_acc_ref[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
 
-
-def _query_kernel(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_segment_ref, kv_segment_ref,
-                  dq_ref, dq_acc_ref, *, rate, interpret):
-    query_tile, key_tile = pl.program_id(2), pl.program_id(3)
-    tile = _grid_tile()
-
-    @pl.when(key_tile == 0)
-    def _start():
-        dq_acc_ref[...] = jnp.zeros(dq_acc_ref.shape, jnp.float32)
-
-    @pl.when(key_tile <= query_tile)
-    def _accumulate():
-        _, d_scores = _tile_gradients(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_segment_ref,
-                                      kv_segment_ref, tile, query_tile, key_tile, rate, interpret)
-        dq_acc_ref[...] += jax.lax.dot(d_scores.astype(k_ref.dtype), k_ref[...], preferred_element_type=jnp.float32)
-
-    @pl.when(key_tile == query_tile)
-    def _finish():
+    @pl.when((key_tile == last) & (query_tile == last))
+    def _finish_head():
         dq_ref[...] = dq_acc_ref[...].astype(dq_ref.dtype)
 
 
@@ -214,10 +218,6 @@ def _specs(block, head_dim, row_tile, column_tile):
     return rows, columns, row_stat, q_segment, kv_segment
 
 
-def _params():
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
-
-
 def _forward(q, k, v, segments, seed, rate, interpret):
     batch, heads, length, head_dim = q.shape
     block = block_size(length)
@@ -235,7 +235,8 @@ def _forward(q, k, v, segments, seed, rate, interpret):
                             pltpu.VMEM((block, head_dim), jnp.float32)]),
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((batch, heads, length, LANES), jnp.float32)],
-        compiler_params=_params(), interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
     )(seed, q, k, v, *_segment_layouts(segments))
     return out, lse[..., 0]
 
@@ -246,32 +247,24 @@ def _backward(q, k, v, segments, seed, out, lse, d_out, rate, interpret):
     tiles = length // block
     delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # rowsum(dO o O)
     stats = [jnp.broadcast_to(x[..., None], (batch, heads, length, LANES)) for x in (lse, delta)]
-    layouts = _segment_layouts(segments)
-    grid_spec = functools.partial(pltpu.PrefetchScalarGridSpec, num_scalar_prefetch=1,
-                                  grid=(batch, heads, tiles, tiles))
-
-    # dk, dv: grid (b, h, key tile, query tile); query tiles before the key tile see none of its keys.
+    # Grid (b, h, key tile, query tile); a query tile before the key tile is skipped: its index stays at the
+    # key tile's, so nothing is fetched. dq's block is the head's whole sequence, written once per head.
     rows, columns, row_stat, q_segment, kv_segment = _specs(block, head_dim, lambda i, j: jnp.maximum(i, j),
                                                             lambda i, j: i)
-    dk, dv = pl.pallas_call(
-        functools.partial(_key_value_kernel, rate=rate, interpret=interpret),
-        grid_spec=grid_spec(in_specs=[rows, columns, columns, rows, row_stat, row_stat, q_segment, kv_segment],
-                            out_specs=[columns, columns],
-                            scratch_shapes=[pltpu.VMEM((block, head_dim), jnp.float32)] * 2),
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_params(), interpret=interpret,
-    )(seed, q, k, v, d_out, *stats, *layouts)
-
-    rows, columns, row_stat, q_segment, kv_segment = _specs(block, head_dim, lambda i, j: i,
-                                                            lambda i, j: jnp.minimum(i, j))
-    dq = pl.pallas_call(
-        functools.partial(_query_kernel, rate=rate, interpret=interpret),
-        grid_spec=grid_spec(in_specs=[rows, columns, columns, rows, row_stat, row_stat, q_segment, kv_segment],
-                            out_specs=rows, scratch_shapes=[pltpu.VMEM((block, head_dim), jnp.float32)]),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_params(), interpret=interpret,
-    )(seed, q, k, v, d_out, *stats, *layouts)
-    return dq, dk, dv
+    whole = pl.BlockSpec((None, None, length, head_dim), lambda b, h, i, j, seed: (b, h, 0, 0))
+    return pl.pallas_call(
+        functools.partial(_backward_kernel, rate=rate, interpret=interpret),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(batch, heads, tiles, tiles),
+            in_specs=[rows, columns, columns, rows, row_stat, row_stat, q_segment, kv_segment],
+            out_specs=[whole, columns, columns],
+            scratch_shapes=[pltpu.VMEM((length, head_dim), jnp.float32), pltpu.VMEM((block, head_dim), jnp.float32),
+                            pltpu.VMEM((block, head_dim), jnp.float32)]),
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)],
+        # dq of a head is carried across its key tiles: they run in order, on one core
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+    )(seed, q, k, v, d_out, *stats, *_segment_layouts(segments))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
