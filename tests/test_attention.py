@@ -112,7 +112,7 @@ def dropped_attention(q, k, v, segments, seed, rate):
 @pytest.mark.parametrize("rate", [0.0, 0.25])
 def test_the_dropout_kernel_is_dropped_softmax_attention_with_its_gradients(rate):
     """Three 128-token tiles: the causal skip, the running softmax across tiles and each tile's mask in the
-    forward and both backward kernels; a sequence padded on the left and one in two segments."""
+    forward and the backward kernel; a sequence padded on the left and one in two segments."""
     length = 3 * LENGTH
     rng = np.random.default_rng(4)
     q, k, v, d_out = (jnp.asarray(rng.normal(size=(2, 2, length, 16)), jnp.float32) for _ in range(4))
@@ -137,7 +137,7 @@ def test_the_dropout_kernel_is_dropped_softmax_attention_with_its_gradients(rate
 def test_the_forward_and_backward_kernels_drop_the_same_weights():
     """On a TPU the chip's generator draws the masks (elsewhere the interpreter's hash): the forward kernel
     shows its mask (q = k = 0 weighs the visible keys equally; v = the identity puts each key's weight in
-    its own column), and the gradients of all three kernels must be those of attention with that mask."""
+    its own column), and the backward kernel's gradients must be those of attention with that mask."""
     interpret = jax.devices()[0].platform != "tpu"
     batch, heads, length, rate = 2, 2, 3 * LENGTH, 0.25
     segments, seed = jnp.ones((batch, length), jnp.int32), jnp.asarray([5], jnp.int32)
