@@ -4,6 +4,7 @@ checkpointed layers, through the attention kernels (Pallas' interpreter), with L
 own dropout masks; the calls that keep the loop (generation, hidden states, layers that differ); and
 run_clm_flax.py with and without the scan."""
 
+from collections import Counter
 from functools import partial
 
 import jax
@@ -69,30 +70,33 @@ def assert_same(got, want, atol=1e-5):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol)
 
 
-NAMES = {"scan": "scan", "remat2": "checkpoint", "pallas_call": "pallas_call"}  # jax.checkpoint's is remat2
+def label(eqn):
+    """An equation's primitive, jax.checkpoint's named for what it keeps: all recomputed, or a policy's choice."""
+    if eqn.primitive.name == "remat2":
+        return "checkpoint" if eqn.params["policy"] is None else "checkpoint[policy]"
+    return eqn.primitive.name
+
+
+def equations(jaxpr, where=()):
+    """(the scans and checkpoints it sits in, its label) of every equation of `jaxpr`, inside other equations
+    too (not inside a Pallas kernel: its own loops are not the model's)."""
+    for eqn in jaxpr.eqns:
+        name = label(eqn)
+        yield where, name
+        if name == "pallas_call":
+            continue
+        inner = where + (name,) if name.startswith(("scan", "checkpoint")) else where
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from equations(sub, inner)
 
 
 def nesting(fun, *args):
-    """Where the scans, checkpoints and Pallas kernels sit in `fun`'s jaxpr (a kernel's insides left out):
-    'scan', 'scan/checkpoint', ... one entry each."""
-    found = []
-
-    def walk(jaxpr, where):
-        for eqn in jaxpr.eqns:
-            name = NAMES.get(eqn.primitive.name)
-            inner = where + [name] if name else where
-            if inner is not where:
-                found.append("/".join(inner))
-            if name == "pallas_call":
-                continue  # the kernel's own loops are not the model's
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        walk(sub, inner)
-
-    walk(jax.make_jaxpr(fun)(*args).jaxpr, [])
-    return found
+    """Where the scans, checkpoints and Pallas kernels sit in `fun`'s jaxpr: 'scan', 'scan/checkpoint', ..."""
+    return ["/".join(where + (name,)) for where, name in equations(jax.make_jaxpr(fun)(*args).jaxpr)
+            if name.startswith(("scan", "checkpoint", "pallas_call"))]
 
 
 def scan_lengths(fun, *args):
@@ -112,7 +116,8 @@ def test_the_scanned_stack_computes_the_loops_loss_and_gradients(family, checkpo
         remat.remat_layers(model)
         assert nesting(loss_fn(model, ids, mask), model.params) == ["checkpoint"] * LAYERS
     layer_scan.scan_layers(model, checkpointed=checkpointed)
-    assert nesting(loss_fn(model, ids, mask), model.params) == ["scan"] + ["scan/checkpoint"] * checkpointed
+    body = "scan/checkpoint" if checkpointed else "scan/checkpoint[policy]"
+    assert nesting(loss_fn(model, ids, mask), model.params) == ["scan", body]
     assert scan_lengths(loss_fn(model, ids, mask), model.params) == [LAYERS]
     assert_same(loss_and_grads(model, ids, mask), stock)
 
@@ -125,8 +130,26 @@ def test_the_attention_kernels_run_inside_the_scan(family):
     stock = loss_and_grads(model, ids, mask)
     attention.use_attention_kernels(model, interpret=True)
     layer_scan.scan_layers(model)
-    assert nesting(loss_fn(model, ids, mask), model.params) == ["scan", "scan/pallas_call"]
+    assert nesting(loss_fn(model, ids, mask), model.params) == ["scan", "scan/checkpoint[policy]",
+                                                                 "scan/checkpoint[policy]/pallas_call"]
     assert_same(loss_and_grads(model, ids, mask), stock, atol=2e-5)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_the_backward_pass_runs_products_and_kernels_again_only_when_checkpointed(checkpointed):
+    """Each product of a layer's forward pass has two in the backward one (the gradients of its operands), the
+    dropout kernel two backward kernels; with --gradient_checkpointing the forward pass runs again there too
+    (its products but the last, whose output no gradient needs)."""
+    model = gpt2(attn_pdrop=0.1)
+    ids, mask = batch(length=attention.BLOCK)
+    attention.use_attention_kernels(model, interpret=True)
+    layer_scan.scan_layers(model, checkpointed=checkpointed)
+    grad = jax.grad(loss_fn(model, ids, mask, train=True, dropout_rng=jax.random.PRNGKey(0)))
+    scans = [eqn for eqn in jax.make_jaxpr(grad)(model.params).jaxpr.eqns if eqn.primitive.name == "scan"]
+    forward, backward = (Counter(name for _, name in equations(eqn.params["jaxpr"].jaxpr)) for eqn in scans)
+    again = forward["dot_general"] - 1 if checkpointed else 0
+    assert forward["dot_general"] > 0 and backward["dot_general"] == 2 * forward["dot_general"] + again
+    assert (forward["pallas_call"], backward["pallas_call"]) == (1, 3 if checkpointed else 2)
 
 
 def with_adapters(model, target):

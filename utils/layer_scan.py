@@ -5,10 +5,11 @@ Python loop, so every layer is traced and then compiled on its own: on a TPU the
 grows by about 3 s a layer. `scan_layers(model)` makes every call of `model` run the stack under
 `jax.lax.scan` over the layers' parameters stacked leaf by leaf inside the call, one layer module
 applied in its body; the parameter tree (checkpoints, exports, LoRA, resume) stays as it is, and the
-gradient of the stacking is its unstacking. Dropout: the stack draws one key and layer i masks with
-`fold_in(key, i)`, so the masks are not the loop's (the arithmetic is the same). Where the scan would
-compute something else, the loop runs: initialising, a generation cache, attention weights or hidden
-states asked for, or layers whose parameters differ.
+gradient of the stacking is its unstacking. A layer keeps its products' and kernels' outputs for the
+backward pass (`products_and_kernels`), nothing with `--gradient_checkpointing`. Dropout: the stack
+draws one key and layer i masks with `fold_in(key, i)`, so the masks are not the loop's (the
+arithmetic is the same). Where the scan would compute something else, the loop runs: initialising, a
+generation cache, attention weights or hidden states asked for, or layers whose parameters differ.
 """
 
 import inspect
@@ -60,6 +61,16 @@ def choose(choice, model, platform, layout_name):
     return choice == "yes" or platform == "tpu"
 
 
+def products_and_kernels(primitive, *args, **params):
+    """What a scanned layer keeps of its forward pass for the backward one (a `jax.checkpoint` policy):
+    its matrix products' and Pallas kernels' outputs, so the backward pass runs no product or kernel
+    again; the elementwise work between them (layer norms, GELU, dropout masks) runs again there, fused
+    into its consumers. The loop leaves what to keep to XLA; a scan keeps every intermediate of every
+    layer unless told (GPT-2 small, 16 x 1024 tokens, bf16, on a v5e chip: 18.3 GiB of temporaries,
+    which the TPU compiler refuses, against the loop's 11.6; benchmarks/scan_layers.py)."""
+    return primitive.name == "pallas_call" or jax.checkpoint_policies.dots_saveable(primitive, *args, **params)
+
+
 def _passable(value):
     return value is None or isinstance(value, (bool, jax.Array, jax.core.Tracer))
 
@@ -100,8 +111,8 @@ def _scanned(next_fun, args, kwargs, context, outputs, checkpointed):
         rngs = {} if key is None else {"dropout": jax.random.fold_in(key, index)}
         return layer.apply({"params": params}, hidden, **given, rngs=rngs)[0], None
 
-    if checkpointed:  # prevent_cse=False: inside a scan nothing can merge the recomputation away
-        body = jax.checkpoint(body, prevent_cse=False)
+    # prevent_cse=False: inside a scan nothing can merge the recomputation away.
+    body = jax.checkpoint(body, prevent_cse=False, policy=None if checkpointed else products_and_kernels)
     hidden, _ = jax.lax.scan(body, hidden, (stacked, jnp.arange(len(layers))))
     return (hidden,) + (None,) * (outputs - 1)
 
