@@ -227,11 +227,11 @@ class TrainingArguments:
         "that draws the dropout mask on the chip; for generation, a sliding window or lengths not a multiple of "
         "128 the stock attention runs), 'xla' (the stock attention), or 'auto': splash on TPUs under --sharding dp.", default="auto")
     scan_layers: str = _help(
-        "Run the layer stack of GPT-2, Llama, Mistral and Gemma models under jax.lax.scan, so one layer is traced "
-        "and compiled instead of each (a shorter start on TPUs; the parameters and checkpoints stay as they are): "
-        "'yes', 'no' (the stock loop over the layers), or 'auto': yes on TPUs under --sharding dp. The arithmetic "
-        "is the loop's, the dropout masks are not: layer i draws its masks from the stack's key folded with i. "
-        "For generation or when hidden states or attention weights are asked for the loop runs.", default="auto")
+        "Run the layer stack of GPT-2, Llama, Mistral and Gemma models under jax.lax.scan, one layer traced and "
+        "compiled instead of each (a faster start; the parameters and checkpoints stay as they are): 'yes', 'no' "
+        "(transformers' loop over the layers), or 'auto': yes on TPUs under --sharding dp. The arithmetic is the "
+        "loop's, the dropout masks are not: layer i draws its masks from one key folded with i. Generation, and "
+        "calls asking for every layer's hidden states or attention weights, run the loop.", default="auto")
     sharding: str = _help(
         "Where the train state lives: 'dp' (jax.pmap; every device holds the whole model, its gradients and "
         "optimizer state) or 'fsdp' (jax.jit over a mesh of all devices; parameters, gradients and optimizer "
