@@ -72,7 +72,7 @@ def products_and_kernels(primitive, *args, **params):
 
 
 def _passable(value):
-    return value is None or isinstance(value, (bool, jax.Array, jax.core.Tracer))
+    return value is None or isinstance(value, (bool, jax.Array))  # traced values are jax.Arrays too
 
 
 def _layer_params(module):
