@@ -154,7 +154,8 @@ def test_the_backward_pass_runs_products_and_kernels_again_only_when_checkpointe
 
 def with_adapters(model, target):
     """LoRA adapters on `model`'s layers that `target` names, their B random (not the zero of a new run)."""
-    adapters = lora.plan(model, ModelArguments(lora_rank=2, lora_alpha=4.0, lora_target=target), "FlaxAutoModelForCausalLM")
+    adapters = lora.plan(model, ModelArguments(lora_rank=2, lora_alpha=4.0, lora_target=target),
+                         "FlaxAutoModelForCausalLM")
     rng = np.random.default_rng(2)
     new = {path: rng.normal(size=value.shape).astype(np.float32) if path[-1] == "lora_B" else value
            for path, value in flatten_dict(lora.new_weights(adapters, seed=0)).items()}

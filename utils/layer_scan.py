@@ -13,7 +13,6 @@ generation cache, attention weights or hidden states asked for, or layers whose 
 """
 
 import inspect
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +21,6 @@ from flax import linen as nn
 from utils.errors import UsageError
 
 FAMILIES = ("gpt2", "llama", "mistral", "gemma")  # model types whose stack `_stacks` knows
-
-logger = logging.getLogger(__name__)
 
 
 def _stacks():
@@ -66,8 +63,9 @@ def products_and_kernels(primitive, *args, **params):
     its matrix products' and Pallas kernels' outputs, so the backward pass runs no product or kernel
     again; the elementwise work between them (layer norms, GELU, dropout masks) runs again there, fused
     into its consumers. The loop leaves what to keep to XLA; a scan keeps every intermediate of every
-    layer unless told (GPT-2 small, 16 x 1024 tokens, bf16, on a v5e chip: 18.3 GiB of temporaries,
-    which the TPU compiler refuses, against the loop's 11.6; benchmarks/scan_layers.py)."""
+    layer unless told (GPT-2 small, 16 x 1024 tokens, bf16, planned for a v5e chip: 18.3 GiB of
+    temporaries, which the TPU compiler refuses; 13.5 with this policy, the loop's 11.6;
+    benchmarks/scan_layers.py)."""
     return primitive.name == "pallas_call" or jax.checkpoint_policies.dots_saveable(primitive, *args, **params)
 
 
@@ -87,6 +85,8 @@ def _layer_params(module):
 
 
 def _scanned(next_fun, args, kwargs, context, outputs, checkpointed):
+    """The stack's call (`outputs` long) under the scan, or the loop's (`next_fun`) where the scan would
+    compute something else."""
     module = context.module
     if module.is_initializing() or set(module.variables) != {"params"}:  # init, or a generation cache
         return next_fun(*args, **kwargs)
