@@ -251,6 +251,22 @@ def test_the_chunked_loss_figures_are_its_plan_json():
         " ".join(read(os.path.join("docs", "performance.md")).split())
 
 
+def test_the_scan_layers_figures_are_its_plan_json():
+    """The scanned plan (`auto`, which scans when planning for a TPU) against the loop's, in docs/performance.md."""
+    plans = {(row["scan_layers"], row["gradient_checkpointing"]): row
+             for row in json_file("results_scan_layers_plan.json")["plans"]}
+    assert plans[("auto", False)]["scanned"] and plans[("auto", True)]["scanned"]
+
+    def figures(key, form):  # scanned, loop; then the same with gradient checkpointing
+        return [form(plans[(scan, checkpointing)][key]) for checkpointing in (False, True) for scan in ("auto", "no")]
+
+    seconds = figures("train_step_seconds", str)
+    gib = figures("train_step_device_bytes", lambda value: f"{value / 2**30:.2f}")
+    assert (f"takes {seconds[0]} s instead of {seconds[1]} ({seconds[2]} instead of {seconds[3]} with gradient "
+            f"checkpointing), and the plan needs {gib[0]} GiB per device instead of {gib[1]} ({gib[2]} instead of "
+            f"{gib[3]} with gradient checkpointing)") in " ".join(read(os.path.join("docs", "performance.md")).split())
+
+
 def test_benchmarks_speed_table_is_results_cpu_json():
     check_table(BENCHMARKS, "| script | size | limit tok/s |", speed_records(), [
         lambda r: [r["limit_tokens_per_second"]], tokens, of_limit, lambda r: [r["startup_cold_seconds"]],

@@ -25,6 +25,7 @@ LORA_DEFAULTS = {"lora_alpha": None, "lora_dropout": 0.0, "lora_target": "attent
 LAYOUTS = ("dp", "fsdp")
 DROPOUT_GENERATORS = ("auto", "threefry", "rbg")
 ATTENTION = ("auto", "splash", "xla")
+SCAN_LAYERS = ("auto", "yes", "no")
 # `--compile_only`: the TPU slices of one host (a TPU VM), by the names Cloud TPU rents them under,
 # and the topology (chips per dimension) the TPU compiler knows them by (`utils.tpu_plan`). v2 / v3 /
 # v4 / v5p names count cores, v5e / v6e chips.
@@ -225,6 +226,12 @@ class TrainingArguments:
         "write the score matrix out: JAX's splash kernel, and while training with attention dropout a flash kernel "
         "that draws the dropout mask on the chip; for generation, a sliding window or lengths not a multiple of "
         "128 the stock attention runs), 'xla' (the stock attention), or 'auto': splash on TPUs under --sharding dp.", default="auto")
+    scan_layers: str = _help(
+        "Run the layer stack of GPT-2, Llama, Mistral and Gemma models under jax.lax.scan, one layer traced and "
+        "compiled instead of each (a faster start; the parameters and checkpoints stay as they are): 'yes', 'no' "
+        "(transformers' loop over the layers), or 'auto': yes on TPUs under --sharding dp. The arithmetic is the "
+        "loop's, the dropout masks are not: layer i draws its masks from one key folded with i. Generation, and "
+        "calls asking for every layer's hidden states or attention weights, run the loop.", default="auto")
     sharding: str = _help(
         "Where the train state lives: 'dp' (jax.pmap; every device holds the whole model, its gradients and "
         "optimizer state) or 'fsdp' (jax.jit over a mesh of all devices; parameters, gradients and optimizer "
@@ -274,6 +281,8 @@ class TrainingArguments:
             raise UsageError(f"--dropout_rng {self.dropout_rng!r} is unknown: use one of {', '.join(DROPOUT_GENERATORS)}")
         if self.attention not in ATTENTION:
             raise UsageError(f"--attention {self.attention!r} is unknown: use one of {', '.join(ATTENTION)}")
+        if self.scan_layers not in SCAN_LAYERS:
+            raise UsageError(f"--scan_layers {self.scan_layers!r} is unknown: use one of {', '.join(SCAN_LAYERS)}")
         if self.sharding not in LAYOUTS:
             raise UsageError(f"--sharding {self.sharding!r} is unknown: use one of {', '.join(LAYOUTS)}")
         if self.fsdp_size is not None and (self.sharding != "fsdp" or self.fsdp_size <= 0):

@@ -16,7 +16,7 @@ from functools import partial
 import jax
 from flax.training.train_state import TrainState
 
-from utils import attention, devices, lora
+from utils import attention, devices, layer_scan, lora
 from utils.errors import Done, RunError
 from utils.logging import MetricsLogger, throughput_meter
 from utils.memory import does_not_fit, eval_levers, per_device_bytes, plan_memory, readable, train_levers
@@ -79,7 +79,8 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     need is applied here, so none can forget it: the train step gets `--label_smoothing_factor`
     (evaluation 0) and the dropout key of (`--seed`, its step) drawn by `--dropout_rng`'s generator
     (`Layout.dropout_key`), `--gradient_checkpointing` makes `model` recompute its layers' activations,
-    and `--attention` picks its attention kernel (`utils.attention`). The optimizer follows
+    `--attention` picks its attention kernel (`utils.attention`) and `--scan_layers` runs the layer stack
+    under one scan (`utils.layer_scan`). The optimizer follows
     `plan`'s learning-rate schedule; with LoRA (adapters attached by `utils.models.load_model`) it
     trains the adapters and heads alone (`utils.lora.FrozenBaseState`). When training, the train step is
     compiled now, for batches like
@@ -93,6 +94,10 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     if attention.choose(training_args.attention, model, layout.platform, layout.name):
         attention.use_attention_kernels(model, interpret=layout.platform != "tpu")  # the interpreter: tests on CPUs
         logger.info("attention: Pallas kernels (splash; flash with the mask drawn in the kernel under attention dropout)")
+    if layer_scan.choose(training_args.scan_layers, model, layout.platform, layout.name):
+        layer_scan.scan_layers(model, checkpointed=training_args.gradient_checkpointing)
+        logger.info("layers: the %d layers run under jax.lax.scan, one traced and compiled (--scan_layers)",
+                    model.config.num_hidden_layers)
     optimizer = create_optimizer(plan.schedule, training_args.adafactor, training_args.adam_beta1,
                                  training_args.adam_beta2, training_args.adam_epsilon, training_args.weight_decay)
     adapters = lora.adapters_of(model)
