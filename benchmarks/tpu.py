@@ -40,7 +40,7 @@ ROWS = {
                    ["--block_size", "1024", "--total_train_batch_size", "16"]),
     "llama_0.6b": ("clm", "llama", "hidden_size=1536,intermediate_size=4096,num_hidden_layers=16,num_attention_heads=12,"
                    "num_key_value_heads=12,max_position_embeddings=1024",
-                   ["--block_size", "1024", "--total_train_batch_size", "8", "--gradient_checkpointing"]),
+                   ["--block_size", "1024", "--total_train_batch_size", "8"]),
     "t5_small": ("summarization", "t5", "d_model=512,d_ff=2048,num_layers=6,num_decoder_layers=6,num_heads=8,d_kv=64",
                  ["--max_source_length", "256", "--max_target_length", "64", "--total_train_batch_size", "32"]),
     "bert_base": ("mlm", "roberta", "hidden_size=768,num_hidden_layers=12,num_attention_heads=12,intermediate_size=3072,"

@@ -6,12 +6,13 @@
 
 A run is ROW:SETTING. The settings: `threefry` / `rbg` (--dropout_rng: what draws the dropout masks),
 `xla` / `splash` (--attention: the stock attention or Pallas' splash kernel; the model without dropout, as
-Llama trains), `dropout_kernel` (--attention splash with the model's dropouts: its attention dropout
-drawn inside utils/dropout_attention's kernel), `splash_no_checkpointing` (splash, and the row's
---gradient_checkpointing left out: what splash's smaller activations allow). Each run trains from scratch
-in bf16 with an empty compilation cache, for --steps steps; its steady-state tokens/s and MFU come from its
-metrics.jsonl (the first step left out), its first step's seconds after start from its log. Refuses to run without TPU chips; writes --output
-after each run and prints a table.
+Llama trains), `splash_checkpointing` (splash with --gradient_checkpointing), `dropout_kernel` (--attention
+splash with the model's dropouts: its attention dropout drawn inside utils/dropout_attention's kernel, the
+others by rbg), `chip_dropout` (that, and every other dropout's mask drawn inside utils/chip_dropout's
+kernel: --dropout_rng chip). Each run trains from scratch in bf16 with an empty compilation cache, for
+--steps steps; its steady-state tokens/s and MFU come from its metrics.jsonl (the first step left out), its
+first step's seconds after start from its log. Refuses to run without TPU chips; writes --output after each
+run and prints a table.
 """
 
 import argparse
@@ -29,13 +30,13 @@ from benchmarks.run import FIRST_STEP, environment, format_table, script_tokens_
 from benchmarks.tpu import ROWS, config_dir, make_data, on_tpu, run  # noqa: E402
 
 NO_DROPOUT = {"gpt2": ",resid_pdrop=0,embd_pdrop=0,attn_pdrop=0", "llama": ""}  # Llama's config has none
-# setting: (the model without dropout, flags added, the row's flags left out)
-SETTINGS = {"threefry": (False, ["--dropout_rng", "threefry", "--attention", "xla"], []),
-            "rbg": (False, ["--dropout_rng", "rbg", "--attention", "xla"], []),
-            "xla": (True, ["--attention", "xla"], []),
-            "splash": (True, ["--attention", "splash"], []),
-            "dropout_kernel": (False, ["--dropout_rng", "rbg", "--attention", "splash"], []),
-            "splash_no_checkpointing": (True, ["--attention", "splash"], ["--gradient_checkpointing"])}
+SETTINGS = {"threefry": (False, ["--dropout_rng", "threefry", "--attention", "xla"]),
+            "rbg": (False, ["--dropout_rng", "rbg", "--attention", "xla"]),
+            "xla": (True, ["--attention", "xla"]),
+            "splash": (True, ["--attention", "splash"]),
+            "splash_checkpointing": (True, ["--attention", "splash", "--gradient_checkpointing"]),
+            "dropout_kernel": (False, ["--dropout_rng", "rbg", "--attention", "splash"]),
+            "chip_dropout": (False, ["--dropout_rng", "chip", "--attention", "splash"])}
 DEFAULT_RUNS = ["gpt2_small:threefry", "gpt2_small:rbg", "gpt2_small:xla", "gpt2_small:splash", "llama_0.6b:xla",
                 "llama_0.6b:splash"]
 
@@ -43,8 +44,7 @@ DEFAULT_RUNS = ["gpt2_small:threefry", "gpt2_small:rbg", "gpt2_small:xla", "gpt2
 def measure(run_name, work, data, steps, logs):
     row, setting = run_name.split(":")
     task, model_type, overrides, flags = ROWS[row]
-    no_dropout, setting_flags, left_out = SETTINGS[setting]
-    flags = [flag for flag in flags if flag not in left_out]
+    no_dropout, setting_flags = SETTINGS[setting]
     overrides += NO_DROPOUT[model_type] if no_dropout else ""
     config = config_dir(work, f"{row}-{setting}", model_type, overrides, data[task][1])
     out = os.path.join(work, f"out-{row}-{setting}")

@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 from tasks.summarization import TASK
 from utils import rundir, saving
 from utils.args import TrainingArguments
+from utils.errors import UsageError
 from utils.layout import DataParallel, FullySharded, Layout
 from utils.loop import InMemoryData
 from utils.run import training_plan
@@ -149,12 +150,14 @@ def test_dropout_rng_picks_the_generator_of_the_masks(tmp_path, layout):
     assert weights("auto").tobytes() == weights("threefry").tobytes()
 
 
-def test_auto_draws_dropout_with_rbg_on_tpus_only():
-    layout = DataParallel()
-    assert layout.dropout_generator("auto") == "threefry"
-    layout.platform = "tpu"
-    assert layout.dropout_generator("auto") == "rbg"
-    assert layout.dropout_generator("threefry") == "threefry"
+def test_auto_draws_dropout_on_the_chip_under_dp_and_with_rbg_under_fsdp_on_tpus_only():
+    dp, fsdp = DataParallel(), FullySharded(4)
+    assert dp.dropout_generator("auto") == fsdp.dropout_generator("auto") == "threefry"
+    dp.platform = fsdp.platform = "tpu"
+    assert (dp.dropout_generator("auto"), fsdp.dropout_generator("auto")) == ("chip", "rbg")
+    assert dp.dropout_generator("threefry") == "threefry" and dp.dropout_generator("rbg") == "rbg"
+    with pytest.raises(UsageError, match="--dropout_rng chip runs under --sharding dp"):
+        fsdp.dropout_generator("chip")
 
 
 def test_a_transformers_model_drops_out_with_an_rbg_key():

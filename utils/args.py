@@ -23,7 +23,7 @@ SCHEDULES = ("linear", "cosine", "constant")
 # The LoRA flags beside --lora_rank, and their values when LoRA is off.
 LORA_DEFAULTS = {"lora_alpha": None, "lora_dropout": 0.0, "lora_target": "attention", "lora_base_dtype": None}
 LAYOUTS = ("dp", "fsdp")
-DROPOUT_GENERATORS = ("auto", "threefry", "rbg")
+DROPOUT_GENERATORS = ("auto", "threefry", "rbg", "chip")
 ATTENTION = ("auto", "splash", "xla")
 SCAN_LAYERS = ("auto", "yes", "no")
 # `--compile_only`: the TPU slices of one host (a TPU VM), by the names Cloud TPU rents them under,
@@ -215,8 +215,10 @@ class TrainingArguments:
     seed: int = _help("Random seed for initialization, shuffling and dropout.", default=42)
     dropout_rng: str = _help(
         "What draws the dropout masks: 'threefry' (JAX's default: the same masks on any layout and device count), "
-        "'rbg' (XLA's bit generator, far cheaper on TPUs; the masks depend on the layout and device count), or "
-        "'auto': rbg on TPUs, threefry elsewhere.", default="auto")
+        "'rbg' (XLA's bit generator, far cheaper on TPUs; the masks depend on the layout and device count), 'chip' "
+        "(under --sharding dp: each mask drawn by the TPU's own generator inside a Pallas kernel, never written out; "
+        "the cheapest on TPUs; elsewhere Pallas' interpreter, slow), or 'auto': chip on TPUs under dp, rbg on TPUs "
+        "under fsdp, threefry elsewhere.", default="auto")
     push_to_hub: bool = _help("Upload the model to the Hugging Face hub at each save.", default=False)
     hub_model_id: Optional[str] = _help("Repository name on the hub (default: output_dir's name).", default=None)
     hub_token: Optional[str] = _help("Token for pushing to the hub (never logged or saved).", default=None)
@@ -228,10 +230,11 @@ class TrainingArguments:
         "128 the stock attention runs), 'xla' (the stock attention), or 'auto': splash on TPUs under --sharding dp.", default="auto")
     scan_layers: str = _help(
         "Run the layer stack of GPT-2, Llama, Mistral and Gemma models under jax.lax.scan, one layer traced and "
-        "compiled instead of each (a faster start; the parameters and checkpoints stay as they are): 'yes', 'no' "
-        "(transformers' loop over the layers), or 'auto': yes on TPUs under --sharding dp. The arithmetic is the "
-        "loop's, the dropout masks are not: layer i draws its masks from one key folded with i. Generation, and "
-        "calls asking for every layer's hidden states or attention weights, run the loop.", default="auto")
+        "compiled instead of each: a faster start for slower steps and more memory (docs/performance.md); the "
+        "parameters and checkpoints stay as they are. 'yes', 'no' (transformers' loop over the layers), or 'auto': yes on TPUs under "
+        "--sharding dp. The arithmetic is the loop's, the dropout masks are not: layer i draws its masks from one key "
+        "folded with i. Generation, and calls asking for every layer's hidden states or attention weights, run the "
+        "loop.", default="no")
     sharding: str = _help(
         "Where the train state lives: 'dp' (jax.pmap; every device holds the whole model, its gradients and "
         "optimizer state) or 'fsdp' (jax.jit over a mesh of all devices; parameters, gradients and optimizer "

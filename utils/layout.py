@@ -209,16 +209,21 @@ class Layout:
         """The dropout key of the train step that `state.step` is `step` in, traced inside that step: a
         function of (seed, step) alone, so a resumed run draws the masks the uninterrupted one would
         have; no state carries it. `generator` (`dropout_generator`) draws its bits: "threefry" gives
-        the same masks on any device count, "rbg" the same for one layout and device count."""
-        seed_key = jax.random.PRNGKey(seed) if generator == "threefry" else jax.random.key(seed, impl=generator)
+        the same masks on any device count, "rbg" the same for one layout and device count ("chip" draws
+        its keys with rbg, its masks in `utils.chip_dropout`'s kernel)."""
+        seed_key = jax.random.PRNGKey(seed) if generator == "threefry" else jax.random.key(seed, impl="rbg")
         return jax.random.fold_in(seed_key, step)
 
     def dropout_generator(self, choice):
-        """`--dropout_rng`'s generator of dropout bits: "auto" is rbg on TPUs, where threefry's bits cost
-        more than the attention they mask (a GPT-2 layer at 1024 tokens on a v5e chip: 13.1 ms forward and
-        backward with threefry's masks, 9.3 with rbg's, 5.9 without dropout), threefry elsewhere."""
+        """`--dropout_rng`'s generator of dropout bits: "auto" is chip on TPUs under dp (the masks drawn
+        inside a Pallas kernel, never written out), rbg on TPUs under fsdp (where the kernel would need
+        shard_map's per-device view), where threefry's bits cost more than the attention they mask (a GPT-2
+        layer at 1024 tokens on a v5e chip: 13.1 ms forward and backward with threefry's masks, 9.3 with
+        rbg's, 5.9 without dropout), threefry elsewhere. A `UsageError` for chip under fsdp."""
         if choice == "auto":
-            return "rbg" if self.platform == "tpu" else "threefry"
+            return ("chip" if self.name == "dp" else "rbg") if self.platform == "tpu" else "threefry"
+        if choice == "chip" and self.name != "dp":
+            raise UsageError("--dropout_rng chip runs under --sharding dp: use --dropout_rng auto or rbg with fsdp")
         return choice
 
 

@@ -16,7 +16,7 @@ from functools import partial
 import jax
 from flax.training.train_state import TrainState
 
-from utils import attention, devices, layer_scan, lora
+from utils import attention, chip_dropout, devices, layer_scan, lora
 from utils.errors import Done, RunError
 from utils.logging import MetricsLogger, throughput_meter
 from utils.memory import does_not_fit, eval_levers, per_device_bytes, plan_memory, readable, train_levers
@@ -98,6 +98,10 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
         layer_scan.scan_layers(model, checkpointed=training_args.gradient_checkpointing)
         logger.info("layers: the %d layers run under jax.lax.scan, one traced and compiled (--scan_layers)",
                     model.config.num_hidden_layers)
+    generator = layout.dropout_generator(training_args.dropout_rng)
+    if generator == "chip":
+        chip_dropout.use_chip_dropout(model, interpret=layout.platform != "tpu")
+        logger.info("dropout: masks drawn inside Pallas kernels by the chip's generator (--dropout_rng chip)")
     optimizer = create_optimizer(plan.schedule, training_args.adafactor, training_args.adam_beta1,
                                  training_args.adam_beta2, training_args.adam_epsilon, training_args.weight_decay)
     adapters = lora.adapters_of(model)
@@ -105,7 +109,6 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
               else TrainState.create)
     state = layout.create_state(model.__call__, params, optimizer, create)
     label_smoothing, seed = training_args.label_smoothing_factor, training_args.seed
-    generator = layout.dropout_generator(training_args.dropout_rng)
     accumulation = training_args.gradient_accumulation_steps
 
     train_loss = partial(loss_fn, train=True, label_smoothing=label_smoothing)
