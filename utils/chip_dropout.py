@@ -22,7 +22,7 @@ from flax import linen as nn
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from utils.dropout_attention import LANES, hashed_bits, keep_threshold
+from utils.dropout_attention import LANES, tile_keep
 
 ROWS = 16  # a bfloat16 vector register's rows: blocks are a multiple of them
 BLOCK_BYTES = 2**20  # a block, its output and their next ones (double buffering) stay well within VMEM
@@ -39,16 +39,8 @@ def block_rows(rows, width, itemsize):
 
 
 def _kernel(seed_ref, x_ref, out_ref, *, rate, interpret):
-    block = pl.program_id(0)
-    shape = x_ref.shape
-    if interpret:
-        bits = hashed_bits(seed_ref[0], block, jax.lax.broadcasted_iota(jnp.int32, shape, 0),
-                           jax.lax.broadcasted_iota(jnp.int32, shape, 1))
-    else:
-        pltpu.prng_seed(seed_ref[0], block)
-        bits = pltpu.prng_random_bits(shape) & jnp.int32(0x7FFFFFFF)
-    kept = x_ref[...].astype(jnp.float32) * (1.0 / (1.0 - rate))
-    out_ref[...] = jnp.where(bits >= keep_threshold(rate), kept, 0.0).astype(out_ref.dtype)
+    keep = tile_keep(seed_ref, rate, interpret, pl.program_id(0), x_ref.shape)
+    out_ref[...] = jnp.where(keep, x_ref[...].astype(jnp.float32) * (1.0 / (1.0 - rate)), 0.0).astype(out_ref.dtype)
 
 
 def _drop(x, seed, rate, interpret):

@@ -81,8 +81,9 @@ def _grid_tile(swapped=False):
     return tile_number(batch, head, query_tile, key_tile, pl.num_programs(1), pl.num_programs(2))
 
 
-def _tile_keep(seed_ref, rate, interpret, tile, shape):
-    """The dropout mask (True: kept) of the tile numbered `tile`."""
+def tile_keep(seed_ref, rate, interpret, tile, shape):
+    """The dropout mask (True: kept) of the tile numbered `tile`: the chip's generator seeded with (seed, tile),
+    or in the interpreter `hashed_bits`."""
     if interpret:
         bits = hashed_bits(seed_ref[0], tile, jax.lax.broadcasted_iota(jnp.int32, shape, 0),
                            jax.lax.broadcasted_iota(jnp.int32, shape, 1))
@@ -130,7 +131,7 @@ def _forward_kernel(seed_ref, q_ref, k_ref, v_ref, q_segment_ref, kv_segment_ref
         sum_ref[...] = correction * sum_ref[...] + jnp.sum(weights, axis=1, keepdims=True)
         max_ref[...] = running_max
         if rate:
-            weights = jnp.where(_tile_keep(seed_ref, rate, interpret, tile, scores.shape), weights, 0.0)
+            weights = jnp.where(tile_keep(seed_ref, rate, interpret, tile, scores.shape), weights, 0.0)
         update = jax.lax.dot(weights.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
         acc_ref[...] = acc_ref[...] * _lanes(correction, acc_ref.shape[1]) + update
 
@@ -151,7 +152,7 @@ def _tile_gradients(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q
                                     preferred_element_type=jnp.float32)
     dropped = weights
     if rate:
-        keep = _tile_keep(seed_ref, rate, interpret, tile, scores.shape)
+        keep = tile_keep(seed_ref, rate, interpret, tile, scores.shape)
         dropped = jnp.where(keep, weights * (1.0 / (1.0 - rate)), 0.0)
         d_dropped = jnp.where(keep, d_dropped * (1.0 / (1.0 - rate)), 0.0)
     d_scores = weights * (d_dropped - _lanes(delta_ref[...], scores.shape[1]))
