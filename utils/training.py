@@ -78,7 +78,7 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     "loss" and "tokens" in `sums` (`utils.steps.token_weighted_grads`). What every script's steps
     need is applied here, so none can forget it: the train step gets `--label_smoothing_factor`
     (evaluation 0) and the dropout key of (`--seed`, its step) drawn by `--dropout_rng`'s generator
-    (`Layout.dropout_key`), `--gradient_checkpointing` makes `model` recompute its layers' activations,
+    (`Layout.dropout_key`; with `chip` the masks are drawn in `utils.chip_dropout`'s kernel), `--gradient_checkpointing` makes `model` recompute its layers' activations,
     `--attention` picks its attention kernel (`utils.attention`) and `--scan_layers` runs the layer stack
     under one scan (`utils.layer_scan`). The optimizer follows
     `plan`'s learning-rate schedule; with LoRA (adapters attached by `utils.models.load_model`) it
