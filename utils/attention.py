@@ -17,10 +17,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 
 from utils import dropout_attention
 from utils.errors import UsageError
+from utils.layers import intercept_calls
 
 BLOCK = 128  # the kernel's tile: lengths must be a multiple of it
 FAMILIES = ("gpt2", "llama")  # model types whose attention `_routes` knows
@@ -152,8 +152,6 @@ def use_attention_kernels(model, interpret=False):
     """Make every call of `model` run its causal self-attention through the kernels where they compute
     what the stock call would (the module docstring). `interpret`: Pallas' interpreter, for CPUs (tests)."""
     routes = _routes()
-    module = model.module
-    apply = module.apply
 
     def route(next_fun, args, kwargs, context):
         found = routes.get(type(context.module)) if context.method_name == "__call__" else None
@@ -161,9 +159,4 @@ def use_attention_kernels(model, interpret=False):
             return next_fun(*args, **kwargs)
         return found[1](context.module, interpret, *args, **kwargs)
 
-    def apply_with_attention_kernels(*args, **kwargs):
-        with nn.intercept_methods(route):
-            return apply(*args, **kwargs)
-
-    # As utils.remat does: the module's own `apply` is the hook that leaves the model class untouched.
-    object.__setattr__(module, "apply", apply_with_attention_kernels)
+    intercept_calls(model, route)

@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from utils.dropout_attention import LANES, tile_keep
+from utils.layers import intercept_calls
 
 ROWS = 16  # a bfloat16 vector register's rows: blocks are a multiple of them
 BLOCK_BYTES = 2**20  # a block, its output and their next ones (double buffering) stay well within VMEM
@@ -107,13 +108,4 @@ def _route(interpret, next_fun, args, kwargs, context):
 def use_chip_dropout(model, interpret=False):
     """Make every `nn.Dropout` in `model`'s calls draw its mask in the kernel where it takes the input (the
     rest as flax does). `interpret`: Pallas' interpreter, for CPUs (tests)."""
-    module = model.module
-    apply = module.apply
-    route = functools.partial(_route, interpret)
-
-    def apply_with_chip_dropout(*args, **kwargs):
-        with nn.intercept_methods(route):
-            return apply(*args, **kwargs)
-
-    # As utils.remat does: the module's own `apply` is the hook that leaves the model class untouched.
-    object.__setattr__(module, "apply", apply_with_chip_dropout)
+    intercept_calls(model, functools.partial(_route, interpret))

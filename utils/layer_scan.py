@@ -16,9 +16,9 @@ import inspect
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 
 from utils.errors import UsageError
+from utils.layers import intercept_calls
 
 FAMILIES = ("gpt2", "llama", "mistral", "gemma")  # model types whose stack `_stacks` knows
 
@@ -122,8 +122,6 @@ def scan_layers(model, checkpointed=False):
     would (the module's docstring); `checkpointed`: each layer recomputes its activations in the backward
     pass (`--gradient_checkpointing`: `utils.remat`'s per-layer checkpoint then acts only where the loop runs)."""
     stacks = _stacks()
-    module = model.module
-    apply = module.apply
 
     def scan(next_fun, args, kwargs, context):
         outputs = stacks.get(type(context.module)) if context.method_name == "__call__" else None
@@ -131,9 +129,4 @@ def scan_layers(model, checkpointed=False):
             return next_fun(*args, **kwargs)
         return _scanned(next_fun, args, kwargs, context, outputs, checkpointed)
 
-    def apply_with_scanned_layers(*args, **kwargs):
-        with nn.intercept_methods(scan):
-            return apply(*args, **kwargs)
-
-    # As utils.remat does: the module's own `apply` is the hook that leaves the model class untouched.
-    object.__setattr__(module, "apply", apply_with_scanned_layers)
+    intercept_calls(model, scan)

@@ -1,4 +1,5 @@
-"""A transform applied to each layer of a transformers Flax model's stacks, inside its call.
+"""Hooks into a transformers Flax model's calls: an interceptor on every call (`intercept_calls`), and a
+transform applied to each layer of the model's stacks, inside its call (`each_layer`).
 
 transformers builds a stack's layers as submodules named by their index ("0", "1", ...), in every
 family. `each_layer(transform)` is a method interceptor (`flax.linen.intercept_methods`) that runs
@@ -12,6 +13,22 @@ arguments, and the model's code and parameter tree stay as they are. Arguments t
 import threading
 
 import jax
+from flax import linen as nn
+
+
+def intercept_calls(model, interceptor):
+    """Make every call of `model` run under the method interceptor `interceptor`
+    (`flax.linen.intercept_methods`). transformers' models call `self.module.apply`: the module's own
+    attribute is the one hook that leaves the model class and its parameter tree as they are (a frozen
+    dataclass, hence object.__setattr__). Hooks stack: each wraps the apply before it."""
+    module = model.module
+    apply = module.apply
+
+    def apply_intercepted(*args, **kwargs):
+        with nn.intercept_methods(interceptor):
+            return apply(*args, **kwargs)
+
+    object.__setattr__(module, "apply", apply_intercepted)
 
 
 def _is_array(x):

@@ -29,6 +29,7 @@ from flax.training.train_state import TrainState
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from utils.errors import UsageError
+from utils.layers import intercept_calls
 
 ADAPTER_LEAVES = ("lora_A", "lora_B")
 # `--lora_target attention` (the default): each family's attention projections, by module path.
@@ -213,17 +214,7 @@ def _adapted(adapters, next_fun, args, kwargs, context):
 
 def attach(model, adapters):
     """Make every call of `model` apply the adapters its parameters hold (see the module's docstring)."""
-    module = model.module
-    apply = module.apply
-    interceptor = partial(_adapted, adapters)
-
-    def apply_with_adapters(*args, **kwargs):
-        with nn.intercept_methods(interceptor):
-            return apply(*args, **kwargs)
-
-    # As utils.remat: transformers' models call `self.module.apply`, the one hook that leaves the model
-    # class and its parameter tree as they are.
-    object.__setattr__(module, "apply", apply_with_adapters)
+    intercept_calls(model, partial(_adapted, adapters))
     model.lora_adapters = adapters
 
 
