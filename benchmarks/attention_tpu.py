@@ -47,8 +47,7 @@ def variants():
 
     def flash(rate):
         def run(q, k, v, rng):
-            seed = jax.lax.bitcast_convert_type(jax.random.bits(rng, (1,), jnp.uint32), jnp.int32)
-            return dropout_attention.dropout_attention(q, k, v, segments, seed, rate)
+            return dropout_attention.dropout_attention(q, k, v, segments, dropout_attention.seed_of(rng), rate)
         return run
 
     splash = attention._kernel(HEADS, LENGTH, False)

@@ -53,9 +53,9 @@ def causal_attention(query, key, value, attention_mask, interpret=False, dropout
     key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
     if dropout is not None:
         rate, rng = dropout
-        seed = jax.lax.bitcast_convert_type(jax.random.bits(rng, (1,), jnp.uint32), jnp.int32)
         segments = jnp.ones((batch, length), jnp.int32) if attention_mask is None else attention_mask
-        out = dropout_attention.dropout_attention(scaled, key, value, segments, seed, rate, interpret)
+        out = dropout_attention.dropout_attention(scaled, key, value, segments, dropout_attention.seed_of(rng), rate,
+                                                  interpret)
         return out.transpose(0, 2, 1, 3).astype(query.dtype)
     kernel = _kernel(heads, length, interpret)
     if attention_mask is None:

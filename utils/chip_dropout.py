@@ -21,7 +21,7 @@ from flax import linen as nn
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from utils.dropout_attention import LANES, tile_keep
+from utils.dropout_attention import LANES, seed_of, tile_keep
 from utils.layers import intercept_calls
 
 ROWS = 16  # a bfloat16 vector register's rows: blocks are a multiple of them
@@ -83,11 +83,6 @@ def dropout(x, seed, rate, interpret=False):
     drawn from `seed` (int32, shape (1,)). `x`'s shape must be one `takes`. Differentiable in `x`."""
     flat = x.reshape(-1, x.shape[-1])
     return _dropout(flat, seed.astype(jnp.int32), float(rate), bool(interpret)).reshape(x.shape)
-
-
-def seed_of(key):
-    """A kernel seed (int32, shape (1,)) drawn from a JAX key."""
-    return jax.lax.bitcast_convert_type(jax.random.bits(key, (1,), jnp.uint32), jnp.int32)
 
 
 def _route(interpret, next_fun, args, kwargs, context):

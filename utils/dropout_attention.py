@@ -67,6 +67,11 @@ def keep_threshold(rate):
     return int(round(rate * 2**31))
 
 
+def seed_of(key):
+    """A kernel seed (int32, shape (1,)) drawn from a JAX key."""
+    return jax.lax.bitcast_convert_type(jax.random.bits(key, (1,), jnp.uint32), jnp.int32)
+
+
 def tile_number(batch, head, query_tile, key_tile, heads, tiles):
     """The tile's place among all (batch, head, query tile, key tile): with the seed, what the chip's
     generator is seeded with (it takes two numbers)."""
