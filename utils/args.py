@@ -437,6 +437,24 @@ def check_distributed(coordinator_address, num_processes, process_id):
         raise UsageError(f"--process_id must be in 0..num_processes - 1, got {process_id}")
 
 
+def tpu_lever(flag, choice, on, off, known, knows, platform, layout_name):
+    """Whether a TPU lever's `auto | on | off` flag (`--attention`, `--scan_layers`) at `choice` turns it on:
+    `off` never; `on` always, a `UsageError` where it cannot be had (a layout other than dp, whose jit over
+    a mesh would need shard_map's per-device view; a model it does not know: `known` False, `knows` saying
+    what it knows and of which model); "auto" on TPUs under dp for the models it knows."""
+    if choice == off:
+        return False
+    if layout_name != "dp":
+        if choice == on:
+            raise UsageError(f"--{flag} {on} runs under --sharding dp: use --{flag} auto or {off} with fsdp")
+        return False
+    if not known:
+        if choice == on:
+            raise UsageError(f"--{flag} {on}: {knows}: use --{flag} auto or {off}")
+        return False
+    return choice == on or platform == "tpu"
+
+
 def check_phases(training_args):
     if not (training_args.do_train or training_args.do_eval or training_args.do_predict):
         raise UsageError("nothing to do: pass at least one of --do_train, --do_eval, --do_predict")

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from utils import dropout_attention
-from utils.errors import UsageError
+from utils.args import tpu_lever
 from utils.layers import intercept_calls
 
 BLOCK = 128  # the kernel's tile: lengths must be a multiple of it
@@ -134,18 +134,9 @@ def choose(choice, model, platform, layout_name):
     """Whether `--attention` `choice` routes `model`'s attention through the kernels on `platform` ("tpu",
     "cpu", ...) under the layout named `layout_name`; "auto": on TPUs under dp, for the families it knows.
     A `UsageError` when "splash" cannot be had."""
-    if choice == "xla":
-        return False
-    if layout_name != "dp":  # under jit over a mesh the kernel would need shard_map's per-device view
-        if choice == "splash":
-            raise UsageError("--attention splash runs under --sharding dp: use --attention auto or xla with fsdp")
-        return False
-    if not supports(model):
-        if choice == "splash":
-            raise UsageError(f"--attention splash: the splash kernel knows GPT-2 and Llama attention, not "
-                             f"{model.config.model_type}'s: use --attention auto or xla")
-        return False
-    return choice == "splash" or platform == "tpu"
+    return tpu_lever("attention", choice, "splash", "xla", supports(model),
+                     f"the splash kernel knows GPT-2 and Llama attention, not {model.config.model_type}'s", platform,
+                     layout_name)
 
 
 def use_attention_kernels(model, interpret=False):

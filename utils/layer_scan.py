@@ -17,7 +17,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from utils.errors import UsageError
+from utils.args import tpu_lever
 from utils.layers import intercept_calls
 
 FAMILIES = ("gpt2", "llama", "mistral", "gemma")  # model types whose stack `_stacks` knows
@@ -43,19 +43,10 @@ def supports(model):
 def choose(choice, model, platform, layout_name):
     """Whether `--scan_layers` `choice` scans `model`'s layers on `platform` ("tpu", "cpu", ...) under the
     layout named `layout_name`; "auto": on TPUs under dp, for the families it knows. A `UsageError` when
-    "yes" cannot be had."""
-    if choice == "no":
-        return False
-    if layout_name != "dp":  # fsdp splits each layer's gradients as that layer is called: scanned, none is
-        if choice == "yes":
-            raise UsageError("--scan_layers yes runs under --sharding dp: use --scan_layers auto or no with fsdp")
-        return False
-    if not supports(model):
-        if choice == "yes":
-            raise UsageError(f"--scan_layers yes knows the layer stacks of {', '.join(FAMILIES)}, not "
-                             f"{model.config.model_type}'s: use --scan_layers auto or no")
-        return False
-    return choice == "yes" or platform == "tpu"
+    "yes" cannot be had (under fsdp, which splits each layer's gradients as the loop calls that layer)."""
+    return tpu_lever("scan_layers", choice, "yes", "no", supports(model),
+                     f"the scan knows the layer stacks of {', '.join(FAMILIES)}, not {model.config.model_type}'s",
+                     platform, layout_name)
 
 
 def products_and_kernels(primitive, *args, **params):
