@@ -12,12 +12,15 @@ benchmarks/results_chunked_loss_plan.json.
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.run import compile_only_plan  # noqa: E402
+
 MODEL = ("vocab_size=128256,hidden_size=2048,intermediate_size=8192,num_hidden_layers=16,num_attention_heads=32,"
          "num_key_value_heads=8,max_position_embeddings=1024")
 FLAGS = ["--model_type", "llama", "--config_overrides", MODEL, "--tokenizer_name", "data/lm/tokenizer",
@@ -28,18 +31,9 @@ GIB = 2**30
 
 
 def plan(chunked, work):
-    out = os.path.join(work, chunked)
-    started = time.time()
-    result = subprocess.run([sys.executable, "run_clm_flax.py", *FLAGS, "--chunked_loss", chunked, "--output_dir", out],
-                            cwd=ROOT, capture_output=True, text=True)
-    path = os.path.join(out, "all_results.json")
-    if not os.path.exists(path):
-        sys.exit(f"--chunked_loss {chunked}: no plan (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    with open(path, encoding="utf-8") as f:
-        results = json.load(f)
-    planned = {key: value for key, value in results.items() if key.startswith("train_step_")}
-    return {"chunked_loss": chunked, "fits": results["fits"], "compile_seconds": round(time.time() - started),
-            **planned}
+    results, planned, _, seconds = compile_only_plan(FLAGS + ["--chunked_loss", chunked], os.path.join(work, chunked),
+                                                     f"--chunked_loss {chunked}")
+    return {"chunked_loss": chunked, "fits": results["fits"], "compile_seconds": round(seconds), **planned}
 
 
 def main():

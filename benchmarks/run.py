@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"summarization": "run_summarization_flax.py", "clm": "run_clm_flax.py", "mlm": "run_mlm_flax.py"}
@@ -71,6 +72,21 @@ def run(command, env, what):
     if result.returncode:
         sys.exit(f"{what} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     return result
+
+
+def compile_only_plan(flags, out, what):
+    """`run_clm_flax.py` with `flags` (a `--compile_only` run) into `out`: (its all_results.json, the train
+    step's planned `train_step_*` figures of it, its log, its seconds); exits naming `what` if no plan came."""
+    started = time.time()
+    result = subprocess.run([sys.executable, "run_clm_flax.py", *flags, "--output_dir", out], cwd=ROOT,
+                            capture_output=True, text=True)
+    path = os.path.join(out, "all_results.json")
+    if not os.path.exists(path):
+        sys.exit(f"{what}: no plan (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    with open(path, encoding="utf-8") as f:
+        results = json.load(f)
+    planned = {key: value for key, value in results.items() if key.startswith("train_step_")}
+    return results, planned, result.stderr, time.time() - started
 
 
 def script_tokens_per_second(metrics_path):

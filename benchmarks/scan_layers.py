@@ -13,13 +13,16 @@ device. Writes benchmarks/results_scan_layers_plan.json.
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from datetime import datetime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.run import compile_only_plan  # noqa: E402
+
 MODEL = "vocab_size=50257,n_embd=768,n_layer=12,n_head=12,n_positions=1024"
 FLAGS = ["--model_type", "gpt2", "--config_overrides", MODEL, "--tokenizer_name", "data/lm/tokenizer",
          "--train_file", "data/lm/train.txt", "--block_size", "1024", "--per_device_train_batch_size", "16",
@@ -35,22 +38,14 @@ def logged_at(log, text):
 
 
 def plan(scan, checkpointing, work):
-    out = os.path.join(work, f"{scan}-{checkpointing}")
-    started = time.time()
-    flags = FLAGS + ["--gradient_checkpointing"] * checkpointing
-    result = subprocess.run([sys.executable, "run_clm_flax.py", *flags, "--scan_layers", scan, "--output_dir", out],
-                            cwd=ROOT, capture_output=True, text=True)
-    path = os.path.join(out, "all_results.json")
-    if not os.path.exists(path):
-        sys.exit(f"--scan_layers {scan}: no plan (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    with open(path, encoding="utf-8") as f:
-        results = json.load(f)
-    planned = {key: value for key, value in results.items() if key.startswith("train_step_")}
+    flags = FLAGS + ["--gradient_checkpointing"] * checkpointing + ["--scan_layers", scan]
+    results, planned, log, seconds = compile_only_plan(flags, os.path.join(work, f"{scan}-{checkpointing}"),
+                                                       f"--scan_layers {scan}")
     # From the last line before the step is traced (make_steps' attention line) to the plan's.
-    step = logged_at(result.stderr, "train step (dp) on") - logged_at(result.stderr, "attention: ")
-    return {"scan_layers": scan, "gradient_checkpointing": checkpointing, "scanned": SCANNED in result.stderr,
-            "fits": results["fits"], "compile_seconds": round(time.time() - started),
-            "train_step_seconds": round(step.total_seconds()), **planned}
+    step = logged_at(log, "train step (dp) on") - logged_at(log, "attention: ")
+    return {"scan_layers": scan, "gradient_checkpointing": checkpointing, "scanned": SCANNED in log,
+            "fits": results["fits"], "compile_seconds": round(seconds), "train_step_seconds": round(step.total_seconds()),
+            **planned}
 
 
 def main():
