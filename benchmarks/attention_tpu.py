@@ -5,8 +5,10 @@ splash kernel and utils/dropout_attention's flash kernel at each tile size, with
     python benchmarks/attention_tpu.py      # ~1 min on one v5e chip
 
 Shapes of the GPT-2-small row of benchmarks/tpu.py: 16 sequences of 1024 tokens, 12 heads of 64, bf16.
-Each variant's gradient of sum(out * d_out) with respect to q, k and v is compiled once, then timed over
-20 calls (the median). Refuses to run without TPU chips; writes benchmarks/results_attention_tpu.json.
+Each variant starts from what GPT-2's c_attn writes ([batch, length, 3 x 768]: queries, keys, values side by
+side) and returns [batch, length, 768] for c_proj, its own transposes included; its gradient of
+sum(out * d_out) with respect to that input is compiled once, then timed over 20 calls (the median).
+Refuses to run without TPU chips; writes benchmarks/results_attention_tpu.json.
 """
 
 import argparse
@@ -22,22 +24,35 @@ sys.path.insert(0, ROOT)
 BATCH, HEADS, LENGTH, HEAD_DIM, RATE = 16, 12, 1024, 64, 0.1
 
 
-def stock(q, k, v, rng, rate):
+def heads_first(qkv):
+    """(q scaled, k, v) as [batch, heads, length, head_dim], the layout the stock attention and splash take."""
+    import jax.numpy as jnp
+
+    q, k, v = (x.reshape(BATCH, LENGTH, HEADS, HEAD_DIM).transpose(0, 2, 1, 3) for x in jnp.split(qkv, 3, axis=-1))
+    return q * jnp.asarray(HEAD_DIM ** -0.5, q.dtype), k, v
+
+
+def heads_merged(out):
+    return out.transpose(0, 2, 1, 3).reshape(BATCH, LENGTH, HEADS * HEAD_DIM)
+
+
+def stock(qkv, rng, rate):
     """transformers' Flax attention: the whole score matrix, its softmax and its dropout mask in HBM."""
     import jax
     import jax.numpy as jnp
 
+    q, k, v = heads_first(qkv)
     scores = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32)
     causal = jnp.tril(jnp.ones((LENGTH, LENGTH), bool))
     weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), -1)
     if rate:
         keep = jax.random.bernoulli(rng, 1 - rate, weights.shape)
         weights = jnp.where(keep, weights / (1 - rate), 0.0)
-    return jnp.einsum("bhqk,bhkd->bhqd", weights.astype(q.dtype), v)
+    return heads_merged(jnp.einsum("bhqk,bhkd->bhqd", weights.astype(q.dtype), v))
 
 
 def variants():
-    """(name, attention(q, k, v, rng), the flash kernel's tile or None)."""
+    """(name, attention(qkv, rng), the flash kernel's tile or None)."""
     import jax
     import jax.numpy as jnp
 
@@ -46,14 +61,15 @@ def variants():
     segments = jnp.ones((BATCH, LENGTH), jnp.int32)
 
     def flash(rate):
-        def run(q, k, v, rng):
-            return dropout_attention.dropout_attention(q, k, v, segments, dropout_attention.seed_of(rng), rate)
+        def run(qkv, rng):
+            return dropout_attention.packed_dropout_attention(qkv, segments, dropout_attention.seed_of(rng), rate,
+                                                              HEADS)
         return run
 
     splash = attention._kernel(HEADS, LENGTH, False)
-    yield "stock", lambda q, k, v, rng: stock(q, k, v, rng, 0.0), None
-    yield f"stock, dropout {RATE}", lambda q, k, v, rng: stock(q, k, v, rng, RATE), None
-    yield "splash (512)", lambda q, k, v, rng: jax.vmap(splash)(q, k, v), None
+    yield "stock", lambda qkv, rng: stock(qkv, rng, 0.0), None
+    yield f"stock, dropout {RATE}", lambda qkv, rng: stock(qkv, rng, RATE), None
+    yield "splash (512)", lambda qkv, rng: heads_merged(jax.vmap(splash)(*heads_first(qkv))), None
     for block in (512, 256, 128):
         for rate in (0.0, RATE):
             yield f"flash {block}" + (f", dropout {rate}" if rate else ""), flash(rate), block
@@ -70,26 +86,25 @@ def main():
     import jax
     import jax.numpy as jnp
 
-    keys = jax.random.split(jax.random.PRNGKey(0), 5)
-    q, k, v, d_out = (jax.random.normal(key, (BATCH, HEADS, LENGTH, HEAD_DIM), jnp.bfloat16) for key in keys[:4])
-    q = q * HEAD_DIM ** -0.5
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    qkv = jax.random.normal(keys[0], (BATCH, LENGTH, 3 * HEADS * HEAD_DIM), jnp.bfloat16)
+    d_out = jax.random.normal(keys[1], (BATCH, LENGTH, HEADS * HEAD_DIM), jnp.bfloat16)
     from utils import dropout_attention
 
     default_tile = dropout_attention.block_size
     rows = []
     for name, attend, tile in variants():
-        step = jax.jit(jax.grad(lambda q, k, v, rng: jnp.sum((attend(q, k, v, rng) * d_out).astype(jnp.float32)),
-                                argnums=(0, 1, 2)))
+        step = jax.jit(jax.grad(lambda qkv, rng: jnp.sum((attend(qkv, rng) * d_out).astype(jnp.float32))))
         # The tile is fixed when the forward and backward kernels are traced: in the first call.
         dropout_attention.block_size = default_tile if tile is None else (lambda length, tile=tile: tile)
         try:
-            jax.block_until_ready(step(q, k, v, keys[4]))
+            jax.block_until_ready(step(qkv, keys[2]))
         finally:
             dropout_attention.block_size = default_tile
         times = []
         for _ in range(20):
             started = time.perf_counter()
-            jax.block_until_ready(step(q, k, v, keys[4]))
+            jax.block_until_ready(step(qkv, keys[2]))
             times.append(time.perf_counter() - started)
         rows.append({"attention": name, "forward_and_backward_ms": round(1000 * statistics.median(times), 3)})
         print(f"{name:24s} {rows[-1]['forward_and_backward_ms']:8.3f} ms", flush=True)

@@ -51,7 +51,7 @@ def test_the_kernel_is_masked_softmax_attention_on_every_real_token():
 
 
 def tiny_gpt2(**overrides):
-    config = GPT2Config(vocab_size=64, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2, **overrides)
+    config = GPT2Config(**{"vocab_size": 64, "n_positions": LENGTH, "n_embd": 32, "n_layer": 2, "n_head": 2, **overrides})
     return FlaxGPT2LMHeadModel(config, seed=0)
 
 
@@ -109,26 +109,47 @@ def dropped_attention(q, k, v, segments, seed, rate):
     return jnp.einsum("bhqk,bhkd->bhqd", jnp.where(kept, weights / (1 - rate), 0.0), v), kept
 
 
+def to_heads(x, heads):
+    """[batch, length, heads x head_dim] -> [batch, heads, length, head_dim]."""
+    batch, length, width = x.shape
+    return x.reshape(batch, length, heads, width // heads).transpose(0, 2, 1, 3)
+
+
+def from_heads(x):
+    batch, heads, length, head_dim = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(batch, length, heads * head_dim)
+
+
 @pytest.mark.parametrize("rate", [0.0, 0.25])
-def test_the_dropout_kernel_is_dropped_softmax_attention_with_its_gradients(rate):
+@pytest.mark.parametrize("heads, head_dim, packed", [(2, 16, False), (4, 64, True)], ids=["narrow", "packed"])
+def test_the_dropout_kernel_is_dropped_softmax_attention_with_its_gradients(rate, heads, head_dim, packed):
     """Three 128-token tiles: the causal skip, the running softmax across tiles and each tile's mask in the
-    forward and the backward kernel; a sequence padded on the left and one in two segments."""
+    forward and the backward kernel; a sequence padded on the left and one in two segments. Two heads
+    narrower than a block, and q, k, v side by side in one array with two heads to each 128-lane block."""
     length = 3 * LENGTH
     rng = np.random.default_rng(4)
-    q, k, v, d_out = (jnp.asarray(rng.normal(size=(2, 2, length, 16)), jnp.float32) for _ in range(4))
+    q, k, v, d_out = (jnp.asarray(rng.normal(size=(2, length, heads * head_dim)), jnp.float32) for _ in range(4))
     segments = np.ones((2, length), np.int32)
     segments[0, :150] = 0
     segments[1, 200:] = 2
     segments, seed = jnp.asarray(segments), jnp.asarray([77], jnp.int32)
+
+    def kernel(q, k, v):
+        if packed:
+            qkv = jnp.concatenate([q, k, v], axis=-1)
+            return dropout_attention.packed_dropout_attention(qkv, segments, seed, rate, heads, interpret=True)
+        return dropout_attention.dropout_attention(q, k, v, segments, seed, rate, heads, interpret=True)
+
+    def expected(q, k, v):
+        scaled = to_heads(q, heads) * head_dim ** -0.5
+        out, kept = dropped_attention(scaled, to_heads(k, heads), to_heads(v, heads), segments, seed[0], rate)
+        return from_heads(out), kept
+
     with jax.default_matmul_precision("highest"):
-        out = dropout_attention.dropout_attention(q, k, v, segments, seed, rate, interpret=True)
-        expected, kept = dropped_attention(q, k, v, segments, seed[0], rate)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-5)
-        grads = jax.grad(lambda *qkv: jnp.sum(dropout_attention.dropout_attention(*qkv, segments, seed, rate,
-                                                                                  interpret=True) * d_out),
-                         argnums=(0, 1, 2))(q, k, v)
-        expected_grads = jax.grad(lambda *qkv: jnp.sum(dropped_attention(*qkv, segments, seed[0], rate)[0] * d_out),
-                                  argnums=(0, 1, 2))(q, k, v)
+        want, kept = expected(q, k, v)
+        np.testing.assert_allclose(np.asarray(kernel(q, k, v)), np.asarray(want), atol=2e-5)
+        grads = jax.grad(lambda *qkv: jnp.sum(kernel(*qkv) * d_out), argnums=(0, 1, 2))(q, k, v)
+        expected_grads = jax.grad(lambda *qkv: jnp.sum(expected(*qkv)[0] * d_out), argnums=(0, 1, 2))(q, k, v)
     for got, want in zip(grads, expected_grads):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
     assert abs(float(kept.mean()) - (1 - rate)) < 0.01
@@ -143,23 +164,26 @@ def test_the_forward_and_backward_kernels_drop_the_same_weights():
     segments, seed = jnp.ones((batch, length), jnp.int32), jnp.asarray([5], jnp.int32)
     zeros = jnp.zeros((batch, heads, length, length), jnp.float32)
     identity = jnp.broadcast_to(jnp.eye(length, dtype=jnp.float32), zeros.shape)
-    shown = dropout_attention.dropout_attention(zeros, zeros, identity, segments, seed, rate, interpret)
+    shown = to_heads(dropout_attention.dropout_attention(from_heads(zeros), from_heads(zeros), from_heads(identity),
+                                                         segments, seed, rate, heads, interpret), heads)
     kept = np.asarray(shown) * np.arange(1, length + 1)[:, None] * (1 - rate) > 0.5
     causal = np.tril(np.ones((length, length), bool))
     assert abs(kept[:, :, causal].mean() - (1 - rate)) < 0.01 and not kept[:, :, ~causal].any()
     assert (kept[0, 0] != kept[0, 1])[causal].mean() > 0.2 and (kept[0, 0] != kept[1, 0])[causal].mean() > 0.2
 
     def masked(q, k, v):
-        scores = jnp.where(causal, jnp.einsum("bhqd,bhkd->bhqk", q, k), -jnp.inf)
-        return jnp.einsum("bhqk,bhkd->bhqd", jnp.where(kept, jax.nn.softmax(scores, -1) / (1 - rate), 0.0), v)
+        q, k, v = (to_heads(x, heads) for x in (q, k, v))
+        scores = jnp.where(causal, jnp.einsum("bhqd,bhkd->bhqk", q * length ** -0.5, k), -jnp.inf)
+        return from_heads(jnp.einsum("bhqk,bhkd->bhqd", jnp.where(kept, jax.nn.softmax(scores, -1) / (1 - rate), 0.0),
+                                     v))
 
     rng = np.random.default_rng(6)
-    q, k, v, d_out = (jnp.asarray(rng.normal(size=zeros.shape) * 0.1, jnp.float32) for _ in range(4))
+    q, k, v, d_out = (jnp.asarray(rng.normal(size=(batch, length, heads * length)), jnp.float32) for _ in range(4))
     with jax.default_matmul_precision("highest"):
-        out = dropout_attention.dropout_attention(q, k, v, segments, seed, rate, interpret)
+        out = dropout_attention.dropout_attention(q, k, v, segments, seed, rate, heads, interpret)
         want = np.asarray(masked(q, k, v))  # tolerances: 2% of the largest value (a TPU's float32 products)
         np.testing.assert_allclose(np.asarray(out), want, atol=0.02 * np.abs(want).max())
-        grads = jax.grad(lambda *qkv: jnp.sum(dropout_attention.dropout_attention(*qkv, segments, seed, rate,
+        grads = jax.grad(lambda *qkv: jnp.sum(dropout_attention.dropout_attention(*qkv, segments, seed, rate, heads,
                                                                                   interpret) * d_out), (0, 1, 2))(q, k, v)
         expected = jax.grad(lambda *qkv: jnp.sum(masked(*qkv) * d_out), (0, 1, 2))(q, k, v)
     for got, want in zip(grads, expected):
@@ -167,22 +191,25 @@ def test_the_forward_and_backward_kernels_drop_the_same_weights():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed")
-@pytest.mark.parametrize("length, head_dim", [(3 * LENGTH, 64), (8192, 128)])
-def test_the_dropout_kernels_compile_for_a_tpu(length, head_dim):
+@pytest.mark.parametrize("length, head_dim, packed", [(3 * LENGTH, 64, True), (8192, 128, False)])
+def test_the_dropout_kernels_compile_for_a_tpu(length, head_dim, packed):
     """Mosaic, the TPU kernel compiler, takes what the interpreter runs (it refuses, say, a generator
-    seeded with more than two numbers): the forward and the backward kernel, three tiles a row; and the
-    longest sequence `fits` promises keeps the backward kernel's dq within a v5e's VMEM."""
-    assert dropout_attention.fits(length, head_dim)
+    seeded with more than two numbers): the forward and the backward kernel, three tiles a row, two heads of
+    64 to a block read in place beside the keys and values; and the longest sequence `fits` promises keeps
+    the backward kernel's dq within a v5e's VMEM."""
+    heads = 4
+    assert dropout_attention.fits(length, heads, head_dim)
     device = tpu_plan.load("v5e-4").devices[0]
     placed = lambda shape, dtype: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
-    x = placed((1, 2, length, head_dim), jnp.bfloat16)
+    sources = [placed((1, length, heads * head_dim * (3 if packed else 1)), jnp.bfloat16)] * (1 if packed else 3)
+    segments, seed = placed((1, length), jnp.int32), placed((1,), jnp.int32)
 
-    def loss(q, k, v, segments, seed):
-        return jnp.sum(dropout_attention.dropout_attention(q, k, v, segments, seed, 0.1).astype(jnp.float32))
+    def loss(segments, seed, *sources):
+        attend = dropout_attention.packed_dropout_attention if packed else dropout_attention.dropout_attention
+        return jnp.sum(attend(*sources, segments, seed, 0.1, heads).astype(jnp.float32))
 
-    compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, x, x, placed((1, length), jnp.int32),
-                                                         placed((1,), jnp.int32)).compile()
+    compiled = jax.jit(jax.grad(loss, tuple(range(2, 2 + len(sources))))).lower(segments, seed, *sources).compile()
     assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2
 
 
@@ -199,10 +226,12 @@ def test_the_interpreters_dropout_bits_are_uniform_and_change_with_seed_and_tile
 
 
 @pytest.mark.parametrize("make_model", [partial(tiny_gpt2, attn_pdrop=0.5, resid_pdrop=0.0, embd_pdrop=0.0),
-                                        partial(tiny_llama, attention_dropout=0.5)], ids=["gpt2", "llama"])
+                                        partial(tiny_gpt2, attn_pdrop=0.5, resid_pdrop=0.0, embd_pdrop=0.0, n_embd=128),
+                                        partial(tiny_llama, attention_dropout=0.5)], ids=["gpt2", "gpt2_packed", "llama"])
 def test_a_training_call_with_attention_dropout_runs_the_dropout_kernel(make_model):
     """The kernel's masks are not the stock attention's, so the loss differs from the stock call's with the
-    same key; it is the same for the same key, and another key draws other masks."""
+    same key; it is the same for the same key, and another key draws other masks. A GPT-2 whose heads fill
+    128-lane blocks has the kernel read c_attn's output in place."""
     model = make_model()
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 64, size=(2, LENGTH)), jnp.int32)
     mask = jnp.asarray(padding_mask()[:2])
@@ -222,8 +251,9 @@ def test_attention_dropout_over_more_tokens_than_the_kernel_holds_runs_the_stock
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 64, size=(2, LENGTH)), jnp.int32)
     mask, rng = jnp.asarray(padding_mask()[:2]), jax.random.PRNGKey(3)
     stock = float(loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0])
-    head_dim = model.config.n_embd // model.config.n_head
-    monkeypatch.setattr(dropout_attention, "MAX_DQ_ELEMENTS", LENGTH * head_dim - 1)
+    heads = model.config.n_head
+    width = dropout_attention.group_width(heads, model.config.n_embd // heads)
+    monkeypatch.setattr(dropout_attention, "MAX_DQ_ELEMENTS", LENGTH * width - 1)
     attention.use_attention_kernels(model, interpret=True)
     assert float(loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0]) == stock
 

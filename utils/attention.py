@@ -41,6 +41,11 @@ def _kernel(heads, length, interpret):
         return splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
+def _segments(attention_mask, batch, length):
+    """The kernels' segment ids: 1 for real tokens, 0 for padding (all real without a mask)."""
+    return jnp.ones((batch, length), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+
+
 def causal_attention(query, key, value, attention_mask, interpret=False, dropout=None):
     """softmax(q k^T / sqrt(d) + causal and padding masks) v for [batch, length, heads, head_dim] inputs
     (keys and values with as many heads as the queries), in the queries' dtype. `attention_mask`
@@ -49,14 +54,14 @@ def causal_attention(query, key, value, attention_mask, interpret=False, dropout
     from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
 
     batch, length, heads, head_dim = query.shape
-    scaled = (query * jnp.asarray(head_dim ** -0.5, query.dtype)).transpose(0, 2, 1, 3)
-    key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
     if dropout is not None:
         rate, rng = dropout
-        segments = jnp.ones((batch, length), jnp.int32) if attention_mask is None else attention_mask
-        out = dropout_attention.dropout_attention(scaled, key, value, segments, dropout_attention.seed_of(rng), rate,
-                                                  interpret)
-        return out.transpose(0, 2, 1, 3).astype(query.dtype)
+        merged = (x.reshape(batch, length, heads * head_dim) for x in (query, key, value))  # no copy
+        out = dropout_attention.dropout_attention(*merged, _segments(attention_mask, batch, length),
+                                                  dropout_attention.seed_of(rng), rate, heads, interpret)
+        return out.reshape(query.shape).astype(query.dtype)
+    scaled = (query * jnp.asarray(head_dim ** -0.5, query.dtype)).transpose(0, 2, 1, 3)
+    key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
     kernel = _kernel(heads, length, interpret)
     if attention_mask is None:
         out = jax.vmap(kernel)(scaled, key, value)
@@ -72,7 +77,7 @@ def _plain_self_attention(module, length, init_cache, output_attentions, determi
     dropping = not deterministic and dropout_rate > 0.0
     return (length % BLOCK == 0 and not init_cache and not output_attentions
             and not module.has_variable("cache", "cached_key")
-            and (not dropping or dropout_attention.fits(length, module.head_dim)))
+            and (not dropping or dropout_attention.fits(length, module.num_heads, module.head_dim)))
 
 
 def _dropout(module, deterministic, rate):
@@ -83,11 +88,17 @@ def _dropout(module, deterministic, rate):
 
 def _gpt2(module, interpret, hidden_states, key_value_states=None, attention_mask=None, deterministic=True,
           init_cache=False, output_attentions=False):
-    query, key, value = jnp.split(module.c_attn(hidden_states), 3, axis=2)
-    query, key, value = (module._split_heads(x) for x in (query, key, value))
-    out = causal_attention(query, key, value, attention_mask, interpret,
-                           _dropout(module, deterministic, module.config.attn_pdrop))
-    out = module.c_proj(module._merge_heads(out))
+    qkv = module.c_attn(hidden_states)
+    dropout = _dropout(module, deterministic, module.config.attn_pdrop)
+    if dropout is not None and dropout_attention.packs(module.num_heads, module.head_dim):
+        rate, rng = dropout  # the flash kernel reads the queries, keys and values in place in c_attn's output
+        out = dropout_attention.packed_dropout_attention(qkv, _segments(attention_mask, *qkv.shape[:2]),
+                                                         dropout_attention.seed_of(rng), rate, module.num_heads,
+                                                         interpret)
+    else:
+        query, key, value = (module._split_heads(x) for x in jnp.split(qkv, 3, axis=2))
+        out = module._merge_heads(causal_attention(query, key, value, attention_mask, interpret, dropout))
+    out = module.c_proj(out)
     return (module.resid_dropout(out, deterministic=deterministic),)
 
 

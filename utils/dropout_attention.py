@@ -8,6 +8,13 @@ the forward kernel and the backward kernel (dq, dk and dv in one pass) seed the 
 the seed and the tile's number (`tile_number` of its batch, head, query tile and key tile) and draw
 the tile's bits in one call, so both see the same mask and none stores it.
 
+The kernels read q, k and v as the projections write them, [batch, length, heads x head_dim], in column
+blocks of 128 lanes (two heads of 64, one of 128): a [batch, heads, length, head_dim] layout would cost a
+transpose of each of them and of the output and gradients, and pads a head of 64 to 128 lanes in HBM
+(on a v5e chip those copies were ~10% of a GPT-2-small train step). Within a block, each head's products
+run over the block's whole width with the other heads' lanes zeroed, which costs a 128-wide MXU no more.
+GPT-2's fused c_attn output is read in place (`packed_dropout_attention`).
+
 The dropout is flax's `nn.Dropout` on the softmax'd weights (as transformers' Flax attention applies
 it): a weight is kept with probability 1 - rate and scaled by 1 / (1 - rate). The normaliser is the
 sum of the weights before dropout, so a tile's kept weights can go into the output before the row's
@@ -19,6 +26,7 @@ tile, which a test can draw for the whole matrix at once.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,14 +38,29 @@ SUBLANES = 8
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a score no query sees (finite: no inf - inf)
 
 
-# The backward kernel keeps a head's dq (length x head_dim, float32) in VMEM: 4 MiB of it fit beside the tiles
-# in the compiler's default VMEM budget (16,384 x 128 do not, on a v5e).
+# The backward kernel keeps a head group's dq (length x group width, float32) in VMEM: 4 MiB of it fit beside
+# the tiles in the compiler's default VMEM budget (16,384 x 128 do not, on a v5e).
 MAX_DQ_ELEMENTS = 8192 * 128
 
 
-def fits(length, head_dim):
-    """Whether the kernels take `length` tokens of `head_dim` per head (a multiple of 128, dq within VMEM)."""
-    return length % LANES == 0 and length * head_dim <= MAX_DQ_ELEMENTS
+def group_width(heads, head_dim):
+    """Lanes of the column blocks the kernels read: whole heads side by side, 128 lanes or one head if wider
+    (all the heads where they are narrower: a block as wide as its array is one the compiler takes)."""
+    return min(max(head_dim, LANES), heads * head_dim)
+
+
+def fits(length, heads, head_dim):
+    """Whether the kernels take `length` tokens of `heads` heads of `head_dim`: length a multiple of 128,
+    heads that fill 128-lane groups (head_dim dividing 128, or a multiple of it) or all of them narrower,
+    dq within VMEM."""
+    width = group_width(heads, head_dim)
+    return (length % LANES == 0 and width % head_dim == 0 and heads * head_dim % width == 0
+            and (width % LANES == 0 or width == heads * head_dim) and length * width <= MAX_DQ_ELEMENTS)
+
+
+def packs(heads, head_dim):
+    """Whether `packed_dropout_attention` reads q, k and v in place (its groups are whole 128-lane blocks)."""
+    return group_width(heads, head_dim) % LANES == 0
 
 
 def block_size(length):
@@ -78,14 +101,6 @@ def tile_number(batch, head, query_tile, key_tile, heads, tiles):
     return ((batch * heads + head) * tiles + query_tile) * tiles + key_tile
 
 
-def _grid_tile(swapped=False):
-    """This grid step's tile number (grid (batch, head, query tile, key tile), or key tile before query tile
-    when `swapped`). Read at the kernel's top: the interpreter gives grid positions only there."""
-    batch, head, first, second = (pl.program_id(axis) for axis in range(4))
-    query_tile, key_tile = (second, first) if swapped else (first, second)
-    return tile_number(batch, head, query_tile, key_tile, pl.num_programs(1), pl.num_programs(2))
-
-
 def tile_keep(seed_ref, rate, interpret, tile, shape):
     """The dropout mask (True: kept) of the tile numbered `tile`: the chip's generator seeded with (seed, tile),
     or in the interpreter `hashed_bits`."""
@@ -98,15 +113,36 @@ def tile_keep(seed_ref, rate, interpret, tile, shape):
     return bits >= keep_threshold(rate)
 
 
-def _tile_scores(q_ref, k_ref, q_segment_ref, kv_segment_ref, query_tile, key_tile):
-    """Scores of one tile (f32), with what the queries may not see at `MASKED`, and where they see."""
-    rows_count, columns_count = q_ref.shape[0], k_ref.shape[0]
-    scores = jax.lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
-    rows = query_tile * rows_count + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 0)
-    columns = key_tile * columns_count + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-    visible = (columns <= rows) & (_lanes(q_segment_ref[...], columns_count) == kv_segment_ref[:1, :])
-    return jnp.where(visible, scores, MASKED), visible
+def _visible(q_segment_ref, kv_segment_ref, query_tile, key_tile, block):
+    """Which keys of the (query tile, key tile) each query sees: the causal mask and its own segment."""
+    shape = (block, block)
+    rows = query_tile * block + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    columns = key_tile * block + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    return (columns <= rows) & (_lanes(q_segment_ref[...], block) == kv_segment_ref[:1, :])
+
+
+def _only(x, head, head_dim):
+    """`x` [rows, group width] with the lanes of the group's `head`-th head kept and the others zero: a
+    product over the whole width then sees that head alone (on a 128-wide MXU, no slower than over 64)."""
+    if x.shape[-1] == head_dim:
+        return x
+    lanes = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return jnp.where((lanes >= head * head_dim) & (lanes < (head + 1) * head_dim), x, jnp.zeros((), x.dtype))
+
+
+def _scale_head(x, factor, head, head_dim):
+    """`x` [rows, group width] with the lanes of `head` times `factor` (rows, 128), the others as they are."""
+    scaled = x * _lanes(factor, x.shape[-1])
+    if x.shape[-1] == head_dim:
+        return scaled
+    lanes = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return jnp.where((lanes >= head * head_dim) & (lanes < (head + 1) * head_dim), scaled, x)
+
+
+def _scores(q, k, visible):
+    """A tile's scores (f32), what its queries may not see at `MASKED`."""
+    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jnp.where(visible, scores, MASKED)
 
 
 def _lanes(stat, width):
@@ -115,9 +151,10 @@ def _lanes(stat, width):
 
 
 def _forward_kernel(seed_ref, q_ref, k_ref, v_ref, q_segment_ref, kv_segment_ref, out_ref, lse_ref,
-                    max_ref, sum_ref, acc_ref, *, rate, interpret):
-    query_tile, key_tile = pl.program_id(2), pl.program_id(3)
-    tile = _grid_tile()
+                    max_ref, sum_ref, acc_ref, *, rate, head_dim, scale, interpret):
+    batch, group, query_tile, key_tile = (pl.program_id(axis) for axis in range(4))
+    per_group, tiles = q_ref.shape[1] // head_dim, pl.num_programs(2)
+    heads = pl.num_programs(1) * per_group
 
     @pl.when(key_tile == 0)
     def _start():
@@ -127,55 +164,47 @@ def _forward_kernel(seed_ref, q_ref, k_ref, v_ref, q_segment_ref, kv_segment_ref
 
     @pl.when(key_tile <= query_tile)  # tiles above the diagonal are all masked
     def _accumulate():
-        scores, visible = _tile_scores(q_ref, k_ref, q_segment_ref, kv_segment_ref, query_tile,
-                                                      key_tile)
-        previous = max_ref[...]
-        running_max = jnp.maximum(previous, jnp.max(scores, axis=1, keepdims=True))
-        weights = jnp.where(visible, jnp.exp(scores - _lanes(running_max, scores.shape[1])), 0.0)
-        correction = jnp.exp(previous - running_max)
-        sum_ref[...] = correction * sum_ref[...] + jnp.sum(weights, axis=1, keepdims=True)
-        max_ref[...] = running_max
-        if rate:
-            weights = jnp.where(tile_keep(seed_ref, rate, interpret, tile, scores.shape), weights, 0.0)
-        update = jax.lax.dot(weights.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
-        acc_ref[...] = acc_ref[...] * _lanes(correction, acc_ref.shape[1]) + update
+        q, k, v = q_ref[...] * jnp.asarray(scale, q_ref.dtype), k_ref[...], v_ref[...]
+        visible = _visible(q_segment_ref, kv_segment_ref, query_tile, key_tile, q.shape[0])
+        for head in range(per_group):
+            scores = _scores(_only(q, head, head_dim), k, visible)
+            previous = max_ref[head]
+            running_max = jnp.maximum(previous, jnp.max(scores, axis=1, keepdims=True))
+            weights = jnp.where(visible, jnp.exp(scores - _lanes(running_max, scores.shape[1])), 0.0)
+            correction = jnp.exp(previous - running_max)
+            sum_ref[head] = correction * sum_ref[head] + jnp.sum(weights, axis=1, keepdims=True)
+            max_ref[head] = running_max
+            if rate:
+                tile = tile_number(batch, group * per_group + head, query_tile, key_tile, heads, tiles)
+                weights = jnp.where(tile_keep(seed_ref, rate, interpret, tile, scores.shape), weights, 0.0)
+            update = jax.lax.dot(weights.astype(v.dtype), _only(v, head, head_dim),
+                                 preferred_element_type=jnp.float32)
+            acc_ref[...] = _scale_head(acc_ref[...], correction, head, head_dim) + update
 
     @pl.when(key_tile == query_tile)  # the row's last visible tile
     def _finish():
-        total = sum_ref[...]
-        scale = 1.0 / (total * (1.0 - rate))
-        out_ref[...] = (acc_ref[...] * _lanes(scale, acc_ref.shape[1])).astype(out_ref.dtype)
-        lse_ref[...] = max_ref[...] + jnp.log(total)
+        out = acc_ref[...]
+        for head in range(per_group):
+            total = sum_ref[head]
+            out = _scale_head(out, 1.0 / (total * (1.0 - rate)), head, head_dim)
+            lse_ref[head] = max_ref[head] + jnp.log(total)
+        out_ref[...] = out.astype(out_ref.dtype)
 
 
-def _tile_gradients(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_segment_ref, kv_segment_ref,
-                    tile, query_tile, key_tile, rate, interpret):
-    """The tile's dropped weights (for dv) and the scores' gradient (for dq, dk), both f32."""
-    scores, visible = _tile_scores(q_ref, k_ref, q_segment_ref, kv_segment_ref, query_tile, key_tile)
-    weights = jnp.where(visible, jnp.exp(scores - _lanes(lse_ref[...], scores.shape[1])), 0.0)
-    d_dropped = jax.lax.dot_general(do_ref[...], v_ref[...], (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-    dropped = weights
-    if rate:
-        keep = tile_keep(seed_ref, rate, interpret, tile, scores.shape)
-        dropped = jnp.where(keep, weights * (1.0 / (1.0 - rate)), 0.0)
-        d_dropped = jnp.where(keep, d_dropped * (1.0 / (1.0 - rate)), 0.0)
-    d_scores = weights * (d_dropped - _lanes(delta_ref[...], scores.shape[1]))
-    return dropped, d_scores
-
-
-def _backward_kernel(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_segment_ref, kv_segment_ref,
-                     dq_ref, dk_ref, dv_ref, dq_acc_ref, dk_acc_ref, dv_acc_ref, *, rate, interpret):
+def _backward_kernel(seed_ref, q_ref, k_ref, v_ref, out_ref, do_ref, lse_ref, q_segment_ref, kv_segment_ref,
+                     dq_ref, dk_ref, dv_ref, dq_acc_ref, dk_acc_ref, dv_acc_ref, *, rate, head_dim, scale,
+                     interpret):
     """dq, dk and dv in one pass over the tiles, key tile by key tile: each tile's scores, weights and mask
     are formed once for all three (a dq kernel of its own would form them again). dk and dv of the key
-    tile accumulate over the query tiles; dq of the whole sequence stays in VMEM until the head is done."""
-    key_tile, query_tile = pl.program_id(2), pl.program_id(3)
-    tile = _grid_tile(swapped=True)
-    last = pl.num_programs(3) - 1
+    tile accumulate over the query tiles; dq of the whole sequence stays in VMEM until the group is done."""
+    batch, group, key_tile, query_tile = (pl.program_id(axis) for axis in range(4))
+    per_group, tiles = q_ref.shape[1] // head_dim, pl.num_programs(3)
+    heads = pl.num_programs(1) * per_group
+    last = tiles - 1
     block = q_ref.shape[0]
 
     @pl.when((key_tile == 0) & (query_tile == 0))
-    def _start_head():
+    def _start_group():
         dq_acc_ref[...] = jnp.zeros(dq_acc_ref.shape, jnp.float32)
 
     @pl.when(query_tile == 0)
@@ -185,15 +214,31 @@ def _backward_kernel(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, 
 
     @pl.when(query_tile >= key_tile)  # query tiles before the key tile see none of its keys
     def _accumulate():
-        dropped, d_scores = _tile_gradients(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_segment_ref,
-                                            kv_segment_ref, tile, query_tile, key_tile, rate, interpret)
+        q, k, v, d_out = q_ref[...] * jnp.asarray(scale, q_ref.dtype), k_ref[...], v_ref[...], do_ref[...]
+        visible = _visible(q_segment_ref, kv_segment_ref, query_tile, key_tile, block)
+        # rowsum(dO o O) per head (the softmax's gradient term), from the output's tile
+        products = d_out.astype(jnp.float32) * out_ref[...].astype(jnp.float32)
         transposed = (((0,), (0,)), ((), ()))
-        dv_acc_ref[...] += jax.lax.dot_general(dropped.astype(do_ref.dtype), do_ref[...], transposed,
+        for head in range(per_group):
+            q_head, d_out_head = _only(q, head, head_dim), _only(d_out, head, head_dim)
+            scores = _scores(q_head, k, visible)
+            weights = jnp.where(visible, jnp.exp(scores - _lanes(lse_ref[head], block)), 0.0)
+            d_dropped = jax.lax.dot_general(d_out_head, v, (((1,), (1,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
+            dropped = weights
+            if rate:
+                tile = tile_number(batch, group * per_group + head, query_tile, key_tile, heads, tiles)
+                keep = tile_keep(seed_ref, rate, interpret, tile, scores.shape)
+                dropped = jnp.where(keep, weights * (1.0 / (1.0 - rate)), 0.0)
+                d_dropped = jnp.where(keep, d_dropped * (1.0 / (1.0 - rate)), 0.0)
+            delta = jnp.sum(_only(products, head, head_dim), axis=1, keepdims=True)
+            d_scores = (weights * (d_dropped - delta)).astype(q.dtype)
+            dv_acc_ref[...] += jax.lax.dot_general(dropped.astype(d_out.dtype), d_out_head, transposed,
+                                                   preferred_element_type=jnp.float32)
+            dk_acc_ref[...] += jax.lax.dot_general(d_scores, q_head, transposed, preferred_element_type=jnp.float32)
+            rows = pl.ds(pl.multiple_of(query_tile * block, block), block)
+            dq_acc_ref[rows, :] += jax.lax.dot(d_scores, _only(k, head, head_dim),
                                                preferred_element_type=jnp.float32)
-        d_scores = d_scores.astype(q_ref.dtype)
-        dk_acc_ref[...] += jax.lax.dot_general(d_scores, q_ref[...], transposed, preferred_element_type=jnp.float32)
-        rows = pl.ds(pl.multiple_of(query_tile * block, block), block)
-        dq_acc_ref[rows, :] += jax.lax.dot(d_scores, k_ref[...], preferred_element_type=jnp.float32)
 
     @pl.when(query_tile == last)
     def _finish_key_tile():
@@ -201,8 +246,8 @@ def _backward_kernel(seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, 
         dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
 
     @pl.when((key_tile == last) & (query_tile == last))
-    def _finish_head():
-        dq_ref[...] = dq_acc_ref[...].astype(dq_ref.dtype)
+    def _finish_group():
+        dq_ref[...] = (dq_acc_ref[...] * scale).astype(dq_ref.dtype)  # the gradient of the unscaled queries
 
 
 def _segment_layouts(segments):
@@ -213,91 +258,147 @@ def _segment_layouts(segments):
             jnp.broadcast_to(segments[:, None, :], (batch, SUBLANES, length)))
 
 
-def _specs(block, head_dim, row_tile, column_tile):
-    """Block specs of q, k, v-shaped inputs and the row/column statistics for a grid whose tile indices are
-    picked by `row_tile(grid...)` (the query tile) and `column_tile(grid...)` (the key tile)."""
-    rows = pl.BlockSpec((None, None, block, head_dim), lambda b, h, i, j, seed: (b, h, row_tile(i, j), 0))
-    columns = pl.BlockSpec((None, None, block, head_dim), lambda b, h, i, j, seed: (b, h, column_tile(i, j), 0))
-    row_stat = pl.BlockSpec((None, None, block, LANES), lambda b, h, i, j, seed: (b, h, row_tile(i, j), 0))
-    q_segment = pl.BlockSpec((None, block, LANES), lambda b, h, i, j, seed: (b, row_tile(i, j), 0))
-    kv_segment = pl.BlockSpec((None, SUBLANES, block), lambda b, h, i, j, seed: (b, 0, column_tile(i, j)))
-    return rows, columns, row_stat, q_segment, kv_segment
+class _Grid(NamedTuple):
+    """What the kernels' block specs need: tile, group width, heads per group and each source's column offset
+    (in groups)."""
+    block: int
+    width: int
+    per_group: int
+    offsets: tuple
 
 
-def _forward(q, k, v, segments, seed, rate, interpret):
-    batch, heads, length, head_dim = q.shape
-    block = block_size(length)
-    tiles = length // block
+def _specs(grid, row_tile, column_tile):
+    """Block specs for a grid (batch, group, i, j) whose query tile is `row_tile(i, j)` and key tile
+    `column_tile(i, j)`: q, k and v from their sources, [batch, length, heads x head_dim] rows and columns
+    (outputs, their gradients), the per-head row statistics and the segments."""
+    block, width = grid.block, grid.width
+    q_offset, k_offset, v_offset = grid.offsets
+
+    def source(offset, tile):
+        return pl.BlockSpec((None, block, width), lambda b, g, i, j, seed: (b, tile(i, j), offset + g))
+
+    rows = pl.BlockSpec((None, block, width), lambda b, g, i, j, seed: (b, row_tile(i, j), g))
+    columns = pl.BlockSpec((None, block, width), lambda b, g, i, j, seed: (b, column_tile(i, j), g))
+    row_stat = pl.BlockSpec((None, grid.per_group, block, LANES), lambda b, g, i, j, seed: (b, g, row_tile(i, j), 0))
+    q_segment = pl.BlockSpec((None, block, LANES), lambda b, g, i, j, seed: (b, row_tile(i, j), 0))
+    kv_segment = pl.BlockSpec((None, SUBLANES, block), lambda b, g, i, j, seed: (b, 0, column_tile(i, j)))
+    return (source(q_offset, row_tile), source(k_offset, column_tile), source(v_offset, column_tile), rows, columns,
+            row_stat, q_segment, kv_segment)
+
+
+def _forward(sources, segments, seed, rate, heads, offsets, interpret):
+    q_source, k_source, v_source = sources
+    batch, length, _ = q_source.shape
+    width, head_dim = _widths(q_source, heads, offsets)
+    grid = _Grid(block_size(length), width, width // head_dim, offsets)
+    tiles, groups = length // grid.block, heads * head_dim // width
     # A key tile above the diagonal is skipped: its index stays at the diagonal's, so nothing is fetched.
-    rows, columns, row_stat, q_segment, kv_segment = _specs(block, head_dim, lambda i, j: i,
-                                                            lambda i, j: jnp.minimum(i, j))
-    kernel = functools.partial(_forward_kernel, rate=rate, interpret=interpret)
+    q_spec, k_spec, v_spec, rows, _, row_stat, q_segment, kv_segment = _specs(grid, lambda i, j: i,
+                                                                              lambda i, j: jnp.minimum(i, j))
+    kernel = functools.partial(_forward_kernel, rate=rate, head_dim=head_dim, scale=head_dim ** -0.5,
+                               interpret=interpret)
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(batch, heads, tiles, tiles),
-            in_specs=[rows, columns, columns, q_segment, kv_segment], out_specs=[rows, row_stat],
-            scratch_shapes=[pltpu.VMEM((block, LANES), jnp.float32), pltpu.VMEM((block, LANES), jnp.float32),
-                            pltpu.VMEM((block, head_dim), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+            num_scalar_prefetch=1, grid=(batch, groups, tiles, tiles),
+            in_specs=[q_spec, k_spec, v_spec, q_segment, kv_segment], out_specs=[rows, row_stat],
+            scratch_shapes=[pltpu.VMEM((grid.per_group, grid.block, LANES), jnp.float32),
+                            pltpu.VMEM((grid.per_group, grid.block, LANES), jnp.float32),
+                            pltpu.VMEM((grid.block, width), jnp.float32)]),
+        out_shape=[jax.ShapeDtypeStruct((batch, length, heads * head_dim), q_source.dtype),
                    jax.ShapeDtypeStruct((batch, heads, length, LANES), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
-    )(seed, q, k, v, *_segment_layouts(segments))
+    )(seed, q_source, k_source, v_source, *_segment_layouts(segments))
     return out, lse[..., 0]
 
 
-def _backward(q, k, v, segments, seed, out, lse, d_out, rate, interpret):
-    batch, heads, length, head_dim = q.shape
-    block = block_size(length)
-    tiles = length // block
-    delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # rowsum(dO o O)
-    stats = [jnp.broadcast_to(x[..., None], (batch, heads, length, LANES)) for x in (lse, delta)]
-    # Grid (b, h, key tile, query tile); a query tile before the key tile is skipped: its index stays at the
-    # key tile's, so nothing is fetched. dq's block is the head's whole sequence, written once per head.
-    rows, columns, row_stat, q_segment, kv_segment = _specs(block, head_dim, lambda i, j: jnp.maximum(i, j),
-                                                            lambda i, j: i)
-    whole = pl.BlockSpec((None, None, length, head_dim), lambda b, h, i, j, seed: (b, h, 0, 0))
+def _backward(sources, segments, seed, out, lse, d_out, rate, heads, offsets, interpret):
+    q_source = sources[0]
+    batch, length, _ = q_source.shape
+    width, head_dim = _widths(q_source, heads, offsets)
+    grid = _Grid(block_size(length), width, width // head_dim, offsets)
+    tiles, groups = length // grid.block, heads * head_dim // width
+    lse = jnp.broadcast_to(lse[..., None], (batch, heads, length, LANES))
+    # Grid (b, group, key tile, query tile); a query tile before the key tile is skipped: its index stays at
+    # the key tile's, so nothing is fetched. dq's block is the group's whole sequence, written once per group.
+    q_spec, k_spec, v_spec, rows, columns, row_stat, q_segment, kv_segment = _specs(
+        grid, lambda i, j: jnp.maximum(i, j), lambda i, j: i)
+    whole = pl.BlockSpec((None, length, width), lambda b, g, i, j, seed: (b, 0, g))
+    shape = jax.ShapeDtypeStruct((batch, length, heads * head_dim), q_source.dtype)
     return pl.pallas_call(
-        functools.partial(_backward_kernel, rate=rate, interpret=interpret),
+        functools.partial(_backward_kernel, rate=rate, head_dim=head_dim, scale=head_dim ** -0.5,
+                          interpret=interpret),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(batch, heads, tiles, tiles),
-            in_specs=[rows, columns, columns, rows, row_stat, row_stat, q_segment, kv_segment],
+            num_scalar_prefetch=1, grid=(batch, groups, tiles, tiles),
+            in_specs=[q_spec, k_spec, v_spec, rows, rows, row_stat, q_segment, kv_segment],
             out_specs=[whole, columns, columns],
-            scratch_shapes=[pltpu.VMEM((length, head_dim), jnp.float32), pltpu.VMEM((block, head_dim), jnp.float32),
-                            pltpu.VMEM((block, head_dim), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)],
-        # dq of a head is carried across its key tiles: they run in order, on one core
+            scratch_shapes=[pltpu.VMEM((length, width), jnp.float32), pltpu.VMEM((grid.block, width), jnp.float32),
+                            pltpu.VMEM((grid.block, width), jnp.float32)]),
+        out_shape=[shape, shape, shape],
+        # dq of a group is carried across its key tiles: they run in order, on one core
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
-    )(seed, q, k, v, d_out, *stats, *_segment_layouts(segments))
+    )(seed, *sources, out, d_out, lse, *_segment_layouts(segments))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, segments, seed, rate, interpret):
-    return _forward(q, k, v, segments, seed, rate, interpret)[0]
+def _widths(q_source, heads, offsets):
+    """(group width, head_dim) of the sources' heads."""
+    packed = offsets != (0, 0, 0)
+    head_dim = q_source.shape[-1] // (3 if packed else 1) // heads
+    return group_width(heads, head_dim), head_dim
 
 
-def _attention_forward(q, k, v, segments, seed, rate, interpret):
-    out, lse = _forward(q, k, v, segments, seed, rate, interpret)
-    return out, (q, k, v, segments, seed, out, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention(sources, segments, seed, rate, heads, packed, interpret):
+    return _forward(_three(sources), segments, seed, rate, heads, _offsets(sources, heads, packed), interpret)[0]
 
 
-def _attention_backward(rate, interpret, residuals, d_out):
-    q, k, v, segments, seed, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, segments, seed, out, lse, d_out, rate, interpret)
-    return dq, dk, dv, None, None
+def _three(sources):
+    return sources * 3 if len(sources) == 1 else sources
+
+
+def _offsets(sources, heads, packed):
+    """Each of q, k and v's column offset in its source, in groups: GPT-2's c_attn output holds all three."""
+    if not packed:
+        return (0, 0, 0)
+    width = sources[0].shape[-1] // 3
+    groups = width // group_width(heads, width // heads)
+    return (0, groups, 2 * groups)
+
+
+def _attention_forward(sources, segments, seed, rate, heads, packed, interpret):
+    out, lse = _forward(_three(sources), segments, seed, rate, heads, _offsets(sources, heads, packed), interpret)
+    return out, (sources, segments, seed, out, lse)
+
+
+def _attention_backward(rate, heads, packed, interpret, residuals, d_out):
+    sources, segments, seed, out, lse = residuals
+    dq, dk, dv = _backward(_three(sources), segments, seed, out, lse, d_out, rate, heads,
+                           _offsets(sources, heads, packed), interpret)
+    grads = (jnp.concatenate([dq, dk, dv], axis=-1),) if packed else (dq, dk, dv)
+    return grads, None, None
 
 
 _attention.defvjp(_attention_forward, _attention_backward)
 
 
-def dropout_attention(query, key, value, segments, seed, rate, interpret=False):
-    """softmax(q k^T + causal mask, restricted to equal `segments`) with dropout at `rate`, times v.
+def dropout_attention(query, key, value, segments, seed, rate, heads, interpret=False):
+    """softmax(q k^T / sqrt(head_dim) + causal mask, restricted to equal `segments`) with dropout at `rate`,
+    times v, per head.
 
-    `query` (already scaled), `key`, `value`: [batch, heads, length, head_dim], length a multiple of 128;
-    `segments`: [batch, length] int32 (a query sees the keys before it in its own segment); `seed`: an
-    int32 array of shape (1,), the mask's seed. Differentiable in query, key and value.
+    `query`, `key`, `value`: [batch, length, heads x head_dim], each token's heads side by side as the
+    projections make them (no transposes: the kernels read whole heads from 128-lane column blocks), length a
+    multiple of 128 and `fits`; `segments`: [batch, length] int32 (a query sees the keys before it in its
+    own segment); `seed`: an int32 array of shape (1,), the mask's seed. Returns [batch, length, heads x
+    head_dim]. Differentiable in query, key and value.
     """
-    return _attention(query, key, value, segments.astype(jnp.int32), seed.astype(jnp.int32), float(rate),
+    return _attention((query, key, value), segments.astype(jnp.int32), seed.astype(jnp.int32), float(rate),
+                      int(heads), False, bool(interpret))
+
+
+def packed_dropout_attention(qkv, segments, seed, rate, heads, interpret=False):
+    """`dropout_attention` of the queries, keys and values side by side in `qkv` [batch, length, 3 x heads x
+    head_dim] (GPT-2's c_attn output), read in place: no slice of it is written out. Where `packs`."""
+    return _attention((qkv,), segments.astype(jnp.int32), seed.astype(jnp.int32), float(rate), int(heads), True,
                       bool(interpret))
