@@ -225,8 +225,8 @@ class TrainingArguments:
     gradient_checkpointing: bool = _help("Recompute activations in the backward pass to save memory.", default=False)
     attention: str = _help(
         "The causal self-attention kernel of GPT-2 and Llama models: 'splash' (Pallas' TPU kernels, which never "
-        "write the score matrix out: JAX's splash kernel, and while training with attention dropout a flash kernel "
-        "that draws the dropout mask on the chip; for generation, a sliding window or lengths not a multiple of "
+        "write the score matrix out: a flash kernel that draws any attention dropout mask on the chip, for GPT-2 "
+        "always and for Llama while training with attention dropout, and JAX's splash kernel otherwise; for generation, a sliding window or lengths not a multiple of "
         "128 the stock attention runs), 'xla' (the stock attention), or 'auto': splash on TPUs under --sharding dp.", default="auto")
     scan_layers: str = _help(
         "Run the layer stack of GPT-2, Llama, Mistral and Gemma models under jax.lax.scan, one layer traced and "

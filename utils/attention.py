@@ -3,11 +3,13 @@
 transformers' Flax attention forms the whole [batch, heads, length, length] score matrix, masks it and
 takes its softmax in HBM: at 1024 tokens that traffic, not the products, is the time (a GPT-2 layer,
 forward and backward on a v5e chip: 6.3 ms; JAX's splash kernel, which never writes the scores out,
-3.3 ms). `use_splash_attention(model)` routes the self-attention of the models' training and scoring
+3.3 ms). `use_attention_kernels(model)` routes the self-attention of the models' training and scoring
 calls through a kernel, with the causal mask and the padding mask (as segment ids: a real token sees
-only the real tokens before it, as the stock mask has it) and the same scale: JAX's splash kernel, or
-`utils.dropout_attention`'s flash kernel, which draws the dropout mask tile by tile on the chip, while
-training with attention dropout (splash has none). Where the kernels would compute something else,
+only the real tokens before it, as the stock mask has it) and the same scale: `utils.dropout_attention`'s
+flash kernel, which draws the dropout mask tile by tile on the chip, while training with attention dropout
+(JAX's splash kernel has none), and for GPT-2, whose c_attn output it reads in place, always (a GPT-2-small
+layer without dropout on a v5e chip: 3.79 ms forward and backward, splash with the transposes it needs
+5.10 ms); JAX's splash kernel otherwise. Where the kernels would compute something else,
 the stock call runs: a generation cache, attention weights asked for, cross-attention, a sliding
 window, a length that is not a whole number of 128-token blocks, or attention dropout over more
 tokens than the flash kernel's backward pass holds (`dropout_attention.fits`).
@@ -90,11 +92,14 @@ def _gpt2(module, interpret, hidden_states, key_value_states=None, attention_mas
           init_cache=False, output_attentions=False):
     qkv = module.c_attn(hidden_states)
     dropout = _dropout(module, deterministic, module.config.attn_pdrop)
-    if dropout is not None and dropout_attention.packs(module.num_heads, module.head_dim):
-        rate, rng = dropout  # the flash kernel reads the queries, keys and values in place in c_attn's output
-        out = dropout_attention.packed_dropout_attention(qkv, _segments(attention_mask, *qkv.shape[:2]),
-                                                         dropout_attention.seed_of(rng), rate, module.num_heads,
-                                                         interpret)
+    batch, length, _ = qkv.shape
+    if (dropout_attention.packs(module.num_heads, module.head_dim)
+            and dropout_attention.fits(length, module.num_heads, module.head_dim)):
+        # the flash kernel reads the queries, keys and values in place in c_attn's output (without dropout
+        # too: splash would need them transposed)
+        rate, seed = (dropout[0], dropout_attention.seed_of(dropout[1])) if dropout else (0.0, jnp.zeros(1, jnp.int32))
+        out = dropout_attention.packed_dropout_attention(qkv, _segments(attention_mask, batch, length), seed, rate,
+                                                         module.num_heads, interpret)
     else:
         query, key, value = (module._split_heads(x) for x in jnp.split(qkv, 3, axis=2))
         out = module._merge_heads(causal_attention(query, key, value, attention_mask, interpret, dropout))

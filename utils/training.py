@@ -93,7 +93,8 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
         enable_gradient_checkpointing(model)
     if attention.choose(training_args.attention, model, layout.platform, layout.name):
         attention.use_attention_kernels(model, interpret=layout.platform != "tpu")  # the interpreter: tests on CPUs
-        logger.info("attention: Pallas kernels (splash; flash with the mask drawn in the kernel under attention dropout)")
+        logger.info("attention: Pallas kernels (flash, any dropout mask drawn in the kernel; splash for other "
+                    "families' attention without dropout)")
     if layer_scan.choose(training_args.scan_layers, model, layout.platform, layout.name):
         layer_scan.scan_layers(model, checkpointed=training_args.gradient_checkpointing)
         logger.info("layers: the %d layers run under jax.lax.scan, one traced and compiled (--scan_layers)",
