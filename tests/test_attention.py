@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from transformers import BertConfig, FlaxBertForMaskedLM, FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, GPT2Config, \
-    LlamaConfig
+from transformers import BertConfig, DistilBertConfig, FlaxBertForMaskedLM, FlaxDistilBertForMaskedLM, \
+    FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, FlaxRobertaForMaskedLM, GPT2Config, LlamaConfig, RobertaConfig
 
 from tests.script_runner import read_metrics, run_script
 from utils import attention, compat, dropout_attention, remat, tpu_plan
@@ -62,6 +62,52 @@ def tiny_llama(**overrides):
     return FlaxLlamaForCausalLM(config, seed=0)
 
 
+def tiny_bert(family="bert", **overrides):
+    """A BERT (or RoBERTa) encoder whose two heads of 64 fill a 128-lane block."""
+    config_class, model_class = ((BertConfig, FlaxBertForMaskedLM) if family == "bert"
+                                 else (RobertaConfig, FlaxRobertaForMaskedLM))
+    config = config_class(**{"vocab_size": 64, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                             "intermediate_size": 64, "max_position_embeddings": LENGTH + 2, **overrides})
+    return model_class(config, seed=0)
+
+
+def masked_lm_loss_and_grads(model, ids, mask, **call):
+    """Mean cross-entropy of every real token's prediction, and its gradient."""
+    def loss(params):
+        logits = model(ids, attention_mask=mask, params=params, **call).logits
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), ids[..., None], -1)[..., 0]
+        return -(picked * mask).sum() / mask.sum()
+    return jax.value_and_grad(loss)(model.params)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_an_encoder_computes_the_same_loss_and_gradients_through_the_bidirectional_kernel(family):
+    """Without dropout: the stock encoder's loss and gradients, sequences padded on either side; and with a
+    head mask. With attention dropout: the kernel's masks."""
+    model = tiny_bert(family, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
+    ids = jnp.asarray(np.random.default_rng(1).integers(3, 64, size=(3, LENGTH)), jnp.int32)
+    mask = jnp.asarray(padding_mask())
+    stock = masked_lm_loss_and_grads(model, ids, mask)
+    stock_with_head_mask = masked_lm_loss_and_grads(model, ids, mask, head_mask=jnp.asarray([[1.0, 0.0], [0.5, 1.0]]))
+    attention.use_attention_kernels(model, interpret=True)
+    routed = masked_lm_loss_and_grads(model, ids, mask)
+    np.testing.assert_allclose(float(routed[0]), float(stock[0]), rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(routed[1]), jax.tree_util.tree_leaves(stock[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    head_mask = jnp.asarray([[1.0, 0.0], [0.5, 1.0]])  # a head left out, one halved
+    np.testing.assert_allclose(float(masked_lm_loss_and_grads(model, ids, mask, head_mask=head_mask)[0]),
+                               float(stock_with_head_mask[0]), rtol=1e-5)
+    # with attention dropout, the kernel's masks (not the stock call's): the same for a key, others for another
+    model = tiny_bert(family, hidden_dropout_prob=0.0)
+    rng, other = jax.random.PRNGKey(3), jax.random.PRNGKey(4)
+    stock_dropped = float(masked_lm_loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0])
+    attention.use_attention_kernels(model, interpret=True)
+    dropped = float(masked_lm_loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0])
+    assert np.isfinite(dropped) and dropped not in (float(stock[0]), stock_dropped)
+    assert float(masked_lm_loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0]) == dropped
+    assert float(masked_lm_loss_and_grads(model, ids, mask, train=True, dropout_rng=other)[0]) != dropped
+
+
 def loss_and_grads(model, ids, mask, **call):
     """Mean cross-entropy of the next real token, and its gradient."""
     def loss(params):
@@ -91,16 +137,18 @@ def test_a_model_computes_the_same_loss_and_gradients_through_the_kernel(make_mo
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
 
 
-def dropped_attention(q, k, v, segments, seed, rate):
-    """softmax(q k^T) over the keys before the query in its segment, weights dropped where the interpreter's
-    bits (`hashed_bits` of the seed, the number of the kernel's tile and the place in it) fall below
-    rate * 2^31 and the rest scaled by 1 / (1 - rate), times v; [batch, heads, length, head_dim], written
-    with jnp to be differentiated."""
+def dropped_attention(q, k, v, segments, seed, rate, key_segments=None, causal=True):
+    """softmax(q k^T) over the keys before the query in its segment (`key_segments`: the keys', where they
+    differ from the queries'; not `causal`: after it too), weights dropped where the interpreter's bits
+    (`hashed_bits` of the seed, the number of the kernel's tile and the place in it) fall below rate * 2^31
+    and the rest scaled by 1 / (1 - rate), times v; [batch, heads, length, head_dim], written with jnp to be
+    differentiated."""
     batch, heads, length, _ = q.shape
     positions = jnp.arange(length)
     block = dropout_attention.block_size(length)
-    allowed = ((positions[None, :] <= positions[:, None])[None, None]
-               & (segments[:, None, :, None] == segments[:, None, None, :]))
+    key_segments = segments if key_segments is None else key_segments
+    allowed = ((positions[None, :] <= positions[:, None] if causal else True)
+               & (segments[:, None, :, None] == key_segments[:, None, None, :]))
     scores = jnp.where(allowed, jnp.einsum("bhqd,bhkd->bhqk", q, k), -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1)
     rows, columns = positions[:, None], positions[None, :]
@@ -120,6 +168,19 @@ def to_heads(x, heads):
 def from_heads(x):
     batch, heads, length, head_dim = x.shape
     return x.transpose(0, 2, 1, 3).reshape(batch, length, heads * head_dim)
+
+
+def assert_kernel_is(kernel, expected, qkv, d_out, rate):
+    """`kernel(q, k, v)` and its three gradients (of sum(out * d_out)) are `expected(q, k, v)`'s (whose
+    second output is the kept mask, kept at 1 - `rate`)."""
+    with jax.default_matmul_precision("highest"):
+        want, kept = expected(*qkv)
+        np.testing.assert_allclose(np.asarray(kernel(*qkv)), np.asarray(want), atol=2e-5)
+        grads = jax.grad(lambda *qkv: jnp.sum(kernel(*qkv) * d_out), argnums=(0, 1, 2))(*qkv)
+        expected_grads = jax.grad(lambda *qkv: jnp.sum(expected(*qkv)[0] * d_out), argnums=(0, 1, 2))(*qkv)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+    assert abs(float(kept.mean()) - (1 - rate)) < 0.01
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.25])
@@ -147,14 +208,31 @@ def test_the_dropout_kernel_is_dropped_softmax_attention_with_its_gradients(rate
         out, kept = dropped_attention(scaled, to_heads(k, heads), to_heads(v, heads), segments, seed[0], rate)
         return from_heads(out), kept
 
-    with jax.default_matmul_precision("highest"):
-        want, kept = expected(q, k, v)
-        np.testing.assert_allclose(np.asarray(kernel(q, k, v)), np.asarray(want), atol=2e-5)
-        grads = jax.grad(lambda *qkv: jnp.sum(kernel(*qkv) * d_out), argnums=(0, 1, 2))(q, k, v)
-        expected_grads = jax.grad(lambda *qkv: jnp.sum(expected(*qkv)[0] * d_out), argnums=(0, 1, 2))(q, k, v)
-    for got, want in zip(grads, expected_grads):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
-    assert abs(float(kept.mean()) - (1 - rate)) < 0.01
+    assert_kernel_is(kernel, expected, (q, k, v), d_out, rate)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.25])
+def test_the_bidirectional_kernel_sees_every_real_key_with_its_gradients(rate):
+    """An encoder's attention: each query, padding ones too, over every real key of its sequence, before and
+    after it; a sequence padded on the left and one on the right."""
+    heads, head_dim, length = 2, 64, 3 * LENGTH
+    rng = np.random.default_rng(5)
+    q, k, v, d_out = (jnp.asarray(rng.normal(size=(2, length, heads * head_dim)), jnp.float32) for _ in range(4))
+    key_mask = np.ones((2, length), np.int32)
+    key_mask[0, :150] = 0
+    key_mask[1, 300:] = 0
+    key_mask, seed = jnp.asarray(key_mask), jnp.asarray([9], jnp.int32)
+
+    def kernel(q, k, v):
+        return dropout_attention.bidirectional_dropout_attention(q, k, v, key_mask, seed, rate, heads, interpret=True)
+
+    def expected(q, k, v):
+        scaled = to_heads(q, heads) * head_dim ** -0.5
+        out, kept = dropped_attention(scaled, to_heads(k, heads), to_heads(v, heads), jnp.ones_like(key_mask),
+                                      seed[0], rate, key_segments=key_mask, causal=False)
+        return from_heads(out), kept
+
+    assert_kernel_is(kernel, expected, (q, k, v), d_out, rate)
 
 
 def test_the_forward_and_backward_kernels_drop_the_same_weights():
@@ -193,22 +271,25 @@ def test_the_forward_and_backward_kernels_drop_the_same_weights():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed")
-@pytest.mark.parametrize("length, head_dim, packed", [(3 * LENGTH, 64, True), (8192, 128, False)])
-def test_the_dropout_kernels_compile_for_a_tpu(length, head_dim, packed):
+@pytest.mark.parametrize("length, head_dim, call", [(3 * LENGTH, 64, "packed"), (3 * LENGTH, 64, "bidirectional"),
+                                                   (8192, 128, "causal")])
+def test_the_dropout_kernels_compile_for_a_tpu(length, head_dim, call):
     """Mosaic, the TPU kernel compiler, takes what the interpreter runs (it refuses, say, a generator
     seeded with more than two numbers): the forward and the backward kernel, three tiles a row, two heads of
-    64 to a block read in place beside the keys and values; and the longest sequence `fits` promises keeps
-    the backward kernel's dq within a v5e's VMEM."""
+    64 to a block read in place beside the keys and values, and without the causal mask; and the longest
+    sequence `fits` promises keeps the backward kernel's dq within a v5e's VMEM."""
     heads = 4
     assert dropout_attention.fits(length, heads, head_dim)
     device = tpu_plan.load("v5e-4").devices[0]
     placed = lambda shape, dtype: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+    packed = call == "packed"
     sources = [placed((1, length, heads * head_dim * (3 if packed else 1)), jnp.bfloat16)] * (1 if packed else 3)
     segments, seed = placed((1, length), jnp.int32), placed((1,), jnp.int32)
+    attend = {"packed": dropout_attention.packed_dropout_attention, "causal": dropout_attention.dropout_attention,
+              "bidirectional": dropout_attention.bidirectional_dropout_attention}[call]
 
     def loss(segments, seed, *sources):
-        attend = dropout_attention.packed_dropout_attention if packed else dropout_attention.dropout_attention
         return jnp.sum(attend(*sources, segments, seed, 0.1, heads).astype(jnp.float32))
 
     compiled = jax.jit(jax.grad(loss, tuple(range(2, 2 + len(sources))))).lower(segments, seed, *sources).compile()
@@ -269,11 +350,14 @@ def test_choose_routes_only_where_the_kernel_runs_and_names_why_not():
     assert attention.choose("splash", gpt2, "cpu", "dp")
     with pytest.raises(UsageError, match="--sharding dp"):
         attention.choose("splash", gpt2, "tpu", "fsdp")
-    bert = FlaxBertForMaskedLM(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                          intermediate_size=16), seed=0)
-    assert not attention.choose("auto", bert, "tpu", "dp")
-    with pytest.raises(UsageError, match="not bert's"):
-        attention.choose("splash", bert, "tpu", "dp")
+    bert = tiny_bert()
+    assert not attention.choose("auto", bert, "tpu", "dp")  # not measured on a chip yet: asked for only
+    assert attention.choose("splash", bert, "tpu", "dp")
+    distilbert = FlaxDistilBertForMaskedLM(DistilBertConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2,
+                                                            hidden_dim=16), seed=0)
+    assert not attention.choose("auto", distilbert, "tpu", "dp")
+    with pytest.raises(UsageError, match="not distilbert's"):
+        attention.choose("splash", distilbert, "tpu", "dp")
 
 
 @pytest.mark.slow

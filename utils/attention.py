@@ -1,4 +1,4 @@
-"""Causal self-attention through Pallas kernels on TPUs (GPT-2, Llama).
+"""Self-attention through Pallas kernels on TPUs: causal (GPT-2, Llama) and bidirectional (BERT, RoBERTa).
 
 transformers' Flax attention forms the whole [batch, heads, length, length] score matrix, masks it and
 takes its softmax in HBM: at 1024 tokens that traffic, not the products, is the time (a GPT-2 layer,
@@ -9,9 +9,11 @@ only the real tokens before it, as the stock mask has it) and the same scale: `u
 flash kernel, which draws the dropout mask tile by tile on the chip, while training with attention dropout
 (JAX's splash kernel has none), and for GPT-2, whose c_attn output it reads in place, always (a GPT-2-small
 layer without dropout on a v5e chip: 3.79 ms forward and backward, splash with the transposes it needs
-5.10 ms); JAX's splash kernel otherwise. Where the kernels would compute something else,
-the stock call runs: a generation cache, attention weights asked for, cross-attention, a sliding
-window, a length that is not a whole number of 128-token blocks, or attention dropout over more
+5.10 ms); JAX's splash kernel otherwise. BERT's and RoBERTa's encoder attention runs the flash kernel
+without the causal mask, every query over every real key (`--attention splash`; `auto` leaves them to the
+stock attention until the route is measured on a chip). Where the kernels would compute something else,
+the stock call runs: a generation cache, attention weights asked for, cross-attention, a
+sliding window, a length that is not a whole number of 128-token blocks, or attention dropout over more
 tokens than the flash kernel's backward pass holds (`dropout_attention.fits`).
 """
 
@@ -25,7 +27,9 @@ from utils.args import tpu_lever
 from utils.layers import intercept_calls
 
 BLOCK = 128  # the kernel's tile: lengths must be a multiple of it
-FAMILIES = ("gpt2", "llama")  # model types whose attention `_routes` knows
+FAMILIES = ("gpt2", "llama", "bert", "roberta")  # model types whose attention `_routes` knows
+# Those `--attention auto` routes: measured faster on a chip (the encoders' bidirectional route is not yet).
+AUTO_FAMILIES = ("gpt2", "llama")
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,6 +86,11 @@ def _plain_self_attention(module, length, init_cache, output_attentions, determi
             and (not dropping or dropout_attention.fits(length, module.num_heads, module.head_dim)))
 
 
+def _seed_and_rate(dropout):
+    """The flash kernel's (seed, rate) for `_dropout`'s answer: rate 0 without dropout."""
+    return (dropout_attention.seed_of(dropout[1]), dropout[0]) if dropout else (jnp.zeros(1, jnp.int32), 0.0)
+
+
 def _dropout(module, deterministic, rate):
     """(rate, key) for `causal_attention` when the call drops attention weights, else None; the key is drawn
     where the stock attention draws its own."""
@@ -97,9 +106,8 @@ def _gpt2(module, interpret, hidden_states, key_value_states=None, attention_mas
             and dropout_attention.fits(length, module.num_heads, module.head_dim)):
         # the flash kernel reads the queries, keys and values in place in c_attn's output (without dropout
         # too: splash would need them transposed)
-        rate, seed = (dropout[0], dropout_attention.seed_of(dropout[1])) if dropout else (0.0, jnp.zeros(1, jnp.int32))
-        out = dropout_attention.packed_dropout_attention(qkv, _segments(attention_mask, batch, length), seed, rate,
-                                                         module.num_heads, interpret)
+        out = dropout_attention.packed_dropout_attention(qkv, _segments(attention_mask, batch, length),
+                                                         *_seed_and_rate(dropout), module.num_heads, interpret)
     else:
         query, key, value = (module._split_heads(x) for x in jnp.split(qkv, 3, axis=2))
         out = module._merge_heads(causal_attention(query, key, value, attention_mask, interpret, dropout))
@@ -134,11 +142,35 @@ def _llama_applies(module, hidden_states, attention_mask, position_ids, determin
                                       module.config.attention_dropout))
 
 
+def _encoder(module, interpret, hidden_states, attention_mask, layer_head_mask, key_value_states=None,
+             init_cache=False, deterministic=True, output_attentions=False):
+    """BERT's (and RoBERTa's) self-attention: every query sees every real key."""
+    query, key, value = (projection(hidden_states) for projection in (module.query, module.key, module.value))
+    batch, length, _ = query.shape
+    dropout = _dropout(module, deterministic, module.config.attention_probs_dropout_prob)
+    out = dropout_attention.bidirectional_dropout_attention(
+        query, key, value, _segments(attention_mask, batch, length), *_seed_and_rate(dropout),
+        module.config.num_attention_heads, interpret)
+    if layer_head_mask is not None:  # transformers passes ones unless told: a head's weights times its factor
+        out = out * jnp.repeat(layer_head_mask, module.head_dim).astype(out.dtype)
+    return (out,)
+
+
+def _encoder_applies(module, hidden_states, attention_mask, layer_head_mask, key_value_states=None,
+                     init_cache=False, deterministic=True, output_attentions=False):
+    length, heads = hidden_states.shape[1], module.config.num_attention_heads
+    return (not module.causal and key_value_states is None and not init_cache and not output_attentions
+            and dropout_attention.fits(length, heads, module.head_dim))
+
+
 def _routes():
+    from transformers.models.bert.modeling_flax_bert import FlaxBertSelfAttention
     from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2Attention
     from transformers.models.llama.modeling_flax_llama import FlaxLlamaAttention
+    from transformers.models.roberta.modeling_flax_roberta import FlaxRobertaSelfAttention
 
-    return {FlaxGPT2Attention: (_gpt2_applies, _gpt2), FlaxLlamaAttention: (_llama_applies, _llama)}
+    return {FlaxGPT2Attention: (_gpt2_applies, _gpt2), FlaxLlamaAttention: (_llama_applies, _llama),
+            FlaxBertSelfAttention: (_encoder_applies, _encoder), FlaxRobertaSelfAttention: (_encoder_applies, _encoder)}
 
 
 def supports(model):
@@ -148,11 +180,13 @@ def supports(model):
 
 def choose(choice, model, platform, layout_name):
     """Whether `--attention` `choice` routes `model`'s attention through the kernels on `platform` ("tpu",
-    "cpu", ...) under the layout named `layout_name`; "auto": on TPUs under dp, for the families it knows.
-    A `UsageError` when "splash" cannot be had."""
+    "cpu", ...) under the layout named `layout_name`; "auto": on TPUs under dp, for the families measured
+    faster there (`AUTO_FAMILIES`). A `UsageError` when "splash" cannot be had."""
+    if choice == "auto" and model.config.model_type not in AUTO_FAMILIES:
+        return False
     return tpu_lever("attention", choice, "splash", "xla", supports(model),
-                     f"the splash kernel knows GPT-2 and Llama attention, not {model.config.model_type}'s", platform,
-                     layout_name)
+                     f"the kernels know GPT-2, Llama, BERT and RoBERTa attention, not {model.config.model_type}'s",
+                     platform, layout_name)
 
 
 def use_attention_kernels(model, interpret=False):

@@ -113,12 +113,16 @@ def tile_keep(seed_ref, rate, interpret, tile, shape):
     return bits >= keep_threshold(rate)
 
 
-def _visible(q_segment_ref, kv_segment_ref, query_tile, key_tile, block):
-    """Which keys of the (query tile, key tile) each query sees: the causal mask and its own segment."""
+def _visible(q_segment_ref, kv_segment_ref, query_tile, key_tile, block, causal):
+    """Which keys of the (query tile, key tile) each query sees: its own segment's (and with `causal`, those
+    not after it)."""
+    same_segment = _lanes(q_segment_ref[...], block) == kv_segment_ref[:1, :]
+    if not causal:
+        return same_segment
     shape = (block, block)
     rows = query_tile * block + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
     columns = key_tile * block + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-    return (columns <= rows) & (_lanes(q_segment_ref[...], block) == kv_segment_ref[:1, :])
+    return (columns <= rows) & same_segment
 
 
 def _only(x, head, head_dim):
@@ -151,7 +155,7 @@ def _lanes(stat, width):
 
 
 def _forward_kernel(seed_ref, q_ref, k_ref, v_ref, q_segment_ref, kv_segment_ref, out_ref, lse_ref,
-                    max_ref, sum_ref, acc_ref, *, rate, head_dim, scale, interpret):
+                    max_ref, sum_ref, acc_ref, *, rate, head_dim, scale, causal, interpret):
     batch, group, query_tile, key_tile = (pl.program_id(axis) for axis in range(4))
     per_group, tiles = q_ref.shape[1] // head_dim, pl.num_programs(2)
     heads = pl.num_programs(1) * per_group
@@ -162,10 +166,10 @@ def _forward_kernel(seed_ref, q_ref, k_ref, v_ref, q_segment_ref, kv_segment_ref
         sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(key_tile <= query_tile)  # tiles above the diagonal are all masked
+    @pl.when(key_tile <= query_tile if causal else True)  # causal: tiles above the diagonal are all masked
     def _accumulate():
         q, k, v = q_ref[...] * jnp.asarray(scale, q_ref.dtype), k_ref[...], v_ref[...]
-        visible = _visible(q_segment_ref, kv_segment_ref, query_tile, key_tile, q.shape[0])
+        visible = _visible(q_segment_ref, kv_segment_ref, query_tile, key_tile, q.shape[0], causal)
         for head in range(per_group):
             scores = _scores(_only(q, head, head_dim), k, visible)
             previous = max_ref[head]
@@ -181,7 +185,7 @@ def _forward_kernel(seed_ref, q_ref, k_ref, v_ref, q_segment_ref, kv_segment_ref
                                  preferred_element_type=jnp.float32)
             acc_ref[...] = _scale_head(acc_ref[...], correction, head, head_dim) + update
 
-    @pl.when(key_tile == query_tile)  # the row's last visible tile
+    @pl.when(key_tile == (query_tile if causal else tiles - 1))  # the row's last visible tile
     def _finish():
         out = acc_ref[...]
         for head in range(per_group):
@@ -193,7 +197,7 @@ def _forward_kernel(seed_ref, q_ref, k_ref, v_ref, q_segment_ref, kv_segment_ref
 
 def _backward_kernel(seed_ref, q_ref, k_ref, v_ref, out_ref, do_ref, lse_ref, q_segment_ref, kv_segment_ref,
                      dq_ref, dk_ref, dv_ref, dq_acc_ref, dk_acc_ref, dv_acc_ref, *, rate, head_dim, scale,
-                     interpret):
+                     causal, interpret):
     """dq, dk and dv in one pass over the tiles, key tile by key tile: each tile's scores, weights and mask
     are formed once for all three (a dq kernel of its own would form them again). dk and dv of the key
     tile accumulate over the query tiles; dq of the whole sequence stays in VMEM until the group is done."""
@@ -212,10 +216,10 @@ def _backward_kernel(seed_ref, q_ref, k_ref, v_ref, out_ref, do_ref, lse_ref, q_
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
 
-    @pl.when(query_tile >= key_tile)  # query tiles before the key tile see none of its keys
+    @pl.when(query_tile >= key_tile if causal else True)  # causal: earlier query tiles see none of its keys
     def _accumulate():
         q, k, v, d_out = q_ref[...] * jnp.asarray(scale, q_ref.dtype), k_ref[...], v_ref[...], do_ref[...]
-        visible = _visible(q_segment_ref, kv_segment_ref, query_tile, key_tile, block)
+        visible = _visible(q_segment_ref, kv_segment_ref, query_tile, key_tile, block, causal)
         # rowsum(dO o O) per head (the softmax's gradient term), from the output's tile
         products = d_out.astype(jnp.float32) * out_ref[...].astype(jnp.float32)
         transposed = (((0,), (0,)), ((), ()))
@@ -251,11 +255,12 @@ def _backward_kernel(seed_ref, q_ref, k_ref, v_ref, out_ref, do_ref, lse_ref, q_
 
 
 def _segment_layouts(segments):
-    """[batch, length] segment ids as the kernels read them: per query row across the lanes, per key
-    column down the sublanes."""
-    batch, length = segments.shape
-    return (jnp.broadcast_to(segments[:, :, None], (batch, length, LANES)),
-            jnp.broadcast_to(segments[:, None, :], (batch, SUBLANES, length)))
+    """The (query, key) [batch, length] segment ids as the kernels read them: per query row across the
+    lanes, per key column down the sublanes."""
+    query_segments, key_segments = segments
+    batch, length = query_segments.shape
+    return (jnp.broadcast_to(query_segments[:, :, None], (batch, length, LANES)),
+            jnp.broadcast_to(key_segments[:, None, :], (batch, SUBLANES, length)))
 
 
 class _Grid(NamedTuple):
@@ -286,17 +291,36 @@ def _specs(grid, row_tile, column_tile):
             row_stat, q_segment, kv_segment)
 
 
-def _forward(sources, segments, seed, rate, heads, offsets, interpret):
+class _Call(NamedTuple):
+    """What a call fixes (the custom gradient's static arguments)."""
+    rate: float
+    heads: int
+    packed: bool  # q, k and v side by side in one source (`packed_dropout_attention`)
+    causal: bool
+    interpret: bool
+
+
+def _grid(q_source, call):
+    """(grid, tiles, groups, head_dim) of a call on `q_source`."""
+    packed_width = q_source.shape[-1] // (3 if call.packed else 1)
+    head_dim = packed_width // call.heads
+    width = group_width(call.heads, head_dim)
+    groups = packed_width // width
+    offsets = (0, groups, 2 * groups) if call.packed else (0, 0, 0)
+    length = q_source.shape[1]
+    grid = _Grid(block_size(length), width, width // head_dim, offsets)
+    return grid, length // grid.block, groups, head_dim
+
+
+def _forward(sources, segments, seed, call):
     q_source, k_source, v_source = sources
     batch, length, _ = q_source.shape
-    width, head_dim = _widths(q_source, heads, offsets)
-    grid = _Grid(block_size(length), width, width // head_dim, offsets)
-    tiles, groups = length // grid.block, heads * head_dim // width
-    # A key tile above the diagonal is skipped: its index stays at the diagonal's, so nothing is fetched.
-    q_spec, k_spec, v_spec, rows, _, row_stat, q_segment, kv_segment = _specs(grid, lambda i, j: i,
-                                                                              lambda i, j: jnp.minimum(i, j))
-    kernel = functools.partial(_forward_kernel, rate=rate, head_dim=head_dim, scale=head_dim ** -0.5,
-                               interpret=interpret)
+    grid, tiles, groups, head_dim = _grid(q_source, call)
+    # Causal: a key tile above the diagonal is skipped; its index stays at the diagonal's, so nothing is fetched.
+    q_spec, k_spec, v_spec, rows, _, row_stat, q_segment, kv_segment = _specs(
+        grid, lambda i, j: i, (lambda i, j: jnp.minimum(i, j)) if call.causal else (lambda i, j: j))
+    kernel = functools.partial(_forward_kernel, rate=call.rate, head_dim=head_dim, scale=head_dim ** -0.5,
+                               causal=call.causal, interpret=call.interpret)
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -304,79 +328,61 @@ def _forward(sources, segments, seed, rate, heads, offsets, interpret):
             in_specs=[q_spec, k_spec, v_spec, q_segment, kv_segment], out_specs=[rows, row_stat],
             scratch_shapes=[pltpu.VMEM((grid.per_group, grid.block, LANES), jnp.float32),
                             pltpu.VMEM((grid.per_group, grid.block, LANES), jnp.float32),
-                            pltpu.VMEM((grid.block, width), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct((batch, length, heads * head_dim), q_source.dtype),
-                   jax.ShapeDtypeStruct((batch, heads, length, LANES), jnp.float32)],
+                            pltpu.VMEM((grid.block, grid.width), jnp.float32)]),
+        out_shape=[jax.ShapeDtypeStruct((batch, length, call.heads * head_dim), q_source.dtype),
+                   jax.ShapeDtypeStruct((batch, call.heads, length, LANES), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=interpret,
+        interpret=call.interpret,
     )(seed, q_source, k_source, v_source, *_segment_layouts(segments))
     return out, lse[..., 0]
 
 
-def _backward(sources, segments, seed, out, lse, d_out, rate, heads, offsets, interpret):
+def _backward(sources, segments, seed, out, lse, d_out, call):
     q_source = sources[0]
     batch, length, _ = q_source.shape
-    width, head_dim = _widths(q_source, heads, offsets)
-    grid = _Grid(block_size(length), width, width // head_dim, offsets)
-    tiles, groups = length // grid.block, heads * head_dim // width
-    lse = jnp.broadcast_to(lse[..., None], (batch, heads, length, LANES))
-    # Grid (b, group, key tile, query tile); a query tile before the key tile is skipped: its index stays at
-    # the key tile's, so nothing is fetched. dq's block is the group's whole sequence, written once per group.
+    grid, tiles, groups, head_dim = _grid(q_source, call)
+    lse = jnp.broadcast_to(lse[..., None], (batch, call.heads, length, LANES))
+    # Grid (b, group, key tile, query tile). Causal: a query tile before the key tile is skipped; its index
+    # stays at the key tile's, so nothing is fetched. dq's block is the group's whole sequence, written once.
     q_spec, k_spec, v_spec, rows, columns, row_stat, q_segment, kv_segment = _specs(
-        grid, lambda i, j: jnp.maximum(i, j), lambda i, j: i)
-    whole = pl.BlockSpec((None, length, width), lambda b, g, i, j, seed: (b, 0, g))
-    shape = jax.ShapeDtypeStruct((batch, length, heads * head_dim), q_source.dtype)
+        grid, (lambda i, j: jnp.maximum(i, j)) if call.causal else (lambda i, j: j), lambda i, j: i)
+    whole = pl.BlockSpec((None, length, grid.width), lambda b, g, i, j, seed: (b, 0, g))
+    shape = jax.ShapeDtypeStruct((batch, length, call.heads * head_dim), q_source.dtype)
     return pl.pallas_call(
-        functools.partial(_backward_kernel, rate=rate, head_dim=head_dim, scale=head_dim ** -0.5,
-                          interpret=interpret),
+        functools.partial(_backward_kernel, rate=call.rate, head_dim=head_dim, scale=head_dim ** -0.5,
+                          causal=call.causal, interpret=call.interpret),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(batch, groups, tiles, tiles),
             in_specs=[q_spec, k_spec, v_spec, rows, rows, row_stat, q_segment, kv_segment],
             out_specs=[whole, columns, columns],
-            scratch_shapes=[pltpu.VMEM((length, width), jnp.float32), pltpu.VMEM((grid.block, width), jnp.float32),
-                            pltpu.VMEM((grid.block, width), jnp.float32)]),
+            scratch_shapes=[pltpu.VMEM((length, grid.width), jnp.float32),
+                            pltpu.VMEM((grid.block, grid.width), jnp.float32),
+                            pltpu.VMEM((grid.block, grid.width), jnp.float32)]),
         out_shape=[shape, shape, shape],
         # dq of a group is carried across its key tiles: they run in order, on one core
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
-        interpret=interpret,
+        interpret=call.interpret,
     )(seed, *sources, out, d_out, lse, *_segment_layouts(segments))
-
-
-def _widths(q_source, heads, offsets):
-    """(group width, head_dim) of the sources' heads."""
-    packed = offsets != (0, 0, 0)
-    head_dim = q_source.shape[-1] // (3 if packed else 1) // heads
-    return group_width(heads, head_dim), head_dim
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _attention(sources, segments, seed, rate, heads, packed, interpret):
-    return _forward(_three(sources), segments, seed, rate, heads, _offsets(sources, heads, packed), interpret)[0]
 
 
 def _three(sources):
     return sources * 3 if len(sources) == 1 else sources
 
 
-def _offsets(sources, heads, packed):
-    """Each of q, k and v's column offset in its source, in groups: GPT-2's c_attn output holds all three."""
-    if not packed:
-        return (0, 0, 0)
-    width = sources[0].shape[-1] // 3
-    groups = width // group_width(heads, width // heads)
-    return (0, groups, 2 * groups)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(sources, segments, seed, call):
+    return _forward(_three(sources), segments, seed, call)[0]
 
 
-def _attention_forward(sources, segments, seed, rate, heads, packed, interpret):
-    out, lse = _forward(_three(sources), segments, seed, rate, heads, _offsets(sources, heads, packed), interpret)
+def _attention_forward(sources, segments, seed, call):
+    out, lse = _forward(_three(sources), segments, seed, call)
     return out, (sources, segments, seed, out, lse)
 
 
-def _attention_backward(rate, heads, packed, interpret, residuals, d_out):
+def _attention_backward(call, residuals, d_out):
     sources, segments, seed, out, lse = residuals
-    dq, dk, dv = _backward(_three(sources), segments, seed, out, lse, d_out, rate, heads,
-                           _offsets(sources, heads, packed), interpret)
-    grads = (jnp.concatenate([dq, dk, dv], axis=-1),) if packed else (dq, dk, dv)
+    dq, dk, dv = _backward(_three(sources), segments, seed, out, lse, d_out, call)
+    grads = (jnp.concatenate([dq, dk, dv], axis=-1),) if call.packed else (dq, dk, dv)
     return grads, None, None
 
 
@@ -393,12 +399,22 @@ def dropout_attention(query, key, value, segments, seed, rate, heads, interpret=
     own segment); `seed`: an int32 array of shape (1,), the mask's seed. Returns [batch, length, heads x
     head_dim]. Differentiable in query, key and value.
     """
-    return _attention((query, key, value), segments.astype(jnp.int32), seed.astype(jnp.int32), float(rate),
-                      int(heads), False, bool(interpret))
+    segments = segments.astype(jnp.int32)
+    return _attention((query, key, value), (segments, segments), seed.astype(jnp.int32),
+                      _Call(float(rate), int(heads), False, True, bool(interpret)))
 
 
 def packed_dropout_attention(qkv, segments, seed, rate, heads, interpret=False):
     """`dropout_attention` of the queries, keys and values side by side in `qkv` [batch, length, 3 x heads x
     head_dim] (GPT-2's c_attn output), read in place: no slice of it is written out. Where `packs`."""
-    return _attention((qkv,), segments.astype(jnp.int32), seed.astype(jnp.int32), float(rate), int(heads), True,
-                      bool(interpret))
+    segments = segments.astype(jnp.int32)
+    return _attention((qkv,), (segments, segments), seed.astype(jnp.int32),
+                      _Call(float(rate), int(heads), True, True, bool(interpret)))
+
+
+def bidirectional_dropout_attention(query, key, value, key_mask, seed, rate, heads, interpret=False):
+    """`dropout_attention` without the causal mask, as encoders attend (BERT): every query sees every key
+    that `key_mask` [batch, length] marks real (1; padding 0), as the stock attention's mask has it."""
+    key_mask = key_mask.astype(jnp.int32)
+    return _attention((query, key, value), (jnp.ones_like(key_mask), key_mask), seed.astype(jnp.int32),
+                      _Call(float(rate), int(heads), False, False, bool(interpret)))

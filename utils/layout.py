@@ -37,7 +37,7 @@ from flax.training.train_state import TrainState
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from utils import tpu_plan
+from utils import devices, tpu_plan
 from utils.errors import UsageError
 from utils.layers import each_layer
 from utils.memory import check_fits, compile_or_refuse, memory_line, memory_stats, plan_memory, readable, train_levers
@@ -77,14 +77,6 @@ def make_layout(sharding, fsdp_size=None, compile_only=None):
         layout = FullySharded(fsdp_size, plan)
     logger.info("layout: %s", layout.describe())
     return layout
-
-
-def host_cpu():
-    """The host's CPU device, or the default device where JAX was told to open no CPU backend."""
-    try:
-        return jax.local_devices(backend="cpu")[0]
-    except RuntimeError:
-        return jax.local_devices()[0]
 
 
 def leaf_spec(shape, fsdp_size):
@@ -251,7 +243,7 @@ class DataParallel(Layout):
         TPU compiles it slowly: 27 s for GPT-2 small on a v5e host, against 4 s on its CPU."""
         if self.plan:  # shapes only: the state is placed by `create_state`
             return jax.eval_shape(init)
-        with jax.default_device(host_cpu()):
+        with jax.default_device(devices.host_cpu()):
             return jax.jit(init)()
 
     def place_params(self, host_params):
@@ -261,7 +253,7 @@ class DataParallel(Layout):
         """The state on every device (`create`: how a state is made of them, e.g. `utils.lora.FrozenBaseState`'s)."""
         if self.plan:
             return self._abstract_state(apply_fn, params, tx, create)
-        with jax.default_device(host_cpu()):  # the optimizer state made beside the fresh weights, then copied
+        with jax.default_device(devices.host_cpu()):  # the optimizer state made beside the fresh weights, then copied
             return self._replicate(create(apply_fn=apply_fn, params=params, tx=tx))
 
     def _replicate(self, state):

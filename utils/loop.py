@@ -128,10 +128,12 @@ class TrainLoop:
         self.logging_steps, self.evaluates, self.eval_steps = logging_steps, evaluates, eval_steps
         self.steps_per_epoch, self.total_steps, self.start_step = steps_per_epoch, total_steps, start_step
         self.writer, self.throughput = writer, throughput
-        # All learning rates at once: calling the schedule at each log would compile its ops mid-run.
+        # All learning rates at once, on the host's CPU: calling the schedule at each log would compile its
+        # ops mid-run, and on an accelerator each of its ops is one more program before the first step.
         # Broadcast: a constant schedule (optax's) gives one number for all steps.
         steps = np.arange(max(total_steps, 1))
-        self.learning_rates = np.broadcast_to(np.asarray(schedule(steps), np.float64), steps.shape)
+        with jax.default_device(devices.host_cpu()):
+            self.learning_rates = np.broadcast_to(np.asarray(schedule(steps), np.float64), steps.shape)
         self.tokens_per_step, self.examples_per_step = tokens_per_step, examples_per_step
         self.window = []
         self.step = start_step  # the last step finished

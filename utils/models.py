@@ -289,7 +289,8 @@ def _pretrained(auto_class, model_args, config, kwargs):
     if filename is None or filename in weights.FLAX_MSGPACK:
         # Flax weights (or nothing found, which transformers explains best): transformers reads them.
         try:
-            return auto_class.from_pretrained(name, **load_kwargs)
+            with weights.on_host():  # its key (and any weights it reads) made on the host, not in a program of the chip
+                return auto_class.from_pretrained(name, **load_kwargs)
         except ValueError:
             # FlaxVisionTextDualEncoderModel refuses to be built without its weights: it reads them on the host
             # (any other error comes back from this second try).
@@ -313,7 +314,8 @@ def _saved_config(model_args):
 def _from_config(auto_class, config, kwargs):
     """The model of `config`, without weights where the family allows it."""
     try:
-        return auto_class.from_config(config, _do_init=False, **kwargs)
+        with weights.on_host():  # transformers draws the model's key: on the chip that is three more programs
+            return auto_class.from_config(config, _do_init=False, **kwargs)
     except ValueError:
         # FlaxEncoderDecoderModel refuses to be built without its weights: it makes them itself, on the host.
         with weights.on_host():
