@@ -11,9 +11,10 @@ the tile's bits in one call, so both see the same mask and none stores it.
 
 The kernels read q, k and v as the projections write them, [batch, length, heads x head_dim], in column
 blocks of 128 lanes (two heads of 64, one of 128): a [batch, heads, length, head_dim] layout would cost a
-transpose of each of them and of the output and gradients, and pads a head of 64 to 128 lanes in HBM
-(on a v5e chip, leaving those copies out took a GPT-2-small run with dropout from 150,729 to 182,756 tokens/s). Within a block, each head's products
-run over the block's whole width with the other heads' lanes zeroed, which costs a 128-wide MXU no more.
+transpose of each of them and of the output and gradients, and pads a head of 64 to 128 lanes in HBM (on
+a v5e chip, leaving those copies out took a GPT-2-small run with dropout from 150,729 to 182,756 tokens/s).
+Within a block, each head's products run over the block's whole width with the other heads' lanes zeroed,
+which costs a 128-wide MXU no more.
 GPT-2's fused c_attn output is read in place (`packed_dropout_attention`).
 
 The dropout is flax's `nn.Dropout` on the softmax'd weights (as transformers' Flax attention applies
