@@ -19,7 +19,6 @@ from safetensors import safe_open
 from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
 from transformers.utils import cached_file
 
-from utils import devices
 from utils.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -32,7 +31,7 @@ TORCH_BIN = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 def on_host():
     """Where weights that must be made whole are made: the host's CPU device, never an accelerator."""
-    return jax.default_device(devices.host_cpu())
+    return jax.default_device(jax.local_devices(backend="cpu")[0])
 
 
 def find_weights(name, cache_dir=None, token=None):
