@@ -61,10 +61,9 @@ def causal_attention(query, key, value, attention_mask, interpret=False, dropout
 
     batch, length, heads, head_dim = query.shape
     if dropout is not None:
-        rate, rng = dropout
         merged = (x.reshape(batch, length, heads * head_dim) for x in (query, key, value))  # no copy
         out = dropout_attention.dropout_attention(*merged, _segments(attention_mask, batch, length),
-                                                  dropout_attention.seed_of(rng), rate, heads, interpret)
+                                                  *_seed_and_rate(dropout), heads, interpret)
         return out.reshape(query.shape).astype(query.dtype)
     scaled = (query * jnp.asarray(head_dim ** -0.5, query.dtype)).transpose(0, 2, 1, 3)
     key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)

@@ -127,13 +127,18 @@ def _visible(q_segment_ref, kv_segment_ref, query_tile, key_tile, block, causal)
     return (columns <= rows) & same_segment
 
 
+def _head_lanes(shape, head, head_dim):
+    """Which lanes of a [rows, group width] block hold the group's `head`-th head."""
+    lanes = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    return (lanes >= head * head_dim) & (lanes < (head + 1) * head_dim)
+
+
 def _only(x, head, head_dim):
     """`x` [rows, group width] with the lanes of the group's `head`-th head kept and the others zero: a
     product over the whole width then sees that head alone (on a 128-wide MXU, no slower than over 64)."""
     if x.shape[-1] == head_dim:
         return x
-    lanes = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    return jnp.where((lanes >= head * head_dim) & (lanes < (head + 1) * head_dim), x, jnp.zeros((), x.dtype))
+    return jnp.where(_head_lanes(x.shape, head, head_dim), x, jnp.zeros((), x.dtype))
 
 
 def _scale_head(x, factor, head, head_dim):
@@ -141,8 +146,7 @@ def _scale_head(x, factor, head, head_dim):
     scaled = x * _lanes(factor, x.shape[-1])
     if x.shape[-1] == head_dim:
         return scaled
-    lanes = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    return jnp.where((lanes >= head * head_dim) & (lanes < (head + 1) * head_dim), scaled, x)
+    return jnp.where(_head_lanes(x.shape, head, head_dim), scaled, x)
 
 
 def _scores(q, k, visible):
@@ -225,6 +229,7 @@ def _backward_kernel(seed_ref, q_ref, k_ref, v_ref, out_ref, do_ref, lse_ref, q_
         # rowsum(dO o O) per head (the softmax's gradient term), from the output's tile
         products = d_out.astype(jnp.float32) * out_ref[...].astype(jnp.float32)
         transposed = (((0,), (0,)), ((), ()))
+        rows = pl.ds(pl.multiple_of(query_tile * block, block), block)  # this query tile's rows of dq
         for head in range(per_group):
             q_head, d_out_head = _only(q, head, head_dim), _only(d_out, head, head_dim)
             scores = _scores(q_head, k, visible)
@@ -242,7 +247,6 @@ def _backward_kernel(seed_ref, q_ref, k_ref, v_ref, out_ref, do_ref, lse_ref, q_
             dv_acc_ref[...] += jax.lax.dot_general(dropped.astype(d_out.dtype), d_out_head, transposed,
                                                    preferred_element_type=jnp.float32)
             dk_acc_ref[...] += jax.lax.dot_general(d_scores, q_head, transposed, preferred_element_type=jnp.float32)
-            rows = pl.ds(pl.multiple_of(query_tile * block, block), block)
             dq_acc_ref[rows, :] += jax.lax.dot(d_scores, _only(k, head, head_dim),
                                                preferred_element_type=jnp.float32)
 
