@@ -278,6 +278,7 @@ def test_push_to_hub_without_token(fails, files, monkeypatch):
 def test_busy_tpu_stops_the_run_before_anything_is_written(fails, files, monkeypatch, jax_platforms):
     """A Cloud TPU VM whose TPU another process holds: JAX opened the CPU (as it does here)."""
     monkeypatch.setattr("utils.devices._on_cloud_tpu_vm", lambda: True)
+    monkeypatch.setattr("utils.devices._huge_pages_always", lambda: True)  # no staging buffer size set in os.environ
     monkeypatch.setattr("jax.distributed.initialize", lambda **settings: None)  # one VM: nothing to join
     jax_platforms(None)
     fails(scratch(files), r"this is a Cloud TPU VM, but JAX opened the CPU instead of the TPU.*: another process "

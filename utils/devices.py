@@ -71,6 +71,37 @@ def leave_absent_tpu_alone():
     jax.config.update("jax_platforms", "cpu")
 
 
+# The TPU runtime pins a host buffer (TPU_PREMAPPED_BUFFER_SIZE, 4 GiB by default) that stages transfers to
+# the chips. Without transparent huge pages the kernel maps it 4 KiB page by page: on a v5e host, opening
+# the chip took 8.6 s with it, 4.0 s with 1 GiB and 2.3 s with 256 MiB. An array of half the buffer still
+# moved at ~6 GB/s; one larger than the buffer bypasses it, at ~0.2 GB/s on that host.
+STAGING_BYTES_WITHOUT_HUGE_PAGES = 1 << 30
+
+
+def _huge_pages_always():
+    path = "/sys/kernel/mm/transparent_hugepage/enabled"
+    try:
+        with open(path, encoding="utf-8") as f:
+            return "[always]" in f.read()
+    except OSError:
+        return False
+
+
+def size_tpu_staging_buffer(environ=None, huge_pages=None):
+    """On a Cloud TPU VM without transparent huge pages, ask the TPU runtime for a 1 GiB staging buffer
+    instead of its 4 GiB (`STAGING_BYTES_WITHOUT_HUGE_PAGES`: ~4.6 s sooner to the first step, and 3 GiB
+    less host memory pinned); must come before the TPU opens. A `TPU_PREMAPPED_BUFFER_SIZE` already set
+    is kept. Returns the log line saying so, or None where nothing changed."""
+    environ = os.environ if environ is None else environ
+    huge_pages = _huge_pages_always() if huge_pages is None else huge_pages
+    if not _on_cloud_tpu_vm() or huge_pages or "TPU_PREMAPPED_BUFFER_SIZE" in environ:
+        return None
+    environ["TPU_PREMAPPED_BUFFER_SIZE"] = str(STAGING_BYTES_WITHOUT_HUGE_PAGES)
+    return (f"{STAGING_BYTES_WITHOUT_HUGE_PAGES >> 30} GiB of pinned host memory stages transfers to the TPU, "
+            "not the runtime's 4 GiB: without transparent huge pages those take ~7 s to map at start; an array "
+            "larger than that moves at ~0.2 GB/s (set TPU_PREMAPPED_BUFFER_SIZE to choose)")
+
+
 def _tpu_backend_error():
     """Why JAX could not open the TPU (the first line of its error), or None."""
     try:

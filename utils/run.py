@@ -126,9 +126,10 @@ def set_up(training_args):
         if training_args.num_processes not in (None, 1):
             raise UsageError("--compile_only plans one host's TPU slice: drop --num_processes")
         tpu_plan.use_cpu_devices(len(tpu_plan.load(training_args.compile_only).devices))
-        processes = "one process (--compile_only plans one host's slice)"
+        processes, staging = "one process (--compile_only plans one host's slice)", None
     else:
         devices.leave_absent_tpu_alone()
+        staging = devices.size_tpu_staging_buffer()
         processes = devices.initialize_processes(training_args.coordinator_address, training_args.num_processes,
                                                  training_args.process_id)
     devices.check_tpu_backend()
@@ -140,6 +141,8 @@ def set_up(training_args):
     logger = setup_logging(is_main, debug=training_args.debug)
     perf.note_devices_opened()
     logger.info("processes: %s", processes)
+    if staging:
+        logger.info("TPU transfers: %s", staging)
     logger.info("devices: %d local of %d in all (%s), process %d of %d", jax.local_device_count(),
                 jax.device_count(), jax.devices()[0].device_kind, jax.process_index(), jax.process_count())
     return logger, is_main
