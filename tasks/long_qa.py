@@ -40,6 +40,7 @@ from tasks.demo import Answer, escape_markdown, show_answer
 from tasks.question_answering import answer_tokens, cut_questions, cut_windows
 from utils import arrow_columns, weights
 from utils.errors import UsageError
+from utils.layout import finished
 from utils.models import cast_floats
 from utils.steps import cross_entropy_sums
 
@@ -385,14 +386,14 @@ def add_category_head(params, model, model_args, config, seed, layout):
     if saved is None:
         if model_args.model_name_or_path:
             logger.warning("%s has no answer-category head: a fresh one is trained", model_args.model_name_or_path)
-        return {**params, HEAD: layout.init_params(fresh)}
+        return {**finished(params), HEAD: layout.init_params(fresh)}
     expected = jax.tree_util.tree_map(np.shape, jax.eval_shape(fresh))
     if jax.tree_util.tree_map(np.shape, saved) != expected:
         raise UsageError(f"the answer-category head saved in {model_args.model_name_or_path} does not fit "
                          f"{type(model).__name__} with hidden size {config.hidden_size} and {len(CATEGORIES)} "
                          "categories: train a new one from a checkpoint without it")
     logger.info("answer-category head reloaded from %s", model_args.model_name_or_path)
-    return {**params, HEAD: layout.place_params(cast_floats(saved, param_dtype))}
+    return {**finished(params), HEAD: layout.place_params(cast_floats(saved, param_dtype))}
 
 
 def model_params(params):

@@ -16,7 +16,7 @@ from transformers import (BertConfig, EncoderDecoderConfig, FlaxAutoModelForSeq2
 from utils import compat
 from utils.args import ModelArguments
 from utils.errors import UsageError
-from utils.layout import DataParallel, FullySharded
+from utils.layout import DataParallel, FullySharded, finished
 from utils.models import (DECODER_START_TOKENS, TASK_MODEL_TYPES, decoder_input_ids, fit_config_to_tokenizer,
                           fit_length, load_config, load_model, load_tokenizer, max_positions)
 
@@ -156,6 +156,7 @@ def test_load_model_compute_and_parameter_dtypes(tokenizer, dtype, param_dtype, 
                           dtype=dtype, param_dtype=param_dtype)
     config = fit_config_to_tokenizer(load_config(args, "seq2seq"), tokenizer, args)
     model, params = load_model(FlaxAutoModelForSeq2SeqLM, args, config, 0, layout)
+    params = finished(params)  # dp's fresh weights are made on a background thread
     assert {x.dtype for x in jax.tree_util.tree_leaves(params)} == {jnp.dtype(param_dtype)}
     ffn = params["encoder"]["block"]["0"]["layer"]["1"]["DenseReluDense"]["wi"]["kernel"]  # 64 x 256
     assert {shard.data.shape for shard in ffn.addressable_shards} == {(64, 256 // layout.batch_shards)}
@@ -171,6 +172,7 @@ def test_pretrained_weights_load_through_the_host_and_missing_ones_are_made(toke
     args = ModelArguments(model_type="t5", config_overrides="d_model=64,d_ff=256,num_layers=1,num_heads=2,d_kv=8")
     config = fit_config_to_tokenizer(load_config(args, "seq2seq"), tokenizer, args)
     model, params = load_model(FlaxAutoModelForSeq2SeqLM, args, config, 0, DataParallel())
+    params = finished(params)
     saved = {key: value for key, value in params.items() if key != "lm_head"} if "lm_head" in params else params
     config.tie_word_embeddings = False  # T5 v1.1 style: a separate head the checkpoint does not hold
     model.save_pretrained(tmp_path, params=saved)
@@ -321,6 +323,7 @@ def test_fresh_encoder_decoder(tokenizer):
     model, params = load_model(FlaxAutoModelForSeq2SeqLM, args, config, 0, DataParallel())
     _, again = load_model(FlaxAutoModelForSeq2SeqLM, args, config, 0, DataParallel())
     _, other = load_model(FlaxAutoModelForSeq2SeqLM, args, config, 1, DataParallel())
+    params, again, other = finished(params), finished(again), finished(other)
     embedding = ("decoder", "transformer", "wte", "embedding")
 
     def leaf(params):

@@ -4,6 +4,7 @@ whole run's bookkeeping (when it evaluates, saves, and what it writes)."""
 import json
 import logging
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from tasks.summarization import TASK
 from utils import rundir, saving
 from utils.args import TrainingArguments
 from utils.errors import UsageError
-from utils.layout import DataParallel, FullySharded, Layout
+from utils.layout import DataParallel, FullySharded, Layout, Pending
 from utils.loop import InMemoryData
 from utils.run import training_plan
 from utils.steps import cross_entropy_sums
@@ -72,6 +73,40 @@ def args(tmp_path, **overrides):
 def log_softmax(x):
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_fresh_weights_are_made_while_the_train_step_compiles(tmp_path, monkeypatch):
+    """dp's fresh weights (`init_params_in_background`) are traced at once, so they are the model's as it was
+    then, and made on the background thread, which the train step's compile does not wait for: here that
+    thread is held until the compile has begun. The state and its first step are those of weights made at once."""
+    training_args = args(tmp_path)
+    data = InMemoryData(examples(), EXAMPLES)
+    plan = training_plan(training_args, EXAMPLES)
+    layout = DataParallel()
+    release = threading.Event()
+    Pending(None, lambda: release.wait(20))  # occupies the background thread until released
+    scale = {"w": 1.0}
+    params = layout.init_params_in_background(lambda: {"w": jnp.asarray(init_params()["w"]) * scale["w"]})
+    scale["w"] = 2.0  # changed after the trace: not seen
+    waiting_at_compile = []
+    compile_train_step = layout.compile_train_step
+
+    def compile_then_release(*arguments, **settings):
+        waiting_at_compile.append(not params._future.done())
+        release.set()
+        return compile_train_step(*arguments, **settings)
+
+    monkeypatch.setattr(layout, "compile_train_step", compile_then_release)
+    state, steps = make_steps(loss_fn, MODEL, params, layout, training_args, plan, data)
+    assert waiting_at_compile == [True]
+    at_once = DataParallel()
+    expected, expected_steps = make_steps(loss_fn, MODEL, init_params(), at_once, training_args, plan, data)
+    for got, want in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    batch = data.example_batch(plan.batch_size)
+    _, sums = steps.train(state, layout.place_batch(batch))
+    _, expected_sums = expected_steps.train(expected, at_once.place_batch(batch))
+    np.testing.assert_array_equal(np.asarray(sums["loss"]), np.asarray(expected_sums["loss"]))
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])

@@ -24,6 +24,7 @@ running it: the TPU compiler's memory plan.
 """
 
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -35,7 +36,7 @@ import numpy as np
 from flax import linen as nn
 from flax.training.train_state import TrainState
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from utils import devices, tpu_plan
 from utils.errors import UsageError
@@ -96,6 +97,33 @@ def step_wrapper(name, build, donated=()):
     arguments the step consumes). `utils.perf.StepRecorder` puts its own wrapper here to count each
     step's calls and compilations."""
     return build()
+
+
+class Pending:
+    """Values a background thread makes while the caller goes on: their shapes now (`shapes`:
+    `jax.ShapeDtypeStruct`s, placed), the values at `finished`. Fresh weights and the state made of
+    them are made this way while the train step is traced and compiled, which needs their shapes only:
+    on a v5e host their program took 6-7 s to compile, or to read back from the compilation cache, on
+    the host's CPU, about as long as the train step's trace. One thread makes every `Pending`, in
+    order, so a state starts after the weights it is made of."""
+
+    _thread = None
+
+    def __init__(self, shapes, make):
+        if Pending._thread is None:
+            Pending._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="background-state")
+        self.shapes = shapes
+        self._future = Pending._thread.submit(make)
+
+
+def shapes_of(value):
+    """A `Pending`'s shapes; anything else as it is."""
+    return value.shapes if isinstance(value, Pending) else value
+
+
+def finished(value):
+    """A `Pending`'s values, once made (its thread's exception, if it failed); anything else as it is."""
+    return value._future.result() if isinstance(value, Pending) else value
 
 
 class InFlightLimit:
@@ -197,6 +225,10 @@ class Layout:
         """What `create_state` would make of the parameter shapes `params`, placed (`abstract_state`)."""
         return self.abstract_state(jax.eval_shape(partial(create, apply_fn=apply_fn, tx=tx), params=params))
 
+    def init_params_in_background(self, init):
+        """`init_params`, its values perhaps made on a background thread (`Pending`); here, at once."""
+        return self.init_params(init)
+
     def dropout_key(self, seed, step, generator="threefry"):
         """The dropout key of the train step that `state.step` is `step` in, traced inside that step: a
         function of (seed, step) alone, so a resumed run draws the masks the uninterrupted one would
@@ -243,18 +275,37 @@ class DataParallel(Layout):
         TPU compiles it slowly: 27 s for GPT-2 small on a v5e host, against 4 s on its CPU."""
         if self.plan:  # shapes only: the state is placed by `create_state`
             return jax.eval_shape(init)
-        with jax.default_device(devices.host_cpu()):
-            return jax.jit(init)()
+        return self._on_host(init)()
+
+    def init_params_in_background(self, init):
+        """`init_params` as a `Pending`: traced now, so it sees the model as it is now (the train step's
+        set-up then changes the model's calls), compiled and run on the background thread."""
+        if self.plan:
+            return self.init_params(init)
+        lowered = self._on_host(init).lower()
+        shapes = jax.tree_util.tree_map(lambda out: jax.ShapeDtypeStruct(out.shape, out.dtype), lowered.out_info)
+        return Pending(shapes, lambda: lowered.compile()())
+
+    @staticmethod
+    def _on_host(init):
+        return jax.jit(init, out_shardings=SingleDeviceSharding(devices.host_cpu()))
 
     def place_params(self, host_params):
         return host_params
 
     def create_state(self, apply_fn, params, tx, create=TrainState.create):
-        """The state on every device (`create`: how a state is made of them, e.g. `utils.lora.FrozenBaseState`'s)."""
+        """The state on every device (`create`: how a state is made of them, e.g. `utils.lora.FrozenBaseState`'s);
+        a `Pending` of it for `Pending` parameters."""
         if self.plan:
             return self._abstract_state(apply_fn, params, tx, create)
-        with jax.default_device(devices.host_cpu()):  # the optimizer state made beside the fresh weights, then copied
-            return self._replicate(create(apply_fn=apply_fn, params=params, tx=tx))
+
+        def make(params):
+            with jax.default_device(devices.host_cpu()):  # the optimizer state made beside the weights, then copied
+                return self._replicate(create(apply_fn=apply_fn, params=params, tx=tx))
+
+        if isinstance(params, Pending):
+            return Pending(self._abstract_state(apply_fn, params.shapes, tx, create), lambda: make(finished(params)))
+        return make(params)
 
     def _replicate(self, state):
         n = jax.local_device_count()

@@ -362,7 +362,9 @@ def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatc
         if model._is_initialized and not layout.plan:
             params = layout.place_params(cast(model.params))
         else:
-            params = layout.init_params(lambda: cast(model.init_weights(model.key, model.input_shape)))
+            init = lambda: cast(model.init_weights(model.key, model.input_shape))  # noqa: E731
+            # Without adapters to join, made while the train step compiles (`utils.layout.Pending`)
+            params = layout.init_params(init) if adapters else layout.init_params_in_background(init)
     return with_adapters(model, params, adapters, model_args, seed, layout)
 
 

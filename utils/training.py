@@ -18,6 +18,7 @@ from flax.training.train_state import TrainState
 
 from utils import attention, chip_dropout, devices, layer_scan, lora
 from utils.errors import Done, RunError
+from utils.layout import finished, shapes_of
 from utils.logging import MetricsLogger, throughput_meter
 from utils.memory import does_not_fit, eval_levers, per_device_bytes, plan_memory, readable, train_levers
 from utils.models import enable_gradient_checkpointing
@@ -108,7 +109,7 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     adapters = lora.adapters_of(model)
     create = (partial(lora.FrozenBaseState.create, trainable=lora.trainable_paths(params, adapters)) if adapters
               else TrainState.create)
-    state = layout.create_state(model.__call__, params, optimizer, create)
+    state = layout.create_state(model.__call__, params, optimizer, create)  # fresh weights: a Pending, made meanwhile
     label_smoothing, seed = training_args.label_smoothing_factor, training_args.seed
     accumulation = training_args.gradient_accumulation_steps
 
@@ -133,12 +134,12 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
 
     p_train_step = None
     if training_args.do_train:
-        p_train_step = layout.compile_train_step(train_step, state,
+        p_train_step = layout.compile_train_step(train_step, shapes_of(state),
                                                  train_data.example_batch(plan.batch_size, transform), accumulation,
                                                  training_args.gradient_checkpointing)
     p_eval_step = layout.compile_step("eval_step", eval_step)
     eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
-    return state, Steps(p_train_step, p_eval_step, layout, eval_batch_size, predict_fn is not None)
+    return finished(state), Steps(p_train_step, p_eval_step, layout, eval_batch_size, predict_fn is not None)
 
 
 def parameter_counts(layout, state):
