@@ -279,8 +279,9 @@ class DataParallel(Layout):
 
     def init_params_in_background(self, init):
         """`init_params` as a `Pending`: traced now, so it sees the model as it is now (the train step's
-        set-up then changes the model's calls), compiled and run on the background thread."""
-        if self.plan:
+        set-up then changes the model's calls), compiled and run on the background thread. Not on several
+        hosts: their pmap is compiled from arrays, whose global shapes the `Pending`'s local ones are not."""
+        if self.plan or jax.process_count() > 1:
             return self.init_params(init)
         lowered = self._on_host(init).lower()
         shapes = jax.tree_util.tree_map(lambda out: jax.ShapeDtypeStruct(out.shape, out.dtype), lowered.out_info)
