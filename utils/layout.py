@@ -12,7 +12,8 @@
 The scripts define each step once, for both: `layout.batch_sum` and `layout.all_rows` (a loss over
 the pairs of the global batch's rows, such as a contrastive one) are the collectives they name, and `utils.steps.token_weighted_grads` asks the layout how to cut micro-batches. Everything else
 that differs lives here: making and placing the state (fresh weights initialised straight into
-their sharding; pretrained ones placed leaf by leaf from host memory), compiling the steps (the
+their sharding, or under "dp" on a background thread while the train step compiles: `Pending`;
+pretrained ones placed leaf by leaf from host memory), compiling the steps (the
 train step ahead of time, so its per-device memory (`utils.memory`) is known and checked before
 any step runs; on the CPU backend, at most `CPU_STEPS_IN_FLIGHT` steps dispatched ahead),
 placing batches, gathering outputs, the dropout key of a step (`dropout_key`: no state, a function
@@ -101,7 +102,7 @@ def step_wrapper(name, build, donated=()):
 
 class Pending:
     """Values a background thread makes while the caller goes on: their shapes now (`shapes`:
-    `jax.ShapeDtypeStruct`s, placed), the values at `finished`. Fresh weights and the state made of
+    `jax.ShapeDtypeStruct`s; a state's placed as its layout places it), the values at `finished`. Fresh weights and the state made of
     them are made this way while the train step is traced and compiled, which needs their shapes only:
     on a v5e host their program took 6-7 s to compile, or to read back from the compilation cache, on
     the host's CPU, about as long as the train step's trace. One thread makes every `Pending`, in
@@ -272,7 +273,7 @@ class DataParallel(Layout):
     def init_params(self, init):
         """Fresh weights `init()` from one compiled program on the host's CPU, where `create_state`
         copies them to every device from. An accelerator gains nothing on a program run once, and a
-        TPU compiles it slowly: 27 s for GPT-2 small on a v5e host, against 4 s on its CPU."""
+        TPU compiles it slowly: 27 s for GPT-2 small on a v5e host, against 6 s on its CPU."""
         if self.plan:  # shapes only: the state is placed by `create_state`
             return jax.eval_shape(init)
         return self._on_host(init)()
