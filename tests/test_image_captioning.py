@@ -183,6 +183,30 @@ def test_pretrained_parts_keep_their_weights_and_the_cross_attention_is_new(tmp_
     assert cross and ("enc_to_dec_proj", "kernel") in loaded  # 16 -> 24: the encoder's states projected
 
 
+def test_fresh_composed_weights_are_transformers_own_draws_from_one_program():
+    """load_composed_model's fresh weights: transformers' own init for the seed, drawn in one compiled
+    program instead of ~180 (float32 rounding apart), and the class left as it was."""
+    from transformers import FlaxVisionEncoderDecoderModel, GPT2Config, VisionEncoderDecoderConfig, ViTConfig
+
+    from utils.args import ModelArguments
+    from utils.layout import make_layout
+    from utils.models import load_composed_model
+
+    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(
+        ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=32),
+        GPT2Config(n_embd=24, n_layer=1, n_head=2, n_positions=16, vocab_size=50, is_decoder=True,
+                   add_cross_attention=True))
+    init_weights = FlaxVisionEncoderDecoderModel.init_weights
+    _, params = load_composed_model(FlaxVisionEncoderDecoderModel, config, ModelArguments(), {}, 3, make_layout("dp"))
+    assert FlaxVisionEncoderDecoderModel.init_weights is init_weights
+    stock = flatten_dict(FlaxVisionEncoderDecoderModel(config, seed=3).params)  # op by op
+    ours = flatten_dict(params)
+    assert ours.keys() == stock.keys()
+    for key, value in stock.items():
+        np.testing.assert_allclose(ours[key], value, rtol=0, atol=1e-6, err_msg=str(key))
+
+
 # ----------------------------------------------------------------------------------------------
 # End to end: one training run, then what is done with its output dir
 # ----------------------------------------------------------------------------------------------
