@@ -265,7 +265,8 @@ def test_tpu_staging_buffer_is_cut_where_huge_pages_are_missing(monkeypatch):
     environ = {}
     line = devices.size_tpu_staging_buffer(environ, huge_pages=False)
     assert environ == {"TPU_PREMAPPED_BUFFER_SIZE": str(2**30)}
-    assert line.startswith("1 GiB of pinned host memory stages transfers to the TPU") and "TPU_PREMAPPED_BUFFER_SIZE" in line
+    assert line.startswith("1 GiB of pinned host memory stages transfers to the TPU")
+    assert "TPU_PREMAPPED_BUFFER_SIZE" in line
     chosen = {"TPU_PREMAPPED_BUFFER_SIZE": "8589934592"}
     assert devices.size_tpu_staging_buffer(chosen, huge_pages=False) is None
     assert chosen == {"TPU_PREMAPPED_BUFFER_SIZE": "8589934592"}

@@ -102,11 +102,11 @@ def step_wrapper(name, build, donated=()):
 
 class Pending:
     """Values a background thread makes while the caller goes on: their shapes now (`shapes`:
-    `jax.ShapeDtypeStruct`s; a state's placed as its layout places it), the values at `finished`. Fresh weights and the state made of
-    them are made this way while the train step is traced and compiled, which needs their shapes only:
-    on a v5e host their program took 6-7 s to compile, or to read back from the compilation cache, on
-    the host's CPU, about as long as the train step's trace. One thread makes every `Pending`, in
-    order, so a state starts after the weights it is made of."""
+    `jax.ShapeDtypeStruct`s; a state's placed as its layout places it), the values at `finished`.
+    Fresh weights and the state made of them are made this way while the train step is traced and
+    compiled, which needs their shapes only: on a v5e host their program took 6-7 s to compile, or to
+    read back from the compilation cache, on the host's CPU, about as long as the train step's trace.
+    One thread makes every `Pending`, in order, so a state starts after the weights it is made of."""
 
     _thread = None
 

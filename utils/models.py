@@ -327,16 +327,16 @@ def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatc
     """(model, params): the model (its code and config, no weights) and its parameters, placed by
     `layout` (`utils.layout`): pretrained, or fresh ones from `config`.
 
-    No device ever holds weights it would not hold in training: pretrained ones are read into host
-    memory (`utils.weights`: any checkpoint format) and placed leaf by leaf; fresh ones come from one
-    compiled init that writes them where they belong (transformers inits op by op, a hundred or so
-    small programs compiled on every start); under "dp", without adapters, a `utils.layout.Pending` of
-    them, made while the train step compiles (`utils.layout.finished` waits for their values). `--dtype` is the compute dtype (activations); the weights
-    are stored in `--param_dtype`, float32 master weights by default whatever the checkpoint holds
-    (hub Flax weights are sometimes bf16). With `new_head_if_mismatched`, a pretrained head of
-    other shapes than `config`'s (another number of labels) is replaced by a fresh one, with a
-    warning (`_drop_mismatched_head`). Planning for a TPU (`layout.plan`), the parameters are shapes
-    from `config` alone: no weights are read or made.
+    No device ever holds weights it would not hold in training: pretrained ones are read into host memory
+    (`utils.weights`: any checkpoint format) and placed leaf by leaf; fresh ones come from one compiled init
+    that writes them where they belong (transformers inits op by op, a hundred or so small programs compiled on
+    every start); under "dp", without adapters, a `utils.layout.Pending` of them, made while the train step
+    compiles (`utils.layout.finished` waits for their values). `--dtype` is the compute dtype (activations); the
+    weights are stored in `--param_dtype`, float32 master weights by default whatever the checkpoint holds (hub
+    Flax weights are sometimes bf16). With `new_head_if_mismatched`, a pretrained head of other shapes than
+    `config`'s (another number of labels) is replaced by a fresh one, with a warning (`_drop_mismatched_head`).
+    Planning for a TPU (`layout.plan`), the parameters are shapes from `config` alone: no weights are read or
+    made.
 
     With `--lora_rank`, the adapters `utils.lora` plans for the model are checked first, then added to
     the parameters (float32) and attached to the model; the frozen base is stored in `--lora_base_dtype`.
@@ -527,6 +527,7 @@ def join_configs(config_class, model_args, tokenizer, encoder_types, decoder_typ
     config.decoder.pad_token_id = tokens.pad
     return config
 
+
 @contextlib.contextmanager
 def _init_in_one_program(model_class):
     """Models of `model_class` built inside make their fresh weights in one compiled program. transformers
@@ -553,12 +554,12 @@ def load_composed_model(model_class, config, model_args, parts, seed, layout):
     its parameters' key: "encoder", "decoder") to (the Auto class that reads its checkpoint, the
     `ModelArguments` naming that checkpoint, or None for a part from its config alone).
 
-    transformers builds such a model only with weights (`_do_init=False` is refused), so it is made
-    on the host with fresh ones (`_init_in_one_program`); pretrained weights, in any checkpoint format (`utils.weights`), then
-    replace them part by part, and what a part's checkpoint lacks (a GPT-2's cross-attention) stays
-    fresh, with a warning. Weights are stored in --param_dtype and placed by `layout` like
-    `load_model`'s; planning for a TPU, only their shapes are kept. With `--lora_rank`, adapters as
-    `load_model`'s (a GPT-2 decoder's cross-attention among the attention layers)."""
+    transformers builds such a model only with weights (`_do_init=False` is refused), so it is made on the host
+    with fresh ones (`_init_in_one_program`); pretrained weights, in any checkpoint format (`utils.weights`),
+    then replace them part by part, and what a part's checkpoint lacks (a GPT-2's cross-attention) stays fresh,
+    with a warning. Weights are stored in --param_dtype and placed by `layout` like `load_model`'s; planning for
+    a TPU, only their shapes are kept. With `--lora_rank`, adapters as `load_model`'s (a GPT-2 decoder's
+    cross-attention among the attention layers)."""
     kwargs = dict(seed=seed, dtype=devices.to_dtype(model_args.dtype))
     name = model_args.model_name_or_path
     with weights.on_host(), _init_in_one_program(model_class):
