@@ -32,12 +32,17 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 LANES = 128  # a vector register's lanes: per-row statistics are kept broadcast across them
 SUBLANES = 8
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a score no query sees (finite: no inf - inf)
+# The `checkpoint_name` of what the backward kernel reads from the forward one: its output, and each row's
+# logsumexp as one float rather than the forward kernel's 128 lanes of it. A `jax.checkpoint` policy that keeps
+# these keeps no more of the kernel than that (utils/layer_scan.py).
+RESIDUALS = "flash_attention_residuals"
 
 
 # The backward kernel keeps a head group's dq (length x group width, float32) in VMEM: 4 MiB of it fit beside
@@ -381,7 +386,7 @@ def _attention(sources, segments, seed, call):
 
 
 def _attention_forward(sources, segments, seed, call):
-    out, lse = _forward(_three(sources), segments, seed, call)
+    out, lse = (checkpoint_name(x, RESIDUALS) for x in _forward(_three(sources), segments, seed, call))
     return out, (sources, segments, seed, out, lse)
 
 

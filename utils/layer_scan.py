@@ -17,6 +17,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 
+from utils import dropout_attention
 from utils.args import tpu_lever
 from utils.layers import intercept_calls
 
@@ -56,7 +57,11 @@ def products_and_kernels(primitive, *args, **params):
     into its consumers. The loop leaves what to keep to XLA; a scan keeps every intermediate of every
     layer unless told (GPT-2 small, 16 x 1024 tokens, bf16, planned for a v5e chip: 18.3 GiB of
     temporaries, which the TPU compiler refuses; 13.5 with this policy, the loop's 11.6;
-    benchmarks/scan_layers.py)."""
+    benchmarks/scan_layers.py). Of the flash kernel, what its backward kernel reads: each row's logsumexp
+    as one float, not the forward kernel's 128 lanes of it (stacking those took 8.8 ms of a 107 ms GPT-2
+    small step on a v5e chip, and 1.1 GiB)."""
+    if primitive.name == "name":  # jax.ad_checkpoint.checkpoint_name
+        return params["name"] == dropout_attention.RESIDUALS
     return primitive.name == "pallas_call" or jax.checkpoint_policies.dots_saveable(primitive, *args, **params)
 
 
