@@ -351,7 +351,8 @@ def test_choose_routes_only_where_the_kernel_runs_and_names_why_not():
     with pytest.raises(UsageError, match="--sharding dp"):
         attention.choose("splash", gpt2, "tpu", "fsdp")
     bert = tiny_bert()
-    assert not attention.choose("auto", bert, "tpu", "dp")  # not measured on a chip yet: asked for only
+    assert attention.choose("auto", bert, "tpu", "dp")
+    assert not attention.choose("auto", bert, "cpu", "dp")
     assert attention.choose("splash", bert, "tpu", "dp")
     distilbert = FlaxDistilBertForMaskedLM(DistilBertConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2,
                                                             hidden_dim=16), seed=0)

@@ -224,12 +224,11 @@ class TrainingArguments:
     hub_token: Optional[str] = _help("Token for pushing to the hub (never logged or saved).", default=None)
     gradient_checkpointing: bool = _help("Recompute activations in the backward pass to save memory.", default=False)
     attention: str = _help(
-        "The self-attention kernel of GPT-2 and Llama models (and, asked for, BERT and RoBERTa): 'splash' (Pallas' "
-        "TPU kernels, which never write the score matrix out: a flash kernel that draws any attention dropout mask "
-        "on the chip, for GPT-2 and the encoders always, for Llama while training with attention dropout, and JAX's "
-        "splash kernel otherwise; for generation, a sliding window or lengths not a multiple of 128 the stock "
-        "attention runs), 'xla' (the stock attention), or 'auto': splash on TPUs under --sharding dp for GPT-2 and "
-        "Llama.", default="auto")
+        "The self-attention kernel of GPT-2, Llama, BERT and RoBERTa models: 'splash' (Pallas' TPU kernels, which "
+        "never write the score matrix out: a flash kernel that draws any attention dropout mask on the chip, for "
+        "GPT-2 and the encoders always, for Llama while training with attention dropout, and JAX's splash kernel "
+        "otherwise; for generation, a sliding window or lengths not a multiple of 128 the stock attention runs), "
+        "'xla' (the stock attention), or 'auto': splash on TPUs under --sharding dp.", default="auto")
     scan_layers: str = _help(
         "Run the layer stack of GPT-2, Llama, Mistral and Gemma models under jax.lax.scan, one layer traced and "
         "compiled instead of each: a faster start for slower steps and more memory (docs/performance.md); the "

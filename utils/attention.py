@@ -28,8 +28,6 @@ from utils.layers import intercept_calls
 
 BLOCK = 128  # the kernel's tile: lengths must be a multiple of it
 FAMILIES = ("gpt2", "llama", "bert", "roberta")  # model types whose attention `_routes` knows
-# Those `--attention auto` routes: measured faster on a chip (the encoders' bidirectional route is not yet).
-AUTO_FAMILIES = ("gpt2", "llama")
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,10 +177,8 @@ def supports(model):
 
 def choose(choice, model, platform, layout_name):
     """Whether `--attention` `choice` routes `model`'s attention through the kernels on `platform` ("tpu",
-    "cpu", ...) under the layout named `layout_name`; "auto": on TPUs under dp, for the families measured
-    faster there (`AUTO_FAMILIES`). A `UsageError` when "splash" cannot be had."""
-    if choice == "auto" and model.config.model_type not in AUTO_FAMILIES:
-        return False
+    "cpu", ...) under the layout named `layout_name`; "auto": on TPUs under dp (each family measured faster
+    there: docs/performance.md). A `UsageError` when "splash" cannot be had."""
     return tpu_lever("attention", choice, "splash", "xla", supports(model),
                      f"the kernels know GPT-2, Llama, BERT and RoBERTa attention, not {model.config.model_type}'s",
                      platform, layout_name)
