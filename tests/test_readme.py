@@ -271,6 +271,43 @@ def test_the_scan_layers_figures_are_its_plan_json():
             f"{gib[3]} with gradient checkpointing)") in " ".join(read(os.path.join("docs", "performance.md")).split())
 
 
+def test_the_tpu_step_figures_are_their_json():
+    """docs/performance.md's scanned-layer and encoder-attention figures: benchmarks/results_tpu_steps.json."""
+    steps = {(row["row"], " ".join(row["flags"]), row["code"]): row for row in json_file("results_tpu_steps.json")}
+    loop, scanned = steps[("gpt2_small", "", "3dfd742")], steps[("gpt2_small", "--scan_layers yes", "bee410c")]
+    splash = steps[("bert_base", "--attention splash", "bee410c")]
+    stock = steps[("bert_base", "--attention xla", "bee410c")]
+    ms = lambda row: f"{row['seconds_per_step'] * 1000:.1f}"  # noqa: E731
+    performance = " ".join(read(os.path.join("docs", "performance.md")).split())
+    assert (f"{ms(scanned)} ms a step against the loop's {ms(loop)} ({scanned['tokens_per_second']:,} tokens/s "
+            f"against {loop['tokens_per_second']:,};") in performance
+    assert (f"a plan of {scanned['train_step_plan_gib']:.2f} GiB against {loop['train_step_plan_gib']:.2f}"
+            in performance)
+    assert (f"{ms(splash)} ms a step against the stock attention's {ms(stock)} ({splash['tokens_per_second']:,} "
+            f"tokens/s against {stock['tokens_per_second']:,}), a plan of {splash['train_step_plan_gib']:.2f} GiB "
+            f"against {stock['train_step_plan_gib']:.2f}") in performance
+
+
+def test_the_tpu_startup_figures_are_their_json():
+    """docs/performance.md's start-up figures of the loop and the scan, and of the cache's compression:
+    benchmarks/results_tpu_startup.json."""
+    runs = {(" ".join(row["flags"][4:]), row["cache_compression"]): row
+            for row in json_file("results_tpu_startup.json")}
+    zlib, zstandard, scanned = runs[("", "zlib")], runs[("", "zstandard")], runs[("--scan_layers yes", "zstandard")]
+    first = lambda row, state: f"{row[state]['first_step_seconds']:.1f}"  # noqa: E731
+    coding = lambda row, state: f"{row[state]['largest_cache_entry']['seconds']:.2f}"  # noqa: E731
+    loop_range = lambda state: "-".join(sorted({first(zlib, state), first(zstandard, state)}))  # noqa: E731
+    performance = " ".join(read(os.path.join("docs", "performance.md")).split())
+    assert (f"first step {first(scanned, 'cold')} s cold and {first(scanned, 'warm')} s warm against the loop's "
+            f"{loop_range('cold')} and {loop_range('warm')}") in performance
+    assert (f"the first step {first(scanned, 'cold')} s after a cold start and {first(scanned, 'warm')} s warm "
+            f"against {loop_range('cold')} and {loop_range('warm')}") in performance
+    assert f"The train step's program is {zlib['cold']['largest_cache_entry']['bytes'] / 1e6:.1f} MB" in performance
+    assert (f"{coding(zlib, 'cold')} s to write that program after its compile, {coding(zlib, 'warm')} s to "
+            f"decompress it when read; with `zstandard` (now a requirement) {coding(zstandard, 'cold')} s and "
+            f"{coding(zstandard, 'warm')} s") in performance
+
+
 def test_benchmarks_speed_table_is_results_cpu_json():
     check_table(BENCHMARKS, "| script | size | limit tok/s |", speed_records(), [
         lambda r: [r["limit_tokens_per_second"]], tokens, of_limit, lambda r: [r["startup_cold_seconds"]],

@@ -55,8 +55,8 @@ def products_and_kernels(primitive, *args, **params):
     its matrix products' and Pallas kernels' outputs, so the backward pass runs no product or kernel
     again; the elementwise work between them (layer norms, GELU, dropout masks) runs again there, fused
     into its consumers. The loop leaves what to keep to XLA; a scan keeps every intermediate of every
-    layer unless told (GPT-2 small, 16 x 1024 tokens, bf16, planned for a v5e chip: 18.3 GiB of
-    temporaries, which the TPU compiler refuses; 13.5 with this policy, the loop's 11.6;
+    layer unless told (GPT-2 small, 16 x 1024 tokens, bf16, planned for a v5e chip: 16.5 GiB of
+    temporaries, which the TPU compiler refuses; 10.7 with this policy, the loop's 9.2;
     benchmarks/scan_layers.py). Of the flash kernel, what its backward kernel reads: each row's logsumexp
     as one float, not the forward kernel's 128 lanes of it (stacking those took 8.8 ms of a 107 ms GPT-2
     small step on a v5e chip, and 1.1 GiB)."""
