@@ -43,6 +43,10 @@ def _kernel(seed_ref, x_ref, out_ref, *, rate, interpret):
     out_ref[...] = jnp.where(keep, x_ref[...].astype(jnp.float32) * (1.0 / (1.0 - rate)), 0.0).astype(out_ref.dtype)
 
 
+# Jitted, as the flash kernel's calls: a train step calls the kernel at every dropout of every layer, and
+# Pallas traces the kernel anew at each call (GPT-2 small: 74 kernel traces, ~2 s of tracing the step on a
+# CPU); jit traces it once per shape and rate.
+@functools.partial(jax.jit, static_argnums=(2, 3))
 def _drop(x, seed, rate, interpret):
     rows, width = x.shape
     block = block_rows(rows, width, x.dtype.itemsize)

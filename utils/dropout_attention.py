@@ -323,6 +323,7 @@ def _grid(q_source, call):
     return grid, length // grid.block, groups, head_dim
 
 
+@functools.partial(jax.jit, static_argnums=(3,))  # traced once per shape, not per layer (utils/chip_dropout.py)
 def _forward(sources, segments, seed, call):
     q_source, k_source, v_source = sources
     batch, length, _ = q_source.shape
@@ -348,6 +349,7 @@ def _forward(sources, segments, seed, call):
     return out, lse[..., 0]
 
 
+@functools.partial(jax.jit, static_argnums=(6,))
 def _backward(sources, segments, seed, out, lse, d_out, call):
     q_source = sources[0]
     batch, length, _ = q_source.shape
