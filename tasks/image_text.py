@@ -358,11 +358,13 @@ def load_dual_encoder(model_args, config, seed, layout):
     from transformers import FlaxAutoModel, FlaxVisionTextDualEncoderModel
 
     from utils import weights
-    from utils.models import load_model, plan_adapters, pretrained_params, storage_cast, with_adapters
+    from utils.models import (init_in_one_program, load_model, plan_adapters, pretrained_params, storage_cast,
+                              with_adapters)
 
     if model_args.model_name_or_path:
         return load_model(FlaxAutoModel, model_args, config, seed, layout)
-    with weights.on_host():  # transformers' dual encoder makes its fresh weights as it is built
+    # transformers' dual encoder makes its fresh weights as it is built
+    with weights.on_host(), init_in_one_program(FlaxVisionTextDualEncoderModel):
         model = FlaxVisionTextDualEncoderModel(config, seed=seed, dtype=devices.to_dtype(model_args.dtype))
     params = dict(model.params)
     for side in ("text", "vision"):

@@ -319,7 +319,7 @@ def _from_config(auto_class, config, kwargs):
             return auto_class.from_config(config, _do_init=False, **kwargs)
     except ValueError:
         # FlaxEncoderDecoderModel refuses to be built without its weights: it makes them itself, on the host.
-        with weights.on_host():
+        with weights.on_host(), init_in_one_program(auto_class._model_mapping[type(config)]):
             return auto_class.from_config(config, **kwargs)
 
 
@@ -529,7 +529,7 @@ def join_configs(config_class, model_args, tokenizer, encoder_types, decoder_typ
 
 
 @contextlib.contextmanager
-def _init_in_one_program(model_class):
+def init_in_one_program(model_class):
     """Models of `model_class` built inside make their fresh weights in one compiled program. transformers
     builds a composed model only with weights, drawn op by op: ~180 small programs compiled at every start
     (7.6 s for a tiny ViT + GPT-2 on a 2-core CPU, 3.2 s as one program). The same random draws (float32
@@ -555,14 +555,14 @@ def load_composed_model(model_class, config, model_args, parts, seed, layout):
     `ModelArguments` naming that checkpoint, or None for a part from its config alone).
 
     transformers builds such a model only with weights (`_do_init=False` is refused), so it is made on the host
-    with fresh ones (`_init_in_one_program`); pretrained weights, in any checkpoint format (`utils.weights`),
+    with fresh ones (`init_in_one_program`); pretrained weights, in any checkpoint format (`utils.weights`),
     then replace them part by part, and what a part's checkpoint lacks (a GPT-2's cross-attention) stays fresh,
     with a warning. Weights are stored in --param_dtype and placed by `layout` like `load_model`'s; planning for
     a TPU, only their shapes are kept. With `--lora_rank`, adapters as `load_model`'s (a GPT-2 decoder's
     cross-attention among the attention layers)."""
     kwargs = dict(seed=seed, dtype=devices.to_dtype(model_args.dtype))
     name = model_args.model_name_or_path
-    with weights.on_host(), _init_in_one_program(model_class):
+    with weights.on_host(), init_in_one_program(model_class):
         if name and not layout.plan:
             filename, path = weights.find_weights(name, model_args.cache_dir, model_args.token)
             try:
