@@ -318,8 +318,11 @@ def _from_config(auto_class, config, kwargs):
         with weights.on_host():  # transformers draws the model's key: on the chip that is three more programs
             return auto_class.from_config(config, _do_init=False, **kwargs)
     except ValueError:
-        # FlaxEncoderDecoderModel refuses to be built without its weights: it makes them itself, on the host.
-        with weights.on_host(), init_in_one_program(auto_class._model_mapping[type(config)]):
+        # FlaxEncoderDecoderModel refuses to be built without its weights: it makes them itself, on the host, in
+        # one program where its class is known (not for remote code).
+        mapping = auto_class._model_mapping
+        drawn = init_in_one_program(mapping[type(config)]) if type(config) in mapping else contextlib.nullcontext()
+        with weights.on_host(), drawn:
             return auto_class.from_config(config, **kwargs)
 
 
