@@ -186,10 +186,9 @@ def test_pretrained_parts_keep_their_weights_and_the_cross_attention_is_new(tmp_
 def test_fresh_composed_weights_are_transformers_own_draws_from_one_program():
     """load_composed_model's fresh weights: transformers' own init for the seed, drawn in one compiled
     program instead of ~180 (float32 rounding apart), and the class left as it was."""
-    import jax
     from transformers import FlaxVisionEncoderDecoderModel, GPT2Config, VisionEncoderDecoderConfig, ViTConfig
 
-    from utils import perf
+    from fresh_draws import assert_drawn_in_one_program
     from utils.args import ModelArguments
     from utils.layout import make_layout
     from utils.models import load_composed_model
@@ -199,17 +198,8 @@ def test_fresh_composed_weights_are_transformers_own_draws_from_one_program():
                   intermediate_size=32),
         GPT2Config(n_embd=24, n_layer=1, n_head=2, n_positions=16, vocab_size=50, is_decoder=True,
                    add_cross_attention=True))
-    init_weights = FlaxVisionEncoderDecoderModel.init_weights
-    jax.clear_caches()  # every program lowered anew: the count is the build's own
-    before = perf.compile_count()
-    _, params = load_composed_model(FlaxVisionEncoderDecoderModel, config, ModelArguments(), {}, 3, make_layout("dp"))
-    assert len(perf.compiled_since(before)) <= 3
-    assert FlaxVisionEncoderDecoderModel.init_weights is init_weights
-    stock = flatten_dict(FlaxVisionEncoderDecoderModel(config, seed=3).params)  # op by op
-    ours = flatten_dict(params)
-    assert ours.keys() == stock.keys()
-    for key, value in stock.items():
-        np.testing.assert_allclose(ours[key], value, rtol=0, atol=1e-6, err_msg=str(key))
+    assert_drawn_in_one_program(FlaxVisionEncoderDecoderModel, config, 3, lambda: load_composed_model(
+        FlaxVisionEncoderDecoderModel, config, ModelArguments(), {}, 3, make_layout("dp"))[1])
 
 
 # ----------------------------------------------------------------------------------------------

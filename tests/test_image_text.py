@@ -266,11 +266,10 @@ def test_a_fresh_dual_encoder_draws_transformers_weights_in_one_program():
     """transformers builds a dual encoder only with weights, drawn op by op (141 programs lowered for this tiny
     one); built in load_dual_encoder they come from one compiled program: the same draws for the seed (float32
     rounding apart), the class restored."""
-    from flax.traverse_util import flatten_dict
     from transformers import BertConfig, FlaxVisionTextDualEncoderModel, VisionTextDualEncoderConfig, ViTConfig
 
+    from fresh_draws import assert_drawn_in_one_program
     from run_hybrid_clip import DualEncoderModelArguments
-    from utils import perf
     from utils.layout import make_layout
 
     config = VisionTextDualEncoderConfig.from_vision_text_configs(
@@ -278,14 +277,5 @@ def test_a_fresh_dual_encoder_draws_transformers_weights_in_one_program():
                   intermediate_size=32),
         BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32),
         projection_dim=8)
-    init_weights = FlaxVisionTextDualEncoderModel.init_weights
-    jax.clear_caches()  # every program lowered anew: the count is the build's own
-    before = perf.compile_count()
-    _, params = image_text.load_dual_encoder(DualEncoderModelArguments(), config, 3, make_layout("dp"))
-    assert len(perf.compiled_since(before)) <= 3
-    assert FlaxVisionTextDualEncoderModel.init_weights is init_weights
-    stock = flatten_dict(FlaxVisionTextDualEncoderModel(config, seed=3).params)  # op by op
-    ours = flatten_dict(params)
-    assert ours.keys() == stock.keys()
-    for key, value in stock.items():
-        np.testing.assert_allclose(ours[key], value, rtol=0, atol=1e-6, err_msg=str(key))
+    assert_drawn_in_one_program(FlaxVisionTextDualEncoderModel, config, 3, lambda: image_text.load_dual_encoder(
+        DualEncoderModelArguments(), config, 3, make_layout("dp"))[1])

@@ -390,15 +390,16 @@ def test_an_encoder_decoder_refusing_to_be_built_without_weights_draws_them_in_o
     `load_model` then replaces, so they are drawn in one compiled program rather than op by op."""
     from transformers import BertConfig, EncoderDecoderConfig, FlaxAutoModelForSeq2SeqLM, FlaxEncoderDecoderModel
 
-    from utils import models as model_loading, perf
+    from fresh_draws import assert_drawn_in_one_program
+    from utils import models as model_loading
 
     part = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     config = EncoderDecoderConfig.from_encoder_decoder_configs(
         BertConfig(**part), BertConfig(**part, is_decoder=True, add_cross_attention=True))
-    init_weights = FlaxEncoderDecoderModel.init_weights
-    jax.clear_caches()  # every program lowered anew: the count is the build's own
-    before = perf.compile_count()
-    model = model_loading._from_config(FlaxAutoModelForSeq2SeqLM, config, dict(seed=0))
-    assert isinstance(model, FlaxEncoderDecoderModel)
-    assert len(perf.compiled_since(before)) <= 3
-    assert FlaxEncoderDecoderModel.init_weights is init_weights
+
+    def build():
+        model = model_loading._from_config(FlaxAutoModelForSeq2SeqLM, config, dict(seed=0))
+        assert isinstance(model, FlaxEncoderDecoderModel)
+        return model.params
+
+    assert_drawn_in_one_program(FlaxEncoderDecoderModel, config, 0, build)
