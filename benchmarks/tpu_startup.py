@@ -34,7 +34,6 @@ TIMED = re.compile(r"^TIMED (\w+) (\S+) ([0-9.]+) s ([0-9]+) bytes$", re.M)
 def run_timed(script, args):
     """Run `script` with `args` in this process, printing a TIMED line per compile, cache read and
     (de)compression: JAX's private hooks, so this follows JAX's internals (written for JAX 0.10)."""
-    sys.path.insert(0, ROOT)
     from jax._src import compilation_cache, compiler
 
     def timed(kind, function, describe):
