@@ -43,9 +43,9 @@ def make_loop(total=10, per_epoch=4, start=0, schedule=lambda step: 0.1 * step, 
 
 
 def test_a_constant_schedule_gives_every_step_its_rate():
-    """--lr_scheduler_type constant --warmup_steps 0 is optax's constant schedule: one number for any steps."""
+    """--lr_scheduler_type constant --warmup_steps 0: the peak at every step (float32's 3e-4)."""
     loop = make_loop(schedule=learning_rate_schedule("constant", 3e-4, 0, 10))
-    assert loop.learning_rates.shape == (10,) and set(loop.learning_rates) == {3e-4}
+    assert loop.learning_rates.shape == (10,) and set(loop.learning_rates) == {float(np.float32(3e-4))}
 
 
 def due(loop, method, total=10):

@@ -14,6 +14,7 @@ import pytest
 from transformers import PretrainedConfig
 
 from tasks.summarization import TASK
+from utils import layout as layout_module
 from utils import rundir, saving
 from utils.args import TrainingArguments
 from utils.errors import UsageError
@@ -169,6 +170,56 @@ def test_the_seed_picks_the_dropout_masks(tmp_path):
     first = weights_after_two_steps(tmp_path, seed=0)
     assert first.tobytes() == weights_after_two_steps(tmp_path, seed=0).tobytes()
     assert not np.allclose(first, weights_after_two_steps(tmp_path, seed=1), rtol=1e-3)
+
+
+def test_the_train_steps_program_holds_no_learning_rate_schedule_length_or_seed(tmp_path, monkeypatch):
+    """Those numbers are the train step's argument: a rerun that changes them finds its program in the
+    compilation cache. The schedule's kind is part of the program (which shows the comparison can fail)."""
+    programs = []
+    compile_or_refuse = layout_module.compile_or_refuse
+    monkeypatch.setattr(layout_module, "compile_or_refuse",
+                        lambda lowered: programs.append(lowered.as_text()) or compile_or_refuse(lowered))
+
+    def program(**overrides):
+        training_args = args(tmp_path, **overrides)
+        make_steps(dropping_loss, DroppingModel(), init_params(), DataParallel(), training_args,
+                   training_plan(training_args, EXAMPLES), InMemoryData(examples(), EXAMPLES))
+        return programs[-1]
+
+    first = program()
+    assert program(learning_rate=0.3, warmup_steps=2, max_steps=7, seed=5) == first
+    assert program(num_train_epochs=3, dropout_rng="rbg") != first  # another generator: another program
+    assert program(lr_scheduler_type="cosine") != first
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+def test_the_train_step_follows_the_schedule_and_seed_it_is_given(tmp_path, kind):
+    """Three steps with warmup and dropout, against optax's own schedules and AdamW by hand, each device's rows
+    masked with the key of (--seed, step, device): the numbers the step takes are the run's."""
+    training_args = args(tmp_path, seed=5, warmup_steps=2, max_steps=5, lr_scheduler_type=kind)
+    data, plan = InMemoryData(examples(), EXAMPLES), training_plan(training_args, EXAMPLES)
+    layout = DataParallel()
+    state, steps = make_steps(dropping_loss, DroppingModel(), init_params(), layout, training_args, plan, data)
+    batch = data.example_batch(plan.batch_size)
+    for _ in range(3):
+        state, _ = steps.train(state, layout.place_batch(batch))
+
+    decay = (optax.linear_schedule(0.1, 0.0, 3) if kind == "linear" else optax.cosine_decay_schedule(0.1, 3))
+    tx = optax.adamw(optax.join_schedules([optax.linear_schedule(0.0, 0.1, 2), decay], [2]), eps=1.0,
+                     weight_decay=0.0)
+    w = jnp.asarray(init_params()["w"])
+    opt_state = tx.init(w)
+    x, y = jnp.asarray(batch["features"]), jnp.asarray(batch["labels"])
+    for step in range(3):
+        keys = [jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(5), step), device) for device in range(N)]
+        masks = jnp.concatenate([jax.random.bernoulli(key, 0.5, (1, DIM)) for key in keys])
+
+        def mean_loss(w):
+            return -jnp.take_along_axis(jax.nn.log_softmax((x * masks * 2) @ w), y[:, None], -1).mean()
+
+        update, opt_state = tx.update(jax.grad(mean_loss)(w), opt_state, w)
+        w = optax.apply_updates(w, update)
+    np.testing.assert_allclose(np.asarray(state.params["w"])[0], np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("layout", [DataParallel, lambda: FullySharded(4)], ids=["dp", "fsdp"])

@@ -93,6 +93,11 @@ def leaf_spec(shape, fsdp_size):
     return PartitionSpec()
 
 
+def _root_key(seed, generator):
+    """The key of `seed` that a run's dropout keys fold their step into: threefry's raw key, or a typed rbg key."""
+    return jax.random.PRNGKey(seed) if generator == "threefry" else jax.random.key(seed, impl="rbg")
+
+
 def step_wrapper(name, build, donated=()):
     """The callable a layout hands out for a step: `build()` itself (`donated`: the positions of the
     arguments the step consumes). `utils.perf.StepRecorder` puts its own wrapper here to count each
@@ -177,28 +182,36 @@ class Layout:
             yield queue.popleft()
             queue.extend(self.place_batch(batch) for batch in itertools.islice(batches, 1))
 
-    def compile_train_step(self, train_step, state, example_batch, gradient_accumulation_steps, checkpointing=False):
+    def compile_train_step(self, train_step, state, example_batch, gradient_accumulation_steps, checkpointing=False,
+                           settings=None):
         """`train_step(state, batch) -> (state, sums)` compiled ahead of time for `state` and batches
         like `example_batch` (host rows of this process); its per-device memory is logged, kept in
         `train_step_memory`, and checked against the device's limit before any step runs. Planning
-        for a TPU (`plan`), nothing is checked and nothing can run: None is returned."""
+        for a TPU (`plan`), nothing is checked and nothing can run: None is returned.
+        With `settings` (numbers: numpy leaves), `train_step(state, batch, settings)` gets them as an
+        argument, placed on every device once, not as constants of its program: the compilation
+        cache then serves the program to runs with other numbers. The step handed out takes
+        (state, batch)."""
+        settings = () if settings is None else (self.replicated(settings),)
         if self.plan:
             batch = self.abstract_batch(example_batch)
             self.train_step_memory, self.train_step_refused = plan_memory(
-                self._jit_train_step(train_step, state).lower(state, batch))
+                self._jit_train_step(train_step, state, bool(settings)).lower(state, batch, *settings))
             logger.info("train step (%s) on %s: %s", self.name, self.plan.describe(),
                         self.train_step_refused or memory_line(self.train_step_memory))
             return None
 
         def build():
-            jitted = self._jit_train_step(train_step, state)
-            compiled, refused = compile_or_refuse(jitted.lower(state, self.place_batch(example_batch)))
+            jitted = self._jit_train_step(train_step, state, bool(settings))
+            compiled, refused = compile_or_refuse(jitted.lower(state, self.place_batch(example_batch), *settings))
             if refused:
                 raise UsageError(f"the train step does not fit a device (the compiler: {refused}): "
                                  f"{train_levers(gradient_accumulation_steps, self.name, checkpointing)}")
             self.train_step_memory = memory_stats(compiled)
+            run = self._callable(jitted, compiled)
             # Wait on the sums: the state goes into the next step, which deletes it.
-            return self._in_flight.wrap(self._callable(jitted, compiled), done=lambda outputs: outputs[1])
+            return self._in_flight.wrap(lambda state, batch: run(state, batch, *settings),
+                                        done=lambda outputs: outputs[1])
 
         step = step_wrapper("train_step", build, donated=(0,))
         logger.info("train step (%s): %s", self.name, memory_line(self.train_step_memory))
@@ -230,14 +243,24 @@ class Layout:
         """`init_params`, its values perhaps made on a background thread (`Pending`); here, at once."""
         return self.init_params(init)
 
+    @staticmethod
+    def seed_key(seed, generator="threefry"):
+        """`seed`'s key for `dropout_key` (its data, a numpy array, made on the host's CPU): what the train step
+        takes in place of --seed, so its program holds no seed."""
+        with jax.default_device(devices.host_cpu()):
+            return np.asarray(jax.random.key_data(_root_key(seed, generator)))
+
     def dropout_key(self, seed, step, generator="threefry"):
         """The dropout key of the train step that `state.step` is `step` in, traced inside that step: a
         function of (seed, step) alone, so a resumed run draws the masks the uninterrupted one would
-        have; no state carries it. `generator` (`dropout_generator`) draws its bits: "threefry" gives
-        the same masks on any device count, "rbg" the same for one layout and device count ("chip" draws
-        its keys with rbg, its masks in `utils.chip_dropout`'s kernel)."""
-        seed_key = jax.random.PRNGKey(seed) if generator == "threefry" else jax.random.key(seed, impl="rbg")
-        return jax.random.fold_in(seed_key, step)
+        have; no state carries it. `seed`: an int, or its `seed_key`. `generator` (`dropout_generator`)
+        draws its bits: "threefry" gives the same masks on any device count, "rbg" the same for one
+        layout and device count ("chip" draws its keys with rbg, its masks in `utils.chip_dropout`'s kernel)."""
+        if isinstance(seed, (int, np.integer)):
+            key = _root_key(seed, generator)
+        else:
+            key = seed if generator == "threefry" else jax.random.wrap_key_data(seed, impl="rbg")
+        return jax.random.fold_in(key, step)
 
     def dropout_generator(self, choice):
         """`--dropout_rng`'s generator of dropout bits: "auto" is chip on TPUs under dp (the masks drawn
@@ -363,8 +386,12 @@ class DataParallel(Layout):
     def split_layer_gradients(self):
         return contextlib.nullcontext()  # the state is whole: gradients are summed whole (`batch_sum`)
 
-    def _jit_train_step(self, train_step, state):
+    def _jit_train_step(self, train_step, state, takes_settings):
         return jax.pmap(train_step, AXIS, donate_argnums=(0,), devices=self.plan and self.local_devices)
+
+    def replicated(self, values):
+        """`values` (numpy leaves) on every device, as the state is (`abstract_state`'s shapes when planning)."""
+        return self.abstract_state(values) if self.plan else self._replicate(values)
 
     @staticmethod
     def _callable(jitted, compiled):
@@ -543,10 +570,19 @@ class FullySharded(Layout):
     def _callable(jitted, compiled):
         return compiled
 
-    def _jit_train_step(self, train_step, state):
+    def _jit_train_step(self, train_step, state, takes_settings):
         shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
-        return jax.jit(train_step, in_shardings=(shardings, self._rows), out_shardings=(shardings, self._whole),
-                       donate_argnums=(0,))
+        return jax.jit(train_step, in_shardings=(shardings, self._rows) + (self._whole,) * takes_settings,
+                       out_shardings=(shardings, self._whole), donate_argnums=(0,))
+
+    def replicated(self, values):
+        """`values` (numpy leaves) whole on every device (their shapes so placed when planning)."""
+        def place(x):
+            x = np.asarray(x)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._whole) if self.plan else jax.device_put(
+                x, self._whole)
+
+        return jax.tree_util.tree_map(place, values)
 
     def _jit_step(self, step):
         def split_step(params, batch):

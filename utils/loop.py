@@ -130,10 +130,8 @@ class TrainLoop:
         self.writer, self.throughput = writer, throughput
         # All learning rates at once, on the host's CPU: calling the schedule at each log would compile its
         # ops mid-run, and on an accelerator each of its ops is one more program before the first step.
-        # Broadcast: a constant schedule (optax's) gives one number for all steps.
-        steps = np.arange(max(total_steps, 1))
         with jax.default_device(devices.host_cpu()):
-            self.learning_rates = np.broadcast_to(np.asarray(schedule(steps), np.float64), steps.shape)
+            self.learning_rates = np.asarray(schedule(np.arange(max(total_steps, 1))), np.float64)
         self.tokens_per_step, self.examples_per_step = tokens_per_step, examples_per_step
         self.window = []
         self.step = start_step  # the last step finished

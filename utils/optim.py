@@ -1,10 +1,14 @@
 """Learning-rate schedules, weight-decay masks and the optimizer factory."""
 
 import re
+from typing import NamedTuple
 
+import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import traverse_util
 
+from utils.args import SCHEDULES
 from utils.errors import UsageError
 
 # Module names of normalisation layers across the supported families: T5 `layer_norm`,
@@ -20,26 +24,40 @@ _NORM_MODULE = re.compile(r"(layer_?norm|(^|_)ln(_|\d|$)|(^|_)norm\d*($|_)|rms_?
                           r"^normalization$)", re.I)
 
 
-def learning_rate_schedule(kind, peak, warmup_steps, total_steps):
-    """Linear warmup from 0 to `peak`, then linear decay to 0, cosine decay to 0, or constant.
+class Schedule(NamedTuple):
+    """The learning rate at each optimizer step: linear warmup from 0 to the peak, then linear decay to 0,
+    cosine decay to 0, or constant (`kind`). `settings` holds its numbers ("peak", "warmup_steps",
+    "decay_steps"): numpy scalars on the host, or the train step's copies of them, which it takes as an
+    argument: its program holds no run's numbers, so the compilation cache serves a rerun with another
+    learning rate, step count or data size."""
 
-    `total_steps` counts optimizer steps (after gradient accumulation), so the decay ends exactly
-    at the last step of the run.
-    """
-    warmup_steps = min(warmup_steps, total_steps)
-    decay_steps = max(total_steps - warmup_steps, 1)
-    warmup = optax.linear_schedule(0.0, peak, transition_steps=max(warmup_steps, 1))
-    if kind == "linear":
-        after = optax.linear_schedule(peak, 0.0, transition_steps=decay_steps)
-    elif kind == "cosine":
-        after = optax.cosine_decay_schedule(peak, decay_steps=decay_steps)
-    elif kind == "constant":
-        after = optax.constant_schedule(peak)
-    else:
+    kind: str
+    settings: dict
+
+    def __call__(self, count):
+        peak, warmup, decay = (self.settings[key] for key in ("peak", "warmup_steps", "decay_steps"))
+        # optax's linear_schedule, cosine_decay_schedule and join_schedules, op for op, on numbers that may be traced
+        ramp = jnp.maximum(warmup, 1)
+        warming = -peak * (1 - jnp.clip(count, 0, ramp) / ramp) + peak
+        after = count - warmup
+        if self.kind == "linear":
+            decayed = peak * (1 - jnp.clip(after, 0, decay) / decay)
+        elif self.kind == "cosine":
+            decayed = peak * (0.5 * (1 + jnp.cos(jnp.pi * jnp.minimum(after, decay) / decay)))
+        else:
+            decayed = jnp.full(jnp.shape(count), peak)
+        return jnp.where(count < warmup, warming, decayed)
+
+
+def learning_rate_schedule(kind, peak, warmup_steps, total_steps):
+    """The `Schedule` of `kind` to `peak` after `warmup_steps` (at most `total_steps`), decaying to 0 at
+    `total_steps`, which counts optimizer steps (after gradient accumulation): the decay ends exactly at
+    the last step of the run."""
+    if kind not in SCHEDULES:
         raise UsageError(f"unknown learning-rate schedule {kind!r}: use linear, cosine or constant")
-    if warmup_steps == 0:
-        return after
-    return optax.join_schedules([warmup, after], boundaries=[warmup_steps])
+    warmup_steps = min(warmup_steps, total_steps)
+    return Schedule(kind, {"peak": np.float32(peak), "warmup_steps": np.int32(warmup_steps),
+                           "decay_steps": np.int32(max(total_steps - warmup_steps, 1))})
 
 
 def decay_mask(params):

@@ -23,7 +23,7 @@ from utils.logging import MetricsLogger, throughput_meter
 from utils.memory import does_not_fit, eval_levers, per_device_bytes, plan_memory, readable, train_levers
 from utils.models import enable_gradient_checkpointing
 from utils.loop import TrainLoop, eval_batches, host_eval_batches, host_means
-from utils.optim import create_optimizer
+from utils.optim import Schedule, create_optimizer
 from utils.resume import resume_or_start, run_fingerprint
 from utils.rundir import RunDirectory
 from utils.saving import SavePolicy, Saver
@@ -79,13 +79,14 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     "loss" and "tokens" in `sums` (`utils.steps.token_weighted_grads`). What every script's steps
     need is applied here, so none can forget it: the train step gets `--label_smoothing_factor`
     (evaluation 0) and the dropout key of (`--seed`, its step) drawn by `--dropout_rng`'s generator
-    (`Layout.dropout_key`; with `chip` the masks are drawn in `utils.chip_dropout`'s kernel), `--gradient_checkpointing` makes `model` recompute its layers' activations,
-    `--attention` picks its attention kernel (`utils.attention`) and `--scan_layers` runs the layer stack
-    under one scan (`utils.layer_scan`). The optimizer follows
-    `plan`'s learning-rate schedule; with LoRA (adapters attached by `utils.models.load_model`) it
-    trains the adapters and heads alone (`utils.lora.FrozenBaseState`). When training, the train step is
-    compiled now, for batches like
-    `train_data`'s (after `transform`): its device memory is known, and checked, before anything is
+    (`Layout.dropout_key`; with `chip` the masks are drawn in `utils.chip_dropout`'s kernel),
+    `--gradient_checkpointing` makes `model` recompute its layers' activations, `--attention` picks its
+    attention kernel (`utils.attention`) and `--scan_layers` runs the layer stack under one scan
+    (`utils.layer_scan`). The optimizer follows `plan`'s learning-rate schedule; with LoRA (adapters
+    attached by `utils.models.load_model`) it trains the adapters and heads alone
+    (`utils.lora.FrozenBaseState`). The schedule's numbers and the seed's key are the train step's
+    argument, not constants of its program. When training, the train step is compiled now, for batches
+    like `train_data`'s (after `transform`): its device memory is known, and checked, before anything is
     written. `predict_fn(params, batch) -> [rows, ...]` (class ids, logits, tags) makes the eval
     step return its per-row outputs beside the sums, in the same compiled step. With
     `--compile_only` the steps are planned, never run: `Steps.report_plan`.
@@ -104,19 +105,27 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     if generator == "chip":
         chip_dropout.use_chip_dropout(model, interpret=layout.platform != "tpu")
         logger.info("dropout: masks drawn inside Pallas kernels by the chip's generator (--dropout_rng chip)")
-    optimizer = create_optimizer(plan.schedule, training_args.adafactor, training_args.adam_beta1,
-                                 training_args.adam_beta2, training_args.adam_epsilon, training_args.weight_decay)
+    # The run's numbers reach the train step as an argument (`Layout.compile_train_step`): its program, and so
+    # its compilation-cache entry, serves a rerun with another learning rate, schedule length or seed. Adam's
+    # stay constants: as Python floats they keep bfloat16 moments bfloat16.
+    settings = {"schedule": plan.schedule.settings, "seed": layout.seed_key(training_args.seed, generator)}
+
+    def optimizer_of(settings):
+        return create_optimizer(Schedule(plan.schedule.kind, settings["schedule"]), training_args.adafactor,
+                                training_args.adam_beta1, training_args.adam_beta2, training_args.adam_epsilon,
+                                training_args.weight_decay)
+
+    optimizer = optimizer_of(settings)
     adapters = lora.adapters_of(model)
     create = (partial(lora.FrozenBaseState.create, trainable=lora.trainable_paths(params, adapters)) if adapters
               else TrainState.create)
     state = layout.create_state(model.__call__, params, optimizer, create)  # fresh weights: a Pending, made meanwhile
-    label_smoothing, seed = training_args.label_smoothing_factor, training_args.seed
     accumulation = training_args.gradient_accumulation_steps
 
-    train_loss = partial(loss_fn, train=True, label_smoothing=label_smoothing)
+    train_loss = partial(loss_fn, train=True, label_smoothing=training_args.label_smoothing_factor)
 
-    def train_step(state, batch):
-        dropout_rng = layout.dropout_key(seed, state.step, generator)
+    def train_step(state, batch, settings):
+        dropout_rng = layout.dropout_key(settings["seed"], state.step, generator)
         trained, frozen = lora.trained_and_frozen(state)  # the gradients of what trains, only
 
         def trained_loss(trained, batch, dropout_rng):
@@ -124,7 +133,8 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
 
         grads, sums = token_weighted_grads(trained_loss, trained, batch, dropout_rng, accumulation, layout,
                                            split_layers=not frozen)
-        return state.apply_gradients(grads=grads), sums
+        # The step's own optimizer, of the settings it was given; the state keeps the one it was made with.
+        return state.replace(tx=optimizer_of(settings)).apply_gradients(grads=grads).replace(tx=state.tx), sums
 
     def eval_step(params, batch):
         _, sums = loss_fn(params, batch, None, train=False, label_smoothing=0.0)
@@ -136,7 +146,7 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     if training_args.do_train:
         p_train_step = layout.compile_train_step(train_step, shapes_of(state),
                                                  train_data.example_batch(plan.batch_size, transform), accumulation,
-                                                 training_args.gradient_checkpointing)
+                                                 training_args.gradient_checkpointing, settings)
     p_eval_step = layout.compile_step("eval_step", eval_step)
     eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
     return finished(state), Steps(p_train_step, p_eval_step, layout, eval_batch_size, predict_fn is not None)
