@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Where a TPU run's start-up goes: benchmarks/tpu.py's GPT-2-small row, cold and then warm, every compile timed.
 
-    python benchmarks/tpu_startup.py                         # on a TPU VM, ~2 min
+    python benchmarks/tpu_startup.py                         # on a TPU VM, ~3 min
     python benchmarks/tpu_startup.py -- --scan_layers yes    # flags after -- go to run_clm_flax.py
 
-Runs run_clm_flax.py for 2 steps twice on one compilation cache, first empty (cold) and then filled (warm),
-each in a fresh process with JAX's compile, compilation-cache read and the cache's compression wrapped in
-timers. Per run: the first step's seconds after start (the script's own log line), the three slowest compiles
+Runs run_clm_flax.py for 2 steps three times on one compilation cache, each in a fresh process with JAX's
+compile, compilation-cache read and the cache's compression wrapped in timers: first with the cache empty
+(cold), then filled (warm), then filled and with other numbers (rerun: another learning rate, warmup, seed
+and step count, which the train step takes as an argument, so its program is read from the cache). Per run: the first step's seconds after start (the script's own log line), the three slowest compiles
 or cache reads (on a chip the train step's is the slowest), and the largest cache entry's bytes and the seconds to
 compress or decompress them.
 Refuses to run without TPU chips; adds its record to --output (replacing one with the same flags and cache
@@ -28,6 +29,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# The rerun's other numbers (the flags after the command's own win).
+RERUN = ["--learning_rate", "1e-4", "--warmup_steps", "1", "--seed", "7", "--max_steps", "3"]
 TIMED = re.compile(r"^TIMED (\w+) (\S+) ([0-9.]+) s ([0-9]+) bytes$", re.M)
 
 
@@ -101,8 +104,8 @@ def main():
         compression = "zstandard" if importlib.util.find_spec("zstandard") else "zlib"  # JAX's choice
         record = {"row": "gpt2_small", "flags": flags + args.extra, "cache_compression": compression,
                   "date": time.strftime("%Y-%m-%d")}
-        for state in ("cold", "warm"):
-            result = subprocess.run(command, cwd=ROOT, env=environment(os.path.join(work, "datasets")),
+        for state, numbers in (("cold", []), ("warm", []), ("rerun", RERUN)):
+            result = subprocess.run(command + numbers, cwd=ROOT, env=environment(os.path.join(work, "datasets")),
                                     capture_output=True, text=True)
             if result.returncode:
                 sys.exit(f"error: the {state} run failed:\n{result.stderr[-3000:]}")
