@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Where a TPU run's start-up goes: benchmarks/tpu.py's GPT-2-small row, cold and then warm, every compile timed.
+"""Where a TPU run's start-up goes: benchmarks/tpu.py's GPT-2-small row, cold, warm and rerun, every compile timed.
 
     python benchmarks/tpu_startup.py                         # on a TPU VM, ~3 min
     python benchmarks/tpu_startup.py -- --scan_layers yes    # flags after -- go to run_clm_flax.py
@@ -7,9 +7,10 @@
 Runs run_clm_flax.py for 2 steps three times on one compilation cache, each in a fresh process with JAX's
 compile, compilation-cache read and the cache's compression wrapped in timers: first with the cache empty
 (cold), then filled (warm), then filled and with other numbers (rerun: another learning rate, warmup, seed
-and step count, which the train step takes as an argument, so its program is read from the cache). Per run: the first step's seconds after start (the script's own log line), the three slowest compiles
-or cache reads (on a chip the train step's is the slowest), and the largest cache entry's bytes and the seconds to
-compress or decompress them.
+and step count, which the train step takes as an argument, so its program is read from the cache). Per run:
+the first step's seconds after start (the script's own log line), the three slowest compiles or cache reads
+(on a chip the train step's is the slowest), and the largest cache entry's bytes and the seconds to compress
+or decompress them.
 Refuses to run without TPU chips; adds its record to --output (replacing one with the same flags and cache
 compression).
 """
