@@ -165,6 +165,34 @@ def test_load_model_compute_and_parameter_dtypes(tokenizer, dtype, param_dtype, 
     assert logits.dtype == jnp.dtype(dtype) and bool(jnp.isfinite(logits).all())
 
 
+def test_fresh_weights_come_from_one_program_whatever_the_seed(tokenizer, monkeypatch):
+    """dp's fresh weights: the seed's key is their program's argument (the compilation cache serves it to a run
+    with another seed), and the weights are still the seed's, those transformers draws for it op by op."""
+    compat.apply()  # the T5 clip shim
+    programs = []
+    on_host = DataParallel._on_host
+
+    class Recorded:  # `_on_host`'s jitted init, the text of each program it lowers recorded
+        def __init__(self, init):
+            self.jitted = on_host(init)
+
+        def lower(self, *args):
+            lowered = self.jitted.lower(*args)
+            programs.append(lowered.as_text())
+            return lowered
+
+    monkeypatch.setattr(DataParallel, "_on_host", staticmethod(Recorded))
+    args = ModelArguments(model_type="t5", config_overrides="d_model=16,d_ff=32,num_layers=1,num_heads=2,d_kv=8")
+    config = fit_config_to_tokenizer(load_config(args, "seq2seq"), tokenizer, args)
+    params = {seed: finished(load_model(FlaxAutoModelForSeq2SeqLM, args, config, seed, DataParallel())[1])
+              for seed in (0, 1)}
+    assert len(programs) == 2 and programs[0] == programs[1]
+    drawn = FlaxAutoModelForSeq2SeqLM.from_config(config, seed=1).params
+    jax.tree_util.tree_map(lambda ours, theirs: np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7),
+                           params[1], drawn)
+    assert not np.allclose(params[0]["shared"]["embedding"], params[1]["shared"]["embedding"])
+
+
 def test_pretrained_weights_load_through_the_host_and_missing_ones_are_made(tokenizer, tmp_path):
     """A saved model loads into host memory then its layout; a head the checkpoint lacks is
     initialised fresh instead of left out."""

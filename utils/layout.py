@@ -239,9 +239,9 @@ class Layout:
         """What `create_state` would make of the parameter shapes `params`, placed (`abstract_state`)."""
         return self.abstract_state(jax.eval_shape(partial(create, apply_fn=apply_fn, tx=tx), params=params))
 
-    def init_params_in_background(self, init):
+    def init_params_in_background(self, init, *args):
         """`init_params`, its values perhaps made on a background thread (`Pending`); here, at once."""
-        return self.init_params(init)
+        return self.init_params(init, *args)
 
     @staticmethod
     def seed_key(seed, generator="threefry"):
@@ -293,23 +293,25 @@ class DataParallel(Layout):
         return f"dp: jax.pmap over {len(self.local_devices)} local devices{where} ({jax.device_count()} in all)"
 
     # -- the state ----------------------------------------------------------------------------------
-    def init_params(self, init):
-        """Fresh weights `init()` from one compiled program on the host's CPU, where `create_state`
+    def init_params(self, init, *args):
+        """Fresh weights `init(*args)` from one compiled program on the host's CPU, where `create_state`
         copies them to every device from. An accelerator gains nothing on a program run once, and a
-        TPU compiles it slowly: 27 s for GPT-2 small on a v5e host, against 6 s on its CPU."""
+        TPU compiles it slowly: 27 s for GPT-2 small on a v5e host, against 6 s on its CPU. `args` (the
+        seed's key) are the program's arguments, not its constants: the compilation cache serves it to a
+        run with another seed."""
         if self.plan:  # shapes only: the state is placed by `create_state`
-            return jax.eval_shape(init)
-        return self._on_host(init)()
+            return jax.eval_shape(init, *args)
+        return self._on_host(init)(*args)
 
-    def init_params_in_background(self, init):
+    def init_params_in_background(self, init, *args):
         """`init_params` as a `Pending`: traced now, so it sees the model as it is now (the train step's
         set-up then changes the model's calls), compiled and run on the background thread. Not on several
         hosts: their pmap is compiled from arrays, whose global shapes the `Pending`'s local ones are not."""
         if self.plan or jax.process_count() > 1:
-            return self.init_params(init)
-        lowered = self._on_host(init).lower()
+            return self.init_params(init, *args)
+        lowered = self._on_host(init).lower(*args)
         shapes = jax.tree_util.tree_map(lambda out: jax.ShapeDtypeStruct(out.shape, out.dtype), lowered.out_info)
-        return Pending(shapes, lambda: lowered.compile()())
+        return Pending(shapes, lambda: lowered.compile()(*args))
 
     @staticmethod
     def _on_host(init):
@@ -456,11 +458,11 @@ class FullySharded(Layout):
         return jax.tree_util.tree_map(lambda x: self.sharding_of(x.shape), tree)
 
     # -- the state ----------------------------------------------------------------------------------
-    def init_params(self, init):
-        """Fresh weights `init()` computed straight into their shards: no device ever holds them all."""
+    def init_params(self, init, *args):
+        """Fresh weights `init(*args)` computed straight into their shards: no device ever holds them all."""
         if self.plan:  # shapes only: the state is placed by `create_state`
-            return jax.eval_shape(init)
-        return jax.jit(init, out_shardings=self._shardings(jax.eval_shape(init)))()
+            return jax.eval_shape(init, *args)
+        return jax.jit(init, out_shardings=self._shardings(jax.eval_shape(init, *args)))(*args)
 
     def place_params(self, host_params):
         """Pretrained weights from host memory, each leaf sent in shards to the devices that hold them."""

@@ -367,9 +367,10 @@ def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatc
         if model._is_initialized and not layout.plan:
             params = layout.place_params(cast(model.params))
         else:
-            init = lambda: cast(model.init_weights(model.key, model.input_shape))  # noqa: E731
+            init = lambda key: cast(model.init_weights(key, model.input_shape))  # noqa: E731
+            key = np.asarray(model.key)  # the seed's: an argument, so the program serves every seed
             # Without adapters to join, made while the train step compiles (`utils.layout.Pending`)
-            params = layout.init_params(init) if adapters else layout.init_params_in_background(init)
+            params = layout.init_params(init, key) if adapters else layout.init_params_in_background(init, key)
     return with_adapters(model, params, adapters, model_args, seed, layout)
 
 
