@@ -166,6 +166,25 @@ class Bench:
         return times
 
 
+def save_records(path, records, key):
+    """Write `records` into the JSON list at `path`: each takes the place of the file's record of the same
+    `key(record)`, or comes after them; the file's others stay (a run of some rows keeps the rows before)."""
+    saved = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    places = {key(record): i for i, record in enumerate(saved)}
+    for record in records:
+        if key(record) in places:
+            saved[places[key(record)]] = record
+        else:
+            places[key(record)] = len(saved)
+            saved.append(record)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(saved, f, indent=2)
+        f.write("\n")
+
+
 def format_table(records, columns):
     """`records` as a plain-text table; `columns`: (header, record key, format); a missing figure is "-"."""
     rows = [[fmt.format(r[key]) if r.get(key) is not None else "-" for _, key, fmt in columns] for r in records]

@@ -32,7 +32,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.run import FIRST_STEP, environment, format_table, script_tokens_per_second  # noqa: E402
+from benchmarks.run import (FIRST_STEP, environment, format_table, save_records,  # noqa: E402
+                            script_tokens_per_second)
 
 # Model shapes by config overrides; each row trains with the flags after it. Global batches.
 ROWS = {
@@ -232,8 +233,7 @@ def main():
 
             def save(record):
                 record["date"] = time.strftime("%Y-%m-%d")
-                with open(args.output, "w", encoding="utf-8") as f:
-                    json.dump(records + [record], f, indent=2)
+                save_records(args.output, records + [record], key=lambda record: record["row"])
 
             try:
                 record = measure_row(row, work, data, args.steps, logs, args.classic, save)

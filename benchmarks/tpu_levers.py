@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What each speed lever is worth on a TPU: run_clm_flax.py on benchmarks/tpu.py's LM rows, once per setting.
+"""What each speed lever is worth on a TPU: benchmarks/tpu.py's rows, once per setting.
 
     python benchmarks/tpu_levers.py                      # every row and setting (~10 min on one v5e chip)
     python benchmarks/tpu_levers.py --runs gpt2_small:threefry gpt2_small:rbg
@@ -9,14 +9,15 @@ A run is ROW:SETTING. The settings: `threefry` / `rbg` (--dropout_rng: what draw
 Llama trains), `splash_checkpointing` (splash with --gradient_checkpointing), `dropout_kernel` (--attention
 splash with the model's dropouts: its attention dropout drawn inside utils/dropout_attention's kernel, the
 others by rbg), `chip_dropout` (that, and every other dropout's mask drawn inside utils/chip_dropout's
-kernel: --dropout_rng chip). Each run trains from scratch in bf16 with an empty compilation cache, for
---steps steps; its steady-state tokens/s and MFU come from its metrics.jsonl (the first step left out), its
-first step's seconds after start from its log. Refuses to run without TPU chips; writes --output after each
-run and prints a table.
+kernel: --dropout_rng chip), `rbg_masks` / `chip_masks` (--dropout_rng rbg / chip beside the row's default
+--attention: for the rows whose attention the kernels do not take, t5's). Each run trains from scratch in bf16
+with an empty compilation cache, for --steps steps; its steady-state tokens/s and MFU come from its
+metrics.jsonl (the first step left out), its first step's seconds after start from its log. Refuses to run
+without TPU chips; writes each run into --output as it ends (replacing that run's earlier record) and prints
+a table.
 """
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -26,8 +27,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.run import FIRST_STEP, environment, format_table, script_tokens_per_second  # noqa: E402
-from benchmarks.tpu import ROWS, config_dir, make_data, on_tpu, run  # noqa: E402
+from benchmarks.run import (FIRST_STEP, environment, format_table, save_records,  # noqa: E402
+                            script_tokens_per_second)
+from benchmarks.tpu import ROWS, SCRIPTS, config_dir, make_data, on_tpu, run  # noqa: E402
 
 NO_DROPOUT = {"gpt2": ",resid_pdrop=0,embd_pdrop=0,attn_pdrop=0", "llama": ""}  # Llama's config has none
 SETTINGS = {"threefry": (False, ["--dropout_rng", "threefry", "--attention", "xla"]),
@@ -36,7 +38,9 @@ SETTINGS = {"threefry": (False, ["--dropout_rng", "threefry", "--attention", "xl
             "splash": (True, ["--attention", "splash"]),
             "splash_checkpointing": (True, ["--attention", "splash", "--gradient_checkpointing"]),
             "dropout_kernel": (False, ["--dropout_rng", "rbg", "--attention", "splash"]),
-            "chip_dropout": (False, ["--dropout_rng", "chip", "--attention", "splash"])}
+            "chip_dropout": (False, ["--dropout_rng", "chip", "--attention", "splash"]),
+            "rbg_masks": (False, ["--dropout_rng", "rbg"]),
+            "chip_masks": (False, ["--dropout_rng", "chip"])}
 DEFAULT_RUNS = ["gpt2_small:threefry", "gpt2_small:rbg", "gpt2_small:xla", "gpt2_small:splash", "llama_0.6b:xla",
                 "llama_0.6b:splash"]
 
@@ -48,7 +52,7 @@ def measure(run_name, work, data, steps, logs):
     overrides += NO_DROPOUT[model_type] if no_dropout else ""
     config = config_dir(work, f"{row}-{setting}", model_type, overrides, data[task][1])
     out = os.path.join(work, f"out-{row}-{setting}")
-    text = run([sys.executable, "run_clm_flax.py", "--config_name", config, *data[task], *flags, *setting_flags,
+    text = run([sys.executable, SCRIPTS[task], "--config_name", config, *data[task], *flags, *setting_flags,
                 "--dtype", "bfloat16", "--do_train", "--do_eval", "false", "--output_dir", out,
                 "--overwrite_output_dir", "--num_train_epochs", "1000", "--save_steps", "1000000", "--seed", "42",
                 "--max_steps", str(steps), "--logging_steps", str(max(steps // 5, 1)), "--compilation_cache_dir",
@@ -63,16 +67,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS,
-                        help=f"ROW:SETTING, ROW of {list(ROWS)[:2]}, SETTING of {list(SETTINGS)}")
+                        help=f"ROW:SETTING, ROW of {list(ROWS)}, SETTING of {list(SETTINGS)}")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--logs", help="Keep each run's log here.")
     parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "results_tpu_levers.json"))
     args = parser.parse_args()
     for name in args.runs:
         row, _, setting = name.partition(":")
-        if row not in ROWS or ROWS[row][0] != "clm" or setting not in SETTINGS:
-            sys.exit(f"error: --runs {name}: use ROW:SETTING with ROW an LM row of benchmarks/tpu.py "
-                     f"({', '.join(r for r in ROWS if ROWS[r][0] == 'clm')}) and SETTING one of {', '.join(SETTINGS)}")
+        if row not in ROWS or setting not in SETTINGS or (SETTINGS[setting][0] and ROWS[row][1] not in NO_DROPOUT):
+            sys.exit(f"error: --runs {name}: use ROW:SETTING with ROW a row of benchmarks/tpu.py ({', '.join(ROWS)}) "
+                     f"and SETTING one of {', '.join(SETTINGS)} (xla, splash and splash_checkpointing for "
+                     f"{', '.join(r for r in ROWS if ROWS[r][1] in NO_DROPOUT)} only)")
     if not on_tpu():
         sys.exit("error: benchmarks/tpu_levers.py measures a TPU, and this machine has no TPU chips: run it on a TPU VM")
     work = tempfile.mkdtemp(prefix="flaxtune-levers-")
@@ -84,8 +89,7 @@ def main():
         for name in args.runs:
             print(f"{name} ...", file=sys.stderr, flush=True)
             records.append(measure(name, work, data, args.steps, logs))
-            with open(args.output, "w", encoding="utf-8") as f:
-                json.dump(records, f, indent=2)
+            save_records(args.output, records, key=lambda record: record["run"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(format_table(records, [("run", "run", "{}"), ("tok/s", "tokens_per_second", "{:,.0f}"),

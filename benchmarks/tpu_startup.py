@@ -87,7 +87,7 @@ def main():
     parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "results_tpu_startup.json"))
     parser.add_argument("extra", nargs="*", help="flags for run_clm_flax.py (after --)")
     args = parser.parse_args()
-    from benchmarks.run import environment
+    from benchmarks.run import environment, save_records
     from benchmarks.tpu import ROWS, config_dir, make_data, on_tpu
 
     if not on_tpu():
@@ -114,14 +114,8 @@ def main():
             print(state, json.dumps(record[state]), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    records = []
-    if os.path.exists(args.output):  # one record per flags and compression: this run's replaces its own
-        with open(args.output, encoding="utf-8") as f:
-            records = [old for old in json.load(f) if (old["flags"], old["cache_compression"]) != (
-                record["flags"], record["cache_compression"])]
-    with open(args.output, "w", encoding="utf-8") as f:
-        json.dump(records + [record], f, indent=2)
-        f.write("\n")
+    # one record per flags and compression: this run's replaces its own
+    save_records(args.output, [record], key=lambda record: (str(record["flags"]), record["cache_compression"]))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,15 @@ def test_data_benchmark_on_small_sizes(tmp_path):
     assert "| 5,000 |" in result.stdout and "tokens/s" in result.stdout
 
 
+def test_a_run_of_some_rows_replaces_their_records_and_keeps_the_others(tmp_path):
+    from benchmarks.run import save_records
+
+    path = tmp_path / "results.json"
+    save_records(path, [{"row": "a", "x": 1}, {"row": "b", "x": 2}], key=lambda record: record["row"])
+    save_records(path, [{"row": "c", "x": 3}, {"row": "a", "x": 4}], key=lambda record: record["row"])
+    assert json.loads(path.read_text()) == [{"row": "a", "x": 4}, {"row": "b", "x": 2}, {"row": "c", "x": 3}]
+
+
 def test_tpu_benchmark_refuses_a_machine_without_tpu_chips():
     result = subprocess.run([sys.executable, "benchmarks/tpu.py", "--rows", "gpt2_small"], cwd=ROOT, env=script_env(),
                             capture_output=True, text=True, timeout=120)
