@@ -236,12 +236,14 @@ def test_dropout_rng_picks_the_generator_of_the_masks(tmp_path, layout):
     assert weights("auto").tobytes() == weights("threefry").tobytes()
 
 
-def test_auto_draws_dropout_on_the_chip_under_dp_and_with_rbg_under_fsdp_on_tpus_only():
+def test_auto_draws_dropout_on_the_chip_beside_the_attention_kernels_under_dp_and_with_rbg_otherwise_on_tpus():
     dp, fsdp = DataParallel(), FullySharded(4)
-    assert dp.dropout_generator("auto") == fsdp.dropout_generator("auto") == "threefry"
+    assert dp.dropout_generator("auto", True) == fsdp.dropout_generator("auto", True) == "threefry"
     dp.platform = fsdp.platform = "tpu"
-    assert (dp.dropout_generator("auto"), fsdp.dropout_generator("auto")) == ("chip", "rbg")
+    assert (dp.dropout_generator("auto", True), fsdp.dropout_generator("auto", True)) == ("chip", "rbg")
+    assert dp.dropout_generator("auto", False) == fsdp.dropout_generator("auto", False) == "rbg"
     assert dp.dropout_generator("threefry") == "threefry" and dp.dropout_generator("rbg") == "rbg"
+    assert dp.dropout_generator("chip", False) == "chip"  # asked for: the stock attention's dropout too
     with pytest.raises(UsageError, match="--dropout_rng chip runs under --sharding dp"):
         fsdp.dropout_generator("chip")
 

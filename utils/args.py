@@ -217,8 +217,8 @@ class TrainingArguments:
         "What draws the dropout masks: 'threefry' (JAX's default: the same masks on any layout and device count), "
         "'rbg' (XLA's bit generator, far cheaper on TPUs; the masks depend on the layout and device count), 'chip' "
         "(under --sharding dp: each mask drawn by the TPU's own generator inside a Pallas kernel, never written out; "
-        "the cheapest on TPUs; elsewhere Pallas' interpreter, slow), or 'auto': chip on TPUs under dp, rbg on TPUs "
-        "under fsdp, threefry elsewhere.", default="auto")
+        "elsewhere Pallas' interpreter, slow), or 'auto': on TPUs chip under dp where the attention runs through the "
+        "kernels (--attention), rbg otherwise; threefry elsewhere.", default="auto")
     push_to_hub: bool = _help("Upload the model to the Hugging Face hub at each save.", default=False)
     hub_model_id: Optional[str] = _help("Repository name on the hub (default: output_dir's name).", default=None)
     hub_token: Optional[str] = _help("Token for pushing to the hub (never logged or saved).", default=None)

@@ -93,7 +93,8 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     """
     if training_args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    if attention.choose(training_args.attention, model, layout.platform, layout.name):
+    attention_kernels = attention.choose(training_args.attention, model, layout.platform, layout.name)
+    if attention_kernels:
         attention.use_attention_kernels(model, interpret=layout.platform != "tpu")  # the interpreter: tests on CPUs
         logger.info("attention: Pallas kernels (flash, any dropout mask drawn in the kernel; splash for other "
                     "families' attention without dropout)")
@@ -101,7 +102,7 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
         layer_scan.scan_layers(model, checkpointed=training_args.gradient_checkpointing)
         logger.info("layers: the %d layers run under jax.lax.scan, one traced and compiled (--scan_layers)",
                     model.config.num_hidden_layers)
-    generator = layout.dropout_generator(training_args.dropout_rng)
+    generator = layout.dropout_generator(training_args.dropout_rng, attention_kernels)
     if generator == "chip":
         chip_dropout.use_chip_dropout(model, interpret=layout.platform != "tpu")
         logger.info("dropout: masks drawn inside Pallas kernels by the chip's generator (--dropout_rng chip)")
