@@ -377,17 +377,18 @@ def add_category_head(params, model, model_args, config, seed, layout):
     module = category_head(config, jnp.float32)
     param_dtype = jnp.dtype(model_args.param_dtype)
 
-    def fresh():
-        return cast_floats(module.init(jax.random.PRNGKey(seed), jnp.zeros((1, config.hidden_size)))["params"],
-                           param_dtype)
+    def fresh(key):
+        return cast_floats(module.init(key, jnp.zeros((1, config.hidden_size)))["params"], param_dtype)
+
+    key = layout.seed_key(seed)  # the program's argument, not its constant: its compilation serves every seed
 
     saved = None if layout.plan else saved_head(model_args.model_name_or_path, model_args.cache_dir,
                                                 model_args.token)
     if saved is None:
         if model_args.model_name_or_path:
             logger.warning("%s has no answer-category head: a fresh one is trained", model_args.model_name_or_path)
-        return {**finished(params), HEAD: layout.init_params(fresh)}
-    expected = jax.tree_util.tree_map(np.shape, jax.eval_shape(fresh))
+        return {**finished(params), HEAD: layout.init_params(fresh, key)}
+    expected = jax.tree_util.tree_map(np.shape, jax.eval_shape(fresh, key))
     if jax.tree_util.tree_map(np.shape, saved) != expected:
         raise UsageError(f"the answer-category head saved in {model_args.model_name_or_path} does not fit "
                          f"{type(model).__name__} with hidden size {config.hidden_size} and {len(CATEGORIES)} "
