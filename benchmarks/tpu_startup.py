@@ -115,7 +115,7 @@ def main():
     finally:
         shutil.rmtree(work, ignore_errors=True)
     # one record per flags and compression: this run's replaces its own
-    save_records(args.output, [record], key=lambda record: (str(record["flags"]), record["cache_compression"]))
+    save_records(args.output, [record], key=lambda record: (tuple(record["flags"]), record["cache_compression"]))
 
 
 if __name__ == "__main__":

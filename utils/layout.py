@@ -268,10 +268,10 @@ class Layout:
         Pallas kernel too, never written out), rbg otherwise: under fsdp, where the kernel would need
         shard_map's per-device view, and where the stock attention drops its probabilities, which XLA fuses
         with rbg's bits but the chip's kernel takes apart (t5-small on a v5e chip: 512,317 tokens/s with rbg,
-        487,555 with chip; RoBERTa-base through the kernels 161,117 with chip, 161,648 with rbg). rbg because
-        threefry's bits cost more than the attention they mask (a GPT-2 layer at 1024 tokens on a v5e chip:
-        13.1 ms forward and backward with threefry's masks, 9.3 with rbg's, 5.9 without dropout). threefry
-        elsewhere. A `UsageError` for chip under fsdp."""
+        487,555 with chip; RoBERTa-base through the kernels 161,117 with chip, 161,648 with rbg). rbg, not
+        threefry, on TPUs: threefry's bits cost more than the attention they mask (a GPT-2 layer at 1024 tokens
+        on a v5e chip: 13.1 ms forward and backward with threefry's masks, 9.3 with rbg's, 5.9 without
+        dropout); threefry elsewhere. A `UsageError` for chip under fsdp."""
         if choice == "auto":
             if self.platform != "tpu":
                 return "threefry"
