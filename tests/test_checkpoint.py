@@ -5,6 +5,7 @@ restores them under "fsdp" and back.
 """
 
 import os
+import tracemalloc
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,25 @@ def test_async_save_then_wait(tmp_path, trained_state):
     assert ckpt.all_steps() == [1]
     assert os.path.isdir(tmp_path / "1")
     assert not save(ckpt, 1, trained_state)  # the step is already saved
+    ckpt.close()
+
+
+def test_host_state_is_written_without_a_copy(tmp_path):
+    """The state's host arrays (dp's `checkpoint_tree`: already copies of the device's) are written as they are:
+    orbax's own copy of them, made by default, held a second host copy of the state while it was written
+    (5.1 GiB for the Llama row on a TPU host). numpy reports its allocations to tracemalloc."""
+    tree = {"a": np.ones((4, 1 << 20), np.float32), "b": np.ones((2, 1 << 20), np.float32)}  # 24 MiB
+    ckpt = Checkpointer(str(tmp_path), async_save=True)
+    tracemalloc.start()
+    try:
+        assert ckpt.save(1, tree, {"step": 1})
+        ckpt.wait()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, f"{peak / 2**20:.1f} MiB allocated while writing a 24 MiB state"
+    restored, _ = ckpt.restore(1, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree))
+    assert_bitwise_equal(restored, tree)
     ckpt.close()
 
 

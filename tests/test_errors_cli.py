@@ -31,7 +31,7 @@ import run_t5_mlm_flax as t5_mlm
 import run_bart_dlm_flax as bart_dlm
 from script_runner import ROOT, directory_state, run_script, script_env
 from tasks.summarization import TASK
-from utils import hub_access
+from utils import flax_msgpack, hub_access
 from utils.args import TrainingArguments
 from utils.checkpoint import Checkpointer
 from utils.errors import RunError, run_main
@@ -562,16 +562,13 @@ DISK_FULL = ValueError("RESOURCE_EXHAUSTED: Error writing \"params\": No space l
 
 
 class FakeModel:
-    """Writes a 'weights' file like save_pretrained; with `fail`, runs out of space half-way."""
+    """What the export asks of a Flax model (`utils.flax_msgpack.save_pretrained`)."""
 
-    fail = False
     config = PretrainedConfig()
+    _auto_class = None
 
-    def save_pretrained(self, directory, params):
-        with open(os.path.join(directory, "flax_model.msgpack"), "wb") as f:
-            f.write(b"new" * 1000)
-            if self.fail:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def can_generate(self):
+        return False
 
 
 @pytest.fixture
@@ -630,11 +627,16 @@ def test_disk_full_simulated_checkpoint(saver, monkeypatch):
     assert Checkpointer(saver.checkpointer.directory, read_only=True).restore(None, template)[1]["step"] == 1
 
 
-def test_disk_full_simulated_export_keeps_the_previous_one(saver):
+def test_disk_full_simulated_export_keeps_the_previous_one(saver, monkeypatch):
     saver, state, _ = saver
     out = saver.output_dir
     before = open(os.path.join(out, "flax_model.msgpack"), "rb").read()
-    saver.run_dir.model.fail = True
+
+    def full_half_way(f, tree):
+        f.write(b"new" * 1000)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(flax_msgpack, "write", full_half_way)
     with pytest.raises(RunError, match=r"no space left on device while saving .* is intact"):
         saver.save(2, state, "save_steps")
     assert open(os.path.join(out, "flax_model.msgpack"), "rb").read() == before

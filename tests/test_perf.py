@@ -1,9 +1,11 @@
+import ctypes
 import json
 import subprocess
 import sys
 
 import jax
 import numpy as np
+import pytest
 
 from script_runner import ROOT, script_env
 from utils import layout, perf
@@ -131,3 +133,23 @@ def test_seconds_since_start_counts_from_the_first_import_of_utils_not_the_launc
     # The script's own clock is the reference; 0.5 s is room for importing the 10-line package
     # (milliseconds) on a loaded machine, far below the launcher's 3 s.
     assert since_first_line >= 1.0 and abs(since_start - since_first_line) < 0.5
+
+
+def test_freed_host_memory_goes_back_to_the_system():
+    """Memory freed in the middle of glibc's heap (as a compile's working memory is) stays resident until
+    `release_freed_host_memory` hands it back."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "malloc_trim"):
+        pytest.skip("not glibc: nothing to release")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(64 << 10) for _ in range(3200)]  # 200 MiB of blocks below glibc's mmap threshold
+    for block in blocks:
+        ctypes.memset(block, 1, 64 << 10)
+    for block in blocks[:-1]:  # the last stays: the heap cannot shrink from its top
+        libc.free(block)
+    before = perf.current_host_memory()
+    perf.release_freed_host_memory().join()
+    released = before - perf.current_host_memory()
+    libc.free(blocks[-1])
+    assert released > 150 << 20, f"{released / 2**20:.0f} MiB released"

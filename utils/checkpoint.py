@@ -147,6 +147,16 @@ def _check_compatible(step: int, saved: dict, expected: dict):
         raise ValueError(f"checkpoint at step {step} has {extra[0]}, which the model lacks: the model config changed")
 
 
+# The state's host arrays are written as they are, not copied first: they are `Layout.checkpoint_tree`'s own
+# copies (or views of device buffers, which a step cannot donate while a view is alive), which nothing
+# changes. Orbax's copy cost a second host copy of the state while it was written: 5.1 GiB more host memory
+# for the Llama row's 455M parameters on a TPU host. A streamed run's "data" rows keep the copy.
+_STATE_TYPES = ocp.type_handlers.create_type_handler_registry(*[
+    (kind, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False) if kind is np.ndarray
+     else ocp.type_handlers.get_type_handler(kind))
+    for kind in ocp.type_handlers.supported_types()])
+
+
 def _restore_args(leaf):
     if getattr(leaf, "sharding", None) is None:
         return ocp.RestoreArgs(restore_type=np.ndarray)
@@ -173,13 +183,15 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
         )
         # Handlers named up front: without them a fresh manager cannot read an item's metadata.
-        handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+        handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_STATE_TYPES),
+                    "meta": ocp.JsonCheckpointHandler(),
                     "data": ocp.PyTreeCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._closed = False
 
     def save(self, step: int, tree, meta: dict, data=None, force: bool = False) -> bool:
-        """Save `tree` (`Layout.checkpoint_tree`: global arrays, host or sharded), `meta` and `data` (host
+        """Save `tree` (`Layout.checkpoint_tree`: global arrays, host or sharded; its host arrays are written
+        as they are, so nothing may change them until the write is done), `meta` and `data` (host
         arrays, or None) at `step`; returns whether a save happened.
 
         Returns as soon as the arrays are copied off the devices; the write continues in the background

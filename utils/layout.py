@@ -129,7 +129,21 @@ def shapes_of(value):
 
 def finished(value):
     """A `Pending`'s values, once made (its thread's exception, if it failed); anything else as it is."""
-    return value._future.result() if isinstance(value, Pending) else value
+    if not isinstance(value, Pending):
+        return value
+    if value._future is None:
+        raise RuntimeError("this Pending's values were handed over (`taken`): use what was made of them")
+    return value._future.result()
+
+
+def taken(value):
+    """`finished(value)`, and a `Pending` lets go of its values: then what is made of them is all that keeps
+    them alive. A script's variable holding fresh weights' `Pending` kept their host copy for the whole
+    run: 1.7 GiB of host memory for the Llama row's 455M parameters."""
+    values = finished(value)
+    if isinstance(value, Pending):
+        value._future = None
+    return values
 
 
 class InFlightLimit:
@@ -337,7 +351,7 @@ class DataParallel(Layout):
                 return self._replicate(create(apply_fn=apply_fn, params=params, tx=tx))
 
         if isinstance(params, Pending):
-            return Pending(self._abstract_state(apply_fn, params.shapes, tx, create), lambda: make(finished(params)))
+            return Pending(self._abstract_state(apply_fn, params.shapes, tx, create), lambda: make(taken(params)))
         return make(params)
 
     def _replicate(self, state):

@@ -7,6 +7,7 @@ and anyone chasing a slow run: it watches every step a script's layout builds, w
 """
 
 import contextlib
+import ctypes
 import json
 import os
 import resource
@@ -145,6 +146,19 @@ def current_host_memory():
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return peak_host_memory()
+
+
+def release_freed_host_memory():
+    """Hand the host memory the process has freed back to the system, on a thread of its own (returned, to
+    wait for; None where the C library cannot). glibc keeps freed memory in its heaps: after the Llama row's
+    train step compiled on a v5e host, 6.6 GiB that nothing used any more stayed resident, and the checkpoint
+    and export at the end came on top of it. Returning it took ~3 s, so it runs beside the first steps."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; absent from macOS and musl
+    if trim is None:
+        return None
+    thread = threading.Thread(target=trim, args=(0,), name="release-freed-memory", daemon=True)
+    thread.start()
+    return thread
 
 
 _host_memory_at_devices = None

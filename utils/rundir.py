@@ -17,7 +17,7 @@ import tempfile
 import safetensors.numpy
 
 from utils import devices
-from utils import lora, model_card
+from utils import flax_msgpack, lora, model_card
 from utils.args import public_args, save_args
 from utils.checkpoint import CHECKPOINT_SUBDIR, disk_full_is_fatal
 from utils.errors import UsageError, at_exit
@@ -94,7 +94,7 @@ def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process
         if adapters:  # the merged model, which loads like any other, and the adapters alone in PEFT's layout
             write_peft_adapter(staging, params, adapters)
             params = lora.merged(params, adapters)
-        model.save_pretrained(staging, params=params)
+        flax_msgpack.save_pretrained(model, staging, params)  # transformers' files, the weights streamed
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         for name in os.listdir(staging):

@@ -120,15 +120,19 @@ class Saver:
         if stream is not None:  # every process has its own: they go into one checkpoint, a row each
             meta["data"] = devices.gather_json(stream["meta"])
             data = {name: devices.gather_rows(rows) for name, rows in stream["arrays"].items()}
+        tree = self.layout.checkpoint_tree(saved)
         with self._disk_full_is_fatal():
-            self.checkpointer.save(step, self.layout.checkpoint_tree(saved), meta, data)
+            self.checkpointer.save(step, tree, meta, data)
             if reason == STOP:  # the grace period before a machine goes is short: the checkpoint only
                 self.close()
                 signal = preemption.stop_signal()
                 raise Stopped(f"{signal.name} received: saved the checkpoint of step {step} in "
                               f"{self.checkpointer.directory}. To resume, rerun the same command with "
                               f"--resume_from_checkpoint latest: {preemption.resume_command()}", signal)
-            self.run_dir.export(self.layout.params_to_host(state.params), f"step {step}")
+            # The checkpoint's host copy of the weights serves the export where it holds them all (neither a
+            # layout's shards nor a state whose frozen base it leaves out): no second copy beside it.
+            whole = not self.layout.writes_shards and not isinstance(state, lora.FrozenBaseState)
+            self.run_dir.export(tree.params if whole else self.layout.params_to_host(state.params), f"step {step}")
         if step == self.total_steps:
             preemption.uninstall()  # training is over: nothing left to stop cleanly
 

@@ -16,7 +16,7 @@ from functools import partial
 import jax
 from flax.training.train_state import TrainState
 
-from utils import attention, chip_dropout, devices, layer_scan, lora
+from utils import attention, chip_dropout, devices, layer_scan, lora, perf
 from utils.errors import Done, RunError
 from utils.layout import finished, shapes_of
 from utils.logging import MetricsLogger, throughput_meter
@@ -150,7 +150,10 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
                                                  training_args.gradient_checkpointing, settings)
     p_eval_step = layout.compile_step("eval_step", eval_step)
     eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
-    return finished(state), Steps(p_train_step, p_eval_step, layout, eval_batch_size, predict_fn is not None)
+    state = finished(state)
+    if p_train_step is not None:
+        perf.release_freed_host_memory()  # what the train step's compile worked in
+    return state, Steps(p_train_step, p_eval_step, layout, eval_batch_size, predict_fn is not None)
 
 
 def parameter_counts(layout, state):
