@@ -50,6 +50,7 @@ ROWS = {
 }
 SCRIPTS = {"clm": "run_clm_flax.py", "summarization": "run_summarization_flax.py", "mlm": "run_mlm_flax.py"}
 PLANNED = re.compile(r"train step \(\w+\): ([0-9.]+) (GiB|MiB) per device")
+PARAMETERS = re.compile(r"parameters: ([0-9,]+) trained")
 HELD_FROM_START = re.compile(r"\(([0-9.]+) GiB of it held from the start")
 
 
@@ -157,6 +158,8 @@ def measure_row(name, work, data, steps, logs, classic, save):
     record["host_memory_held_from_start_gib"] = float(held.group(1)) if held else None
     planned = PLANNED.search(text)
     record["planned_device_memory_gib"] = gib(*planned.groups()) if planned else None
+    parameters = PARAMETERS.search(text)
+    record["parameters"] = int(parameters.group(1).replace(",", "")) if parameters else None
 
     # Start-up: the plain script twice on one compilation cache, empty (cold), then filled by the first (warm).
     for state in ("cold", "warm"):
