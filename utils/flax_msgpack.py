@@ -20,7 +20,7 @@ from transformers.modeling_flax_utils import flax_shard_checkpoint
 from transformers.utils import FLAX_WEIGHTS_INDEX_NAME
 
 NDARRAY = 1  # flax's msgpack extension type of an array (`flax.serialization._MsgpackExtType.ndarray`)
-CHUNKED = "__msgpack_chunked_array__"  # flax splits an array larger than `serialization.MAX_CHUNK_SIZE` so
+CHUNKED = "__msgpack_chunked_array__"  # marks flax's form of an array over `serialization.MAX_CHUNK_SIZE` bytes
 
 
 def save_pretrained(model, directory, params, max_shard_size="10GB"):
