@@ -64,9 +64,9 @@ def write(f, tree):
 
 
 def _write_array(f, array):
-    array = array if array.flags.c_contiguous else array.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
     if array.dtype.hasobject or array.dtype.isalignedstruct:
         raise ValueError(f"an array of dtype {array.dtype} has no msgpack form")
+    array = array if array.flags.c_contiguous else array.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
     # flax's form: the extension holds msgpack's (shape, dtype name, raw bytes)
     inner = (b"\x93" + msgpack.packb(array.shape) + msgpack.packb(array.dtype.name)
              + _sized_header(array.nbytes, (0xc4, 0xc5, 0xc6)))

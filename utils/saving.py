@@ -129,9 +129,9 @@ class Saver:
                 raise Stopped(f"{signal.name} received: saved the checkpoint of step {step} in "
                               f"{self.checkpointer.directory}. To resume, rerun the same command with "
                               f"--resume_from_checkpoint latest: {preemption.resume_command()}", signal)
-            # The checkpoint's host copy of the weights serves the export where it holds them all (neither a
-            # layout's shards nor a state whose frozen base it leaves out): no second copy beside it.
-            whole = not self.layout.writes_shards and not isinstance(state, lora.FrozenBaseState)
+            # The checkpoint's host copy of the weights serves the export where it holds them all (not a layout's
+            # shards, nor a state whose frozen base it leaves out): no second copy beside it.
+            whole = not self.layout.writes_shards and saved.params is state.params
             self.run_dir.export(tree.params if whole else self.layout.params_to_host(state.params), f"step {step}")
         if step == self.total_steps:
             preemption.uninstall()  # training is over: nothing left to stop cleanly
