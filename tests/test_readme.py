@@ -99,8 +99,8 @@ BENCHMARKS = os.path.join("benchmarks", "README.md")
 PAGES = sorted(os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md"))
 DOCS = ("README.md", BENCHMARKS, *PAGES)
 PLACEHOLDER = re.compile(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")
-# Shell variables of other tools that the README's commands use (the SLURM task count and rank).
-OTHER_TOOLS_VARIABLES = {"SLURM_NTASKS", "SLURM_PROCID", "TPU_NAME"}
+# Shell variables of other tools that the docs use (the SLURM task count and rank, libtpu's flags).
+OTHER_TOOLS_VARIABLES = {"SLURM_NTASKS", "SLURM_PROCID", "TPU_NAME", "LIBTPU_INIT_ARGS"}
 
 
 def read(path):
