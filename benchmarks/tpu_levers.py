@@ -10,7 +10,8 @@ Llama trains), `splash_checkpointing` (splash with --gradient_checkpointing), `d
 splash with the model's dropouts: its attention dropout drawn inside utils/dropout_attention's kernel, the
 others by rbg), `chip_dropout` (that, and every other dropout's mask drawn inside utils/chip_dropout's
 kernel: --dropout_rng chip), `rbg_masks` / `chip_masks` (--dropout_rng rbg / chip beside the row's default
---attention: for the rows whose attention the kernels do not take, t5's). Each run trains from scratch in bf16
+--attention: for the rows whose attention the kernels do not take, t5's), `fsdp_splash` / `fsdp_xla` (--sharding
+fsdp with the kernels, run on each device's rows, or the stock attention; the row's dropouts). Each run trains from scratch in bf16
 with an empty compilation cache, for --steps steps; its steady-state tokens/s and MFU come from its
 metrics.jsonl (the first step left out), its first step's seconds after start from its log. Refuses to run
 without TPU chips; writes each run into --output as it ends (replacing that run's earlier record) and prints
@@ -40,7 +41,9 @@ SETTINGS = {"threefry": (False, ["--dropout_rng", "threefry", "--attention", "xl
             "dropout_kernel": (False, ["--dropout_rng", "rbg", "--attention", "splash"]),
             "chip_dropout": (False, ["--dropout_rng", "chip", "--attention", "splash"]),
             "rbg_masks": (False, ["--dropout_rng", "rbg"]),
-            "chip_masks": (False, ["--dropout_rng", "chip"])}
+            "chip_masks": (False, ["--dropout_rng", "chip"]),
+            "fsdp_splash": (False, ["--sharding", "fsdp", "--attention", "splash"]),
+            "fsdp_xla": (False, ["--sharding", "fsdp", "--attention", "xla"])}
 DEFAULT_RUNS = ["gpt2_small:threefry", "gpt2_small:rbg", "gpt2_small:xla", "gpt2_small:splash", "llama_0.6b:xla",
                 "llama_0.6b:splash"]
 

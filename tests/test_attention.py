@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from transformers import BertConfig, DistilBertConfig, FlaxBertForMaskedLM, FlaxDistilBertForMaskedLM, \
     FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, FlaxRobertaForMaskedLM, GPT2Config, LlamaConfig, RobertaConfig
 
 from tests.script_runner import read_metrics, run_script
 from utils import attention, compat, dropout_attention, remat, tpu_plan
 from utils.errors import UsageError
+from utils.layout import MESH_AXES
 
 LENGTH = 128  # one kernel block
 compat.apply()  # as every script does: its Llama attention is the one routed
@@ -341,15 +343,66 @@ def test_attention_dropout_over_more_tokens_than_the_kernel_holds_runs_the_stock
     assert float(loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0]) == stock
 
 
+def fsdp_mesh():
+    """The 8 test devices as fsdp lays them out: 2 x 4 (data x fsdp), the batch split over both."""
+    return Mesh(np.array(jax.devices()).reshape(2, 4), MESH_AXES)
+
+
+def split_rows(mesh, *arrays):
+    return [jax.device_put(x, NamedSharding(mesh, PartitionSpec(MESH_AXES))) for x in arrays]
+
+
+@pytest.mark.parametrize("make_model", [partial(tiny_gpt2, n_embd=128), tiny_llama, tiny_bert],
+                         ids=["gpt2_packed", "llama", "bert"])
+def test_under_fsdp_each_device_runs_the_kernel_on_its_rows(make_model):
+    """Under a jit over fsdp's mesh the kernels run per device (shard_map): the stock model's loss and
+    gradients, 8 rows over 8 devices, sequences padded on either side. The three routes: GPT-2's flash kernel
+    on c_attn's output, splash (Llama), the bidirectional flash kernel (BERT)."""
+    model, mesh = make_model(), fsdp_mesh()
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(rng.integers(3, 64, size=(8, LENGTH)), jnp.int32)
+    mask = jnp.asarray(np.concatenate([padding_mask(), np.ones((5, LENGTH), np.int32)]))
+    objective = masked_lm_loss_and_grads if make_model is tiny_bert else loss_and_grads
+    stock = objective(model, ids, mask)
+    attention.use_attention_kernels(model, interpret=True, mesh=mesh)
+    routed = jax.jit(partial(objective, model))(*split_rows(mesh, ids, mask))
+    np.testing.assert_allclose(float(routed[0]), float(stock[0]), rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(routed[1]), jax.tree_util.tree_leaves(stock[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+
+
+@pytest.mark.parametrize("make_model", [partial(tiny_gpt2, n_embd=128), partial(tiny_bert, hidden_dropout_prob=0.0)],
+                         ids=["gpt2_packed", "bert"])
+def test_under_fsdp_no_two_devices_drop_the_same_weights(make_model):
+    """The same sequence on each of the 8 devices, attention dropout on: each device draws its own masks (the
+    kernel numbers its tiles from a device's first row: without its place folded into the seed, every device
+    would drop the same weights), the same ones for the same key."""
+    dropout = {"attn_pdrop": 0.5, "resid_pdrop": 0.0, "embd_pdrop": 0.0} if make_model.func is tiny_gpt2 else \
+        {"attention_probs_dropout_prob": 0.5}
+    model, mesh = make_model(**dropout), fsdp_mesh()
+    ids = jnp.asarray(np.tile(np.random.default_rng(2).integers(3, 64, size=(1, LENGTH)), (8, 1)), jnp.int32)
+    attention.use_attention_kernels(model, interpret=True, mesh=mesh)
+
+    @jax.jit
+    def logits(ids, mask, key):
+        return model(ids, attention_mask=mask, train=True, dropout_rng=key).logits
+
+    rows, mask = split_rows(mesh, ids, jnp.ones_like(ids))
+    first = np.asarray(logits(rows, mask, jax.random.PRNGKey(3)))
+    assert len({row.tobytes() for row in first}) == 8
+    np.testing.assert_array_equal(np.asarray(logits(rows, mask, jax.random.PRNGKey(3))), first)
+    assert not np.array_equal(np.asarray(logits(rows, mask, jax.random.PRNGKey(4))), first)
+
+
 def test_choose_routes_only_where_the_kernel_runs_and_names_why_not():
     gpt2 = tiny_gpt2()
     assert attention.choose("auto", gpt2, "tpu", "dp")
     assert not attention.choose("auto", gpt2, "cpu", "dp")
-    assert not attention.choose("auto", gpt2, "tpu", "fsdp")
+    assert attention.choose("auto", gpt2, "tpu", "fsdp")
+    assert not attention.choose("auto", gpt2, "cpu", "fsdp")
     assert not attention.choose("xla", gpt2, "tpu", "dp")
     assert attention.choose("splash", gpt2, "cpu", "dp")
-    with pytest.raises(UsageError, match="--sharding dp"):
-        attention.choose("splash", gpt2, "tpu", "fsdp")
+    assert attention.choose("splash", gpt2, "tpu", "fsdp")
     bert = tiny_bert()
     assert attention.choose("auto", bert, "tpu", "dp")
     assert not attention.choose("auto", bert, "cpu", "dp")

@@ -14,6 +14,7 @@ import pytest
 from transformers import PretrainedConfig
 
 from tasks.summarization import TASK
+from utils import attention
 from utils import layout as layout_module
 from utils import rundir, saving
 from utils.args import TrainingArguments
@@ -262,6 +263,20 @@ def test_auto_draws_dropout_on_the_chip_beside_the_attention_kernels_under_dp_an
     assert dp.dropout_generator("chip", False) == "chip"  # asked for: the stock attention's dropout too
     with pytest.raises(UsageError, match="--dropout_rng chip runs under --sharding dp"):
         fsdp.dropout_generator("chip")
+
+
+def test_make_steps_hands_the_kernels_fsdps_mesh(tmp_path, monkeypatch):
+    """Under fsdp's jit the attention kernels get its mesh, to run on each device's rows (`attention.on_each_device`:
+    XLA cannot split a Pallas call); under dp none, pmap giving a step one device's rows already."""
+    handed = []
+    monkeypatch.setattr(attention, "supports", lambda model: True)
+    monkeypatch.setattr(attention, "use_attention_kernels", lambda model, interpret, mesh: handed.append(mesh))
+    training_args = args(tmp_path, attention="splash")
+    data, plan = InMemoryData(examples(), EXAMPLES), training_plan(training_args, EXAMPLES)
+    layouts = [DataParallel(), FullySharded(4)]
+    for layout in layouts:
+        make_steps(loss_fn, MODEL, init_params(), layout, training_args, plan, data)
+    assert handed == [None, layouts[1].mesh] and layouts[1].mesh is not None
 
 
 def test_a_transformers_model_drops_out_with_an_rbg_key():

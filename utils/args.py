@@ -228,7 +228,8 @@ class TrainingArguments:
         "never write the score matrix out: a flash kernel that draws any attention dropout mask on the chip, for "
         "GPT-2 and the encoders always, for Llama while training with attention dropout, and JAX's splash kernel "
         "otherwise; for generation, a sliding window or lengths not a multiple of 128 the stock attention runs), "
-        "'xla' (the stock attention), or 'auto': splash on TPUs under --sharding dp.", default="auto")
+        "'xla' (the stock attention), or 'auto': splash on TPUs. Under --sharding fsdp each device runs the kernels "
+        "on its rows.", default="auto")
     scan_layers: str = _help(
         "Run the layer stack of GPT-2, Llama, Mistral and Gemma models under jax.lax.scan, one layer traced and "
         "compiled instead of each: a faster start for slower steps and more memory (docs/performance.md); the "
@@ -438,16 +439,17 @@ def check_distributed(coordinator_address, num_processes, process_id):
         raise UsageError(f"--process_id must be in 0..num_processes - 1, got {process_id}")
 
 
-def tpu_lever(flag, choice, on, off, known, knows, platform, layout_name):
+def tpu_lever(flag, choice, on, off, known, knows, platform, layout_name, layouts=("dp",)):
     """Whether a TPU lever's `auto | on | off` flag (`--attention`, `--scan_layers`) at `choice` turns it on:
-    `off` never; `on` always, a `UsageError` where it cannot be had (a layout other than dp, whose jit over
-    a mesh would need shard_map's per-device view; a model it does not know: `known` False, `knows` saying
-    what it knows and of which model); "auto" on TPUs under dp for the models it knows."""
+    `off` never; `on` always, a `UsageError` where it cannot be had (a layout not in `layouts`; a model it
+    does not know: `known` False, `knows` saying what it knows and of which model); "auto" on TPUs under
+    `layouts` for the models it knows."""
     if choice == off:
         return False
-    if layout_name != "dp":
+    if layout_name not in layouts:
         if choice == on:
-            raise UsageError(f"--{flag} {on} runs under --sharding dp: use --{flag} auto or {off} with fsdp")
+            raise UsageError(f"--{flag} {on} runs under --sharding {' or '.join(layouts)}: use --{flag} auto or "
+                             f"{off} with {layout_name}")
         return False
     if not known:
         if choice == on:

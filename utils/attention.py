@@ -10,17 +10,19 @@ flash kernel, which draws the dropout mask tile by tile on the chip, while train
 (JAX's splash kernel has none), and for GPT-2, whose c_attn output it reads in place, always (a GPT-2-small
 layer without dropout on a v5e chip: 3.79 ms forward and backward, splash with the transposes it needs
 5.10 ms); JAX's splash kernel otherwise. BERT's and RoBERTa's encoder attention runs the flash kernel
-without the causal mask, every query over every real key (`--attention splash`; `auto` leaves them to the
-stock attention until the route is measured on a chip). Where the kernels would compute something else,
+without the causal mask, every query over every real key. Where the kernels would compute something else,
 the stock call runs: a generation cache, attention weights asked for, cross-attention, a
 sliding window, a length that is not a whole number of 128-token blocks, or attention dropout over more
-tokens than the flash kernel's backward pass holds (`dropout_attention.fits`).
+tokens than the flash kernel's backward pass holds (`dropout_attention.fits`). Under fsdp's jit over a mesh the
+kernels run on each device's rows through shard_map (XLA cannot split a Pallas call), as pmap gives them one
+device's rows under dp.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from utils import dropout_attention
 from utils.args import tpu_lever
@@ -50,29 +52,55 @@ def _segments(attention_mask, batch, length):
     return jnp.ones((batch, length), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
 
 
-def causal_attention(query, key, value, attention_mask, interpret=False, dropout=None):
+def on_each_device(mesh, kernel, rows, seed):
+    """`kernel(*rows, seed)`, the arrays of `rows` split by their leading (batch) axis. Under a jit over `mesh`
+    (fsdp) it runs on each device's rows through shard_map, its dropout seed folded with the device's place
+    among the batch's devices: the kernel numbers its tiles from a device's first row, so without the fold
+    every device would drop the weights of its first rows as the others drop theirs. `mesh` None (dp, whose
+    pmap already gives the kernel one device's rows, with a key of its own): the call as it is."""
+    if mesh is None:
+        return kernel(*rows, seed)
+    axes = mesh.axis_names
+
+    def per_device(*args):
+        *local_rows, seed = args
+        device = jax.lax.axis_index(axes)
+        return kernel(*local_rows, dropout_attention.seed_of(jax.random.fold_in(jax.random.key(seed[0]), device)))
+
+    split = PartitionSpec(axes)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(split,) * len(rows) + (PartitionSpec(),),
+                         out_specs=split, check_vma=False)(*rows, seed)
+
+
+def causal_attention(query, key, value, attention_mask, interpret=False, dropout=None, mesh=None):
     """softmax(q k^T / sqrt(d) + causal and padding masks) v for [batch, length, heads, head_dim] inputs
     (keys and values with as many heads as the queries), in the queries' dtype. `attention_mask`
     [batch, length] (1 real, 0 padding) or None; `dropout`: None, or (rate, key) to drop the weights
-    as `nn.Dropout` does, with a mask drawn from `key` (the flash kernel; splash without)."""
+    as `nn.Dropout` does, with a mask drawn from `key` (the flash kernel; splash without). `mesh`: the
+    kernels on each device's rows (`on_each_device`)."""
     from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
 
     batch, length, heads, head_dim = query.shape
+    segments = _segments(attention_mask, batch, length)
     if dropout is not None:
-        merged = (x.reshape(batch, length, heads * head_dim) for x in (query, key, value))  # no copy
-        out = dropout_attention.dropout_attention(*merged, _segments(attention_mask, batch, length),
-                                                  *_seed_and_rate(dropout), heads, interpret)
+        merged = [x.reshape(batch, length, heads * head_dim) for x in (query, key, value)]  # no copy
+        seed, rate = _seed_and_rate(dropout)
+        flash = functools.partial(dropout_attention.dropout_attention, rate=rate, heads=heads, interpret=interpret)
+        out = on_each_device(mesh, flash, merged + [segments], seed)
         return out.reshape(query.shape).astype(query.dtype)
-    scaled = (query * jnp.asarray(head_dim ** -0.5, query.dtype)).transpose(0, 2, 1, 3)
-    key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
     kernel = _kernel(heads, length, interpret)
-    if attention_mask is None:
-        out = jax.vmap(kernel)(scaled, key, value)
-    else:
-        segments = attention_mask.astype(jnp.int32)
-        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(q=s, kv=s)))(scaled, key, value,
-                                                                                                segments)
-    return out.transpose(0, 2, 1, 3).astype(query.dtype)
+
+    def splash(query, key, value, segments, _):  # no dropout: no seed
+        scaled = (query * jnp.asarray(head_dim ** -0.5, query.dtype)).transpose(0, 2, 1, 3)
+        key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
+        if attention_mask is None:
+            out = jax.vmap(kernel)(scaled, key, value)
+        else:
+            out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(q=s, kv=s)))(scaled, key, value,
+                                                                                                    segments)
+        return out.transpose(0, 2, 1, 3)
+
+    return on_each_device(mesh, splash, [query, key, value, segments], _seed_and_rate(None)[0]).astype(query.dtype)
 
 
 def _plain_self_attention(module, length, init_cache, output_attentions, deterministic, dropout_rate):
@@ -94,7 +122,7 @@ def _dropout(module, deterministic, rate):
     return None if deterministic or rate == 0.0 else (rate, module.make_rng("dropout"))
 
 
-def _gpt2(module, interpret, hidden_states, key_value_states=None, attention_mask=None, deterministic=True,
+def _gpt2(module, interpret, mesh, hidden_states, key_value_states=None, attention_mask=None, deterministic=True,
           init_cache=False, output_attentions=False):
     qkv = module.c_attn(hidden_states)
     dropout = _dropout(module, deterministic, module.config.attn_pdrop)
@@ -103,11 +131,13 @@ def _gpt2(module, interpret, hidden_states, key_value_states=None, attention_mas
             and dropout_attention.fits(length, module.num_heads, module.head_dim)):
         # the flash kernel reads the queries, keys and values in place in c_attn's output (without dropout
         # too: splash would need them transposed)
-        out = dropout_attention.packed_dropout_attention(qkv, _segments(attention_mask, batch, length),
-                                                         *_seed_and_rate(dropout), module.num_heads, interpret)
+        seed, rate = _seed_and_rate(dropout)
+        flash = functools.partial(dropout_attention.packed_dropout_attention, rate=rate, heads=module.num_heads,
+                                  interpret=interpret)
+        out = on_each_device(mesh, flash, [qkv, _segments(attention_mask, batch, length)], seed)
     else:
         query, key, value = (module._split_heads(x) for x in jnp.split(qkv, 3, axis=2))
-        out = module._merge_heads(causal_attention(query, key, value, attention_mask, interpret, dropout))
+        out = module._merge_heads(causal_attention(query, key, value, attention_mask, interpret, dropout, mesh))
     out = module.c_proj(out)
     return (module.resid_dropout(out, deterministic=deterministic),)
 
@@ -119,8 +149,8 @@ def _gpt2_applies(module, hidden_states, key_value_states=None, attention_mask=N
                                       module.config.attn_pdrop))
 
 
-def _llama(module, interpret, hidden_states, attention_mask, position_ids, deterministic=True, init_cache=False,
-           output_attentions=False):
+def _llama(module, interpret, mesh, hidden_states, attention_mask, position_ids, deterministic=True,
+           init_cache=False, output_attentions=False):
     query = module._split_heads(module.q_proj(hidden_states), module.num_heads)
     key = module._split_heads(module.k_proj(hidden_states), module.num_key_value_heads)
     value = module._split_heads(module.v_proj(hidden_states), module.num_key_value_heads)
@@ -128,7 +158,7 @@ def _llama(module, interpret, hidden_states, attention_mask, position_ids, deter
     key = jnp.repeat(key, module.num_key_value_groups, axis=2)
     value = jnp.repeat(value, module.num_key_value_groups, axis=2)
     out = causal_attention(query, key, value, attention_mask, interpret,
-                           _dropout(module, deterministic, module.config.attention_dropout))
+                           _dropout(module, deterministic, module.config.attention_dropout), mesh)
     return (module.o_proj(module._merge_heads(out)),)
 
 
@@ -139,15 +169,15 @@ def _llama_applies(module, hidden_states, attention_mask, position_ids, determin
                                       module.config.attention_dropout))
 
 
-def _encoder(module, interpret, hidden_states, attention_mask, layer_head_mask, key_value_states=None,
+def _encoder(module, interpret, mesh, hidden_states, attention_mask, layer_head_mask, key_value_states=None,
              init_cache=False, deterministic=True, output_attentions=False):
     """BERT's (and RoBERTa's) self-attention: every query sees every real key."""
     query, key, value = (projection(hidden_states) for projection in (module.query, module.key, module.value))
     batch, length, _ = query.shape
-    dropout = _dropout(module, deterministic, module.config.attention_probs_dropout_prob)
-    out = dropout_attention.bidirectional_dropout_attention(
-        query, key, value, _segments(attention_mask, batch, length), *_seed_and_rate(dropout),
-        module.config.num_attention_heads, interpret)
+    seed, rate = _seed_and_rate(_dropout(module, deterministic, module.config.attention_probs_dropout_prob))
+    flash = functools.partial(dropout_attention.bidirectional_dropout_attention, rate=rate,
+                              heads=module.config.num_attention_heads, interpret=interpret)
+    out = on_each_device(mesh, flash, [query, key, value, _segments(attention_mask, batch, length)], seed)
     if layer_head_mask is not None:  # transformers passes ones unless told: a head's weights times its factor
         out = out * jnp.repeat(layer_head_mask, module.head_dim).astype(out.dtype)
     return (out,)
@@ -177,22 +207,25 @@ def supports(model):
 
 def choose(choice, model, platform, layout_name):
     """Whether `--attention` `choice` routes `model`'s attention through the kernels on `platform` ("tpu",
-    "cpu", ...) under the layout named `layout_name`; "auto": on TPUs under dp (each family measured faster
-    there: docs/performance.md). A `UsageError` when "splash" cannot be had."""
+    "cpu", ...) under the layout named `layout_name`; "auto": on TPUs, under dp and fsdp (each family measured
+    faster under dp, GPT-2 under fsdp too: docs/performance.md). A `UsageError`
+    when "splash" cannot be had."""
     return tpu_lever("attention", choice, "splash", "xla", supports(model),
                      f"the kernels know GPT-2, Llama, BERT and RoBERTa attention, not {model.config.model_type}'s",
-                     platform, layout_name)
+                     platform, layout_name, layouts=("dp", "fsdp"))
 
 
-def use_attention_kernels(model, interpret=False):
+def use_attention_kernels(model, interpret=False, mesh=None):
     """Make every call of `model` run its causal self-attention through the kernels where they compute
-    what the stock call would (the module docstring). `interpret`: Pallas' interpreter, for CPUs (tests)."""
+    what the stock call would (the module docstring). `interpret`: Pallas' interpreter, for CPUs (tests).
+    `mesh`: the mesh a jitted step splits the batch over (fsdp's), whose devices each run the kernels on
+    their rows (`on_each_device`); None under pmap."""
     routes = _routes()
 
     def route(next_fun, args, kwargs, context):
         found = routes.get(type(context.module)) if context.method_name == "__call__" else None
         if found is None or not found[0](context.module, *args, **kwargs):
             return next_fun(*args, **kwargs)
-        return found[1](context.module, interpret, *args, **kwargs)
+        return found[1](context.module, interpret, mesh, *args, **kwargs)
 
     intercept_calls(model, route)

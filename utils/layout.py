@@ -174,6 +174,7 @@ class Layout:
     """What both layouts share; see `DataParallel` and `FullySharded`."""
 
     name = None
+    mesh = None  # the mesh a jitted step splits the batch over (fsdp's); under pmap a step sees one device's rows
     train_step_memory = None  # per-device bytes of the compiled train step (`utils.memory.memory_stats`), once compiled
     train_step_refused = None  # planning for a TPU: why its compiler would not compile the train step
 
@@ -279,8 +280,8 @@ class Layout:
     def dropout_generator(self, choice, attention_kernels=False):
         """`--dropout_rng`'s generator of dropout bits. "auto" on TPUs: chip under dp where the attention runs
         through the kernels (`attention_kernels`: their dropout drawn inside; the other masks drawn inside a
-        Pallas kernel too, never written out), rbg otherwise: under fsdp, where the kernel would need
-        shard_map's per-device view, and where the stock attention drops its probabilities, which XLA fuses
+        Pallas kernel too, never written out), rbg otherwise: under fsdp, where `utils.chip_dropout`'s kernel
+        would need shard_map's per-device view, and where the stock attention drops its probabilities, which XLA fuses
         with rbg's bits but the chip's kernel takes apart (t5-small on a v5e chip: 512,317 tokens/s with rbg,
         487,555 with chip; RoBERTa-base through the kernels 161,117 with chip, 161,648 with rbg). rbg, not
         threefry, on TPUs: threefry's bits cost more than the attention they mask (a GPT-2 layer at 1024 tokens

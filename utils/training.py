@@ -95,7 +95,8 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
         enable_gradient_checkpointing(model)
     attention_kernels = attention.choose(training_args.attention, model, layout.platform, layout.name)
     if attention_kernels:
-        attention.use_attention_kernels(model, interpret=layout.platform != "tpu")  # the interpreter: tests on CPUs
+        # the interpreter: tests on CPUs
+        attention.use_attention_kernels(model, interpret=layout.platform != "tpu", mesh=layout.mesh)
         logger.info("attention: Pallas kernels (flash, any dropout mask drawn in the kernel; splash for other "
                     "families' attention without dropout)")
     if layer_scan.choose(training_args.scan_layers, model, layout.platform, layout.name):
