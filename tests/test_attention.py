@@ -298,6 +298,26 @@ def test_the_dropout_kernels_compile_for_a_tpu(length, head_dim, call):
     assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed")
+def test_under_fsdp_the_kernels_compile_for_a_tpu_slice():
+    """The TPU compiler takes the kernels inside shard_map over a v5e-4's (data x fsdp) mesh, 4 rows over 4 chips:
+    each chip runs the forward and backward kernel on its row, with no other chip's rows brought to it."""
+    mesh = Mesh(np.array(tpu_plan.load("v5e-4").devices).reshape(1, 4), MESH_AXES)
+    rows = lambda shape, dtype: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(MESH_AXES)))
+    qkv, segments = rows((4, 2 * LENGTH, 3 * 128), jnp.bfloat16), rows((4, 2 * LENGTH), jnp.int32)
+    seed = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+    flash = partial(dropout_attention.packed_dropout_attention, rate=0.1, heads=2)
+
+    def loss(qkv, segments, seed):
+        return jnp.sum(attention.on_each_device(mesh, flash, [qkv, segments], seed).astype(jnp.float32))
+
+    compiled = jax.jit(jax.grad(loss)).lower(qkv, segments, seed).compile()
+    text = compiled.as_text()
+    assert text.count('custom_call_target="tpu_custom_call"') == 2
+    assert "all-gather" not in text and "bf16[1,256,384]" in text  # one row a chip
+
+
 def test_the_interpreters_dropout_bits_are_uniform_and_change_with_seed_and_tile():
     positions = jnp.arange(512)
     bits = np.asarray(dropout_attention.hashed_bits(jnp.int32(1), jnp.int32(0), positions[:, None], positions[None, :]))
