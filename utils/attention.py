@@ -72,6 +72,13 @@ def on_each_device(mesh, kernel, rows, seed):
                          out_specs=split, check_vma=False)(*rows, seed)
 
 
+def _flash(kernel, rows, dropout, heads, interpret, mesh):
+    """One of `utils.dropout_attention`'s flash kernels on `rows`, with `dropout`'s seed and rate (`_dropout`'s
+    answer), on each device's rows."""
+    seed, rate = _seed_and_rate(dropout)
+    return on_each_device(mesh, functools.partial(kernel, rate=rate, heads=heads, interpret=interpret), rows, seed)
+
+
 def causal_attention(query, key, value, attention_mask, interpret=False, dropout=None, mesh=None):
     """softmax(q k^T / sqrt(d) + causal and padding masks) v for [batch, length, heads, head_dim] inputs
     (keys and values with as many heads as the queries), in the queries' dtype. `attention_mask`
@@ -84,9 +91,7 @@ def causal_attention(query, key, value, attention_mask, interpret=False, dropout
     segments = _segments(attention_mask, batch, length)
     if dropout is not None:
         merged = [x.reshape(batch, length, heads * head_dim) for x in (query, key, value)]  # no copy
-        seed, rate = _seed_and_rate(dropout)
-        flash = functools.partial(dropout_attention.dropout_attention, rate=rate, heads=heads, interpret=interpret)
-        out = on_each_device(mesh, flash, merged + [segments], seed)
+        out = _flash(dropout_attention.dropout_attention, merged + [segments], dropout, heads, interpret, mesh)
         return out.reshape(query.shape).astype(query.dtype)
     kernel = _kernel(heads, length, interpret)
 
@@ -131,10 +136,8 @@ def _gpt2(module, interpret, mesh, hidden_states, key_value_states=None, attenti
             and dropout_attention.fits(length, module.num_heads, module.head_dim)):
         # the flash kernel reads the queries, keys and values in place in c_attn's output (without dropout
         # too: splash would need them transposed)
-        seed, rate = _seed_and_rate(dropout)
-        flash = functools.partial(dropout_attention.packed_dropout_attention, rate=rate, heads=module.num_heads,
-                                  interpret=interpret)
-        out = on_each_device(mesh, flash, [qkv, _segments(attention_mask, batch, length)], seed)
+        out = _flash(dropout_attention.packed_dropout_attention, [qkv, _segments(attention_mask, batch, length)],
+                     dropout, module.num_heads, interpret, mesh)
     else:
         query, key, value = (module._split_heads(x) for x in jnp.split(qkv, 3, axis=2))
         out = module._merge_heads(causal_attention(query, key, value, attention_mask, interpret, dropout, mesh))
@@ -174,10 +177,10 @@ def _encoder(module, interpret, mesh, hidden_states, attention_mask, layer_head_
     """BERT's (and RoBERTa's) self-attention: every query sees every real key."""
     query, key, value = (projection(hidden_states) for projection in (module.query, module.key, module.value))
     batch, length, _ = query.shape
-    seed, rate = _seed_and_rate(_dropout(module, deterministic, module.config.attention_probs_dropout_prob))
-    flash = functools.partial(dropout_attention.bidirectional_dropout_attention, rate=rate,
-                              heads=module.config.num_attention_heads, interpret=interpret)
-    out = on_each_device(mesh, flash, [query, key, value, _segments(attention_mask, batch, length)], seed)
+    out = _flash(dropout_attention.bidirectional_dropout_attention,
+                 [query, key, value, _segments(attention_mask, batch, length)],
+                 _dropout(module, deterministic, module.config.attention_probs_dropout_prob),
+                 module.config.num_attention_heads, interpret, mesh)
     if layer_head_mask is not None:  # transformers passes ones unless told: a head's weights times its factor
         out = out * jnp.repeat(layer_head_mask, module.head_dim).astype(out.dtype)
     return (out,)
