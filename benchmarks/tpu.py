@@ -4,6 +4,7 @@
     python benchmarks/tpu.py                                   # every row, on a TPU VM (~15 min on one v5e chip)
     python benchmarks/tpu.py --rows gpt2_small --steps 60      # one row
     python benchmarks/tpu.py --classic DIR                     # also the classic examples/flax scripts in DIR
+    python benchmarks/tpu.py --classic DIR --classic_only      # only them, beside the rows already measured
 
 Each row trains from scratch in bf16 on text this file makes (data/make_lm_corpus.py, ~2.7 MB; the
 summarization rows on data/summarization), in fresh processes:
@@ -15,7 +16,8 @@ summarization rows on data/summarization), in fresh processes:
   warm      the same run again, the compilation cache filled by the cold one: first step
   classic   with --classic DIR (a folder holding the classic run_clm_flax.py, run_mlm_flax.py and
             run_summarization_flax.py): the classic script on the same data, model and batch, its train step
-            timed call by call (benchmarks/classic_timer.py); steady-state tokens/s
+            timed call by call (benchmarks/classic_timer.py); steady-state tokens/s. With --classic_only, this
+            alone, added to the row already in --output (ours take most of a row's device time)
 Refuses to run without TPU chips. Writes --output (JSON) after each row and prints a table.
 """
 
@@ -169,12 +171,22 @@ def measure_row(name, work, data, steps, logs, classic, save):
     save(record)
 
     if classic:
-        try:
-            record.update(classic_speed(name, work, data, steps, logs, classic, config, env, record["tokens_per_step"]))
-            record["vs_classic"] = record["script_tokens_per_second"] / record["classic_tokens_per_second"]
-        except RunFailed as failure:  # e.g. out of memory: the row keeps ours, and says why the classic has none
-            record["classic_failed"] = last_line(failure)
+        add_classic(record, name, work, data, steps, logs, classic)
     return record
+
+
+def add_classic(record, name, work, data, steps, logs, classic):
+    """The classic script's figures added to the row's `record` (which holds ours)."""
+    task, model_type, overrides, _ = ROWS[name]
+    config = config_dir(work, name, model_type, overrides, data[task][1])
+    env = environment(os.path.join(work, "datasets"))
+    try:
+        record.update(classic_speed(name, work, data, steps, logs, classic, config, env, record["tokens_per_step"]),
+                      classic_date=time.strftime("%Y-%m-%d"))
+        record["vs_classic"] = record["script_tokens_per_second"] / record["classic_tokens_per_second"]
+        record.pop("classic_failed", None)
+    except RunFailed as failure:  # e.g. out of memory: the row keeps ours, and says why the classic has none
+        record["classic_failed"] = last_line(failure)
 
 
 def classic_speed(name, work, data, steps, logs, classic, config, env, tokens_per_step):
@@ -199,6 +211,14 @@ def classic_speed(name, work, data, steps, logs, classic, config, env, tokens_pe
     return {"classic_tokens_per_second": tokens_per_step / steady}
 
 
+def rows_measured(path):
+    """{row: record} of the rows already in the results file at `path`."""
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return {record["row"]: record for record in json.load(f)}
+
+
 def table(records):
     return format_table(records, [
         ("row", "row", "{}"), ("tok/s", "script_tokens_per_second", "{:,.0f}"), ("MFU", "script_mfu", "{:.3f}"),
@@ -217,6 +237,8 @@ def main():
     parser.add_argument("--steps", type=int, default=120, help="Training steps of the timed run.")
     parser.add_argument("--corpus_lines", type=int, default=40000, help="Lines of the LM corpus made for the rows.")
     parser.add_argument("--classic", help="Folder with the classic examples/flax scripts, to run beside ours.")
+    parser.add_argument("--classic_only", action="store_true",
+                        help="With --classic: time only the classic scripts, added to the rows already in --output.")
     parser.add_argument("--logs", help="Keep each run's log here.")
     parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "results_tpu.json"))
     args = parser.parse_args()
@@ -225,6 +247,13 @@ def main():
     if args.classic and not all(os.path.isfile(os.path.join(args.classic, SCRIPTS[ROWS[row][0]])) for row in args.rows):
         sys.exit(f"error: --classic {args.classic} lacks one of {sorted(set(SCRIPTS.values()))}: copy them there from "
                  "transformers' examples/flax")
+    measured = rows_measured(args.output) if args.classic_only else {}
+    if args.classic_only and not args.classic:
+        sys.exit("error: --classic_only times the classic scripts: give their folder with --classic DIR")
+    missing = [row for row in args.rows if args.classic_only and "tokens_per_step" not in measured.get(row, {})]
+    if missing:
+        sys.exit(f"error: --classic_only adds to rows already measured, and {args.output} lacks {', '.join(missing)}: "
+                 f"run benchmarks/tpu.py --rows {' '.join(missing)} first")
     work = tempfile.mkdtemp(prefix="flaxtune-tpu-")
     logs = args.logs or work
     os.makedirs(logs, exist_ok=True)
@@ -235,11 +264,15 @@ def main():
             print(f"{row} ...", file=sys.stderr, flush=True)
 
             def save(record):
-                record["date"] = time.strftime("%Y-%m-%d")
+                record.setdefault("date", time.strftime("%Y-%m-%d"))  # a row's date is when ours were measured
                 save_records(args.output, records + [record], key=lambda record: record["row"])
 
             try:
-                record = measure_row(row, work, data, args.steps, logs, args.classic, save)
+                if args.classic_only:
+                    record = measured[row]
+                    add_classic(record, row, work, data, args.steps, logs, args.classic)
+                else:
+                    record = measure_row(row, work, data, args.steps, logs, args.classic, save)
             except RunFailed as failure:  # one row failing (out of memory, say) leaves the other rows to measure
                 print(failure, file=sys.stderr)
                 record = {"row": row, "failed": last_line(failure)}

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -137,6 +138,40 @@ for step in range(100):
     state, metrics = p_train_step(state, jnp.ones((1, 4)) * step)
     print("step", step, float(p_eval_step(state, jnp.ones((1, 4)))[0]))
 """
+
+
+def test_tpu_classic_only_adds_the_classic_figures_to_the_rows_already_measured(tmp_path, monkeypatch):
+    """`tpu.py --classic_only` (the chip check passed by hand; the classic scripts stand-ins): the row already in
+    --output gets the classic figures, its own figures and date stay, the other rows are untouched; a row not
+    measured yet is refused before anything runs."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import tpu
+
+    monkeypatch.setattr(tpu, "on_tpu", lambda: True)
+    classic = tmp_path / "classic"
+    classic.mkdir()
+    for script in ("run_summarization_flax.py", "run_mlm_flax.py"):
+        (classic / script).write_text(CLASSIC_STAND_IN)
+    output = tmp_path / "results.json"
+    other = {"row": "gpt2_small", "script_tokens_per_second": 1.0}
+    ours = {"row": "t5_small", "tokens_per_step": 8192, "script_tokens_per_second": 400000.0, "date": "2026-01-02"}
+    output.write_text(json.dumps([other, ours]))
+
+    def classic_only(*rows):
+        monkeypatch.setattr(sys, "argv", ["tpu.py", "--rows", *rows, "--steps", "7", "--corpus_lines", "200",
+                                          "--classic", str(classic), "--classic_only", "--output", str(output)])
+        tpu.main()
+
+    before = output.read_bytes()
+    with pytest.raises(SystemExit, match=f"{output} lacks bert_base: run benchmarks/tpu.py --rows bert_base first"):
+        classic_only("t5_small", "bert_base")
+    assert output.read_bytes() == before
+    classic_only("t5_small")
+    saved_other, t5 = json.loads(output.read_text())
+    assert saved_other == other
+    assert {key: t5[key] for key in ours} == ours
+    assert t5["classic_date"] == time.strftime("%Y-%m-%d") and t5["classic_tokens_per_second"] > 0
+    assert t5["vs_classic"] == pytest.approx(400000.0 / t5["classic_tokens_per_second"])
 
 
 def test_classic_timer_times_the_train_step_and_stops_after_the_steps_asked(tmp_path):

@@ -244,6 +244,9 @@ def test_the_readme_tpu_sentence_is_the_tpu_results():
             "tokens/s") in readme
     assert (f"a {llama['parameters'] / 1e6:.0f}M-parameter Llama-style decoder at "
             f"{llama['script_tokens_per_second']:,.0f} tokens/s, MFU {llama['script_mfu']:.3f}") in readme
+    t5, roberta = rows["t5_small"], rows["bert_base"]
+    assert (f"t5-small summarization MFU {t5['script_mfu']:.3f} and RoBERTa-base MLM {roberta['script_mfu']:.3f}, "
+            f"{t5['vs_classic']:.2f}x and {roberta['vs_classic']:.2f}x their classic scripts") in readme
 
 
 def test_the_chunked_loss_figures_are_its_plan_json():
