@@ -109,8 +109,11 @@ class RunFailed(Exception):
 
 
 def last_line(failure):
-    lines = [line for line in str(failure).splitlines() if line.strip()]
-    return lines[-1][:300]
+    """The exit status and the log's last line (a progress bar's, when the process was killed)."""
+    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", str(failure)).replace("\r", "\n")  # no terminal codes
+    lines = [line for line in text.splitlines() if line.strip()]
+    status = re.search(r"\(exit -?[0-9]+\)", lines[0])
+    return f"{status.group(0) if status else ''} {lines[-1].strip()}"[:300].strip()
 
 
 def run(command, env, log_path, cwd=ROOT):
@@ -176,15 +179,16 @@ def measure_row(name, work, data, steps, logs, classic, save):
 
 
 def add_classic(record, name, work, data, steps, logs, classic):
-    """The classic script's figures added to the row's `record` (which holds ours)."""
+    """The classic script's figures added to the row's `record` (which holds ours): its latest attempt's."""
     task, model_type, overrides, _ = ROWS[name]
     config = config_dir(work, name, model_type, overrides, data[task][1])
     env = environment(os.path.join(work, "datasets"))
+    for key in ("classic_tokens_per_second", "vs_classic", "classic_failed"):
+        record.pop(key, None)
+    record["classic_date"] = time.strftime("%Y-%m-%d")
     try:
-        record.update(classic_speed(name, work, data, steps, logs, classic, config, env, record["tokens_per_step"]),
-                      classic_date=time.strftime("%Y-%m-%d"))
+        record.update(classic_speed(name, work, data, steps, logs, classic, config, env, record["tokens_per_step"]))
         record["vs_classic"] = record["script_tokens_per_second"] / record["classic_tokens_per_second"]
-        record.pop("classic_failed", None)
     except RunFailed as failure:  # e.g. out of memory: the row keeps ours, and says why the classic has none
         record["classic_failed"] = last_line(failure)
 

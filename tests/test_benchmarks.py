@@ -172,6 +172,11 @@ def test_tpu_classic_only_adds_the_classic_figures_to_the_rows_already_measured(
     assert {key: t5[key] for key in ours} == ours
     assert t5["classic_date"] == time.strftime("%Y-%m-%d") and t5["classic_tokens_per_second"] > 0
     assert t5["vs_classic"] == pytest.approx(400000.0 / t5["classic_tokens_per_second"])
+    (classic / "run_summarization_flax.py").write_text("raise SystemExit('out of memory, say')")
+    classic_only("t5_small")  # a failed classic run: the row says why, and keeps no earlier classic figure
+    saved_other, t5 = json.loads(output.read_text())
+    assert {key: t5[key] for key in ours} == ours and "classic_tokens_per_second" not in t5 and "vs_classic" not in t5
+    assert t5["classic_failed"] == "(exit 1) out of memory, say"
 
 
 def test_classic_timer_times_the_train_step_and_stops_after_the_steps_asked(tmp_path):
