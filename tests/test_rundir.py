@@ -2,6 +2,7 @@
 
 import json
 import os
+from functools import partial
 
 import jax
 import numpy as np
@@ -151,3 +152,33 @@ def test_export_pretrained_round_trip(tmp_path):
     assert not skipped.exists()
 
 
+def test_an_export_leaves_no_weight_file_of_an_earlier_export_beside_it(tmp_path, monkeypatch):
+    """Shards over a single file, and a single file over shards: only the new export's weight files stay, so
+    from_pretrained loads the new weights (it would take a lone flax_model.msgpack before an index)."""
+    from transformers import FlaxT5ForConditionalGeneration, T5Config
+
+    from utils import compat, flax_msgpack
+
+    compat.apply()
+    config = T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2)
+    earlier, later = (FlaxT5ForConditionalGeneration(config, seed=seed) for seed in (0, 1))
+    save = flax_msgpack.save_pretrained
+
+    def export(model, output_dir, max_shard_size):
+        monkeypatch.setattr(flax_msgpack, "save_pretrained", partial(save, max_shard_size=max_shard_size))
+        export_pretrained(model, jax.device_get(model.params), None, str(output_dir))
+
+    for first, second in (("10GB", "4KB"), ("4KB", "10GB")):
+        output_dir = tmp_path / f"{first}-then-{second}"
+        output_dir.mkdir()
+        export(earlier, output_dir, first)
+        export(later, output_dir, second)
+        weights = sorted(name for name in os.listdir(output_dir) if name.startswith("flax_model"))
+        if second == "4KB":
+            shards = [name for name in weights if name != "flax_model.msgpack.index.json"]
+            assert "flax_model.msgpack.index.json" in weights and len(shards) > 1
+            assert shards == [f"flax_model-{i:05d}-of-{len(shards):05d}.msgpack" for i in range(1, len(shards) + 1)]
+        else:
+            assert weights == ["flax_model.msgpack"]
+        loaded = FlaxT5ForConditionalGeneration.from_pretrained(str(output_dir))
+        assert_bitwise_equal(loaded.params, jax.device_get(later.params))

@@ -41,6 +41,7 @@ RUN_OUTPUTS = (
     "adapter_config.json", "adapter_model.safetensors",
 )
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+WEIGHT_FILES = ("flax_model.msgpack", "flax_model-*.msgpack", "flax_model.msgpack.index.json")
 
 
 def is_run_output(name, task_outputs=()):
@@ -97,8 +98,14 @@ def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process
         flax_msgpack.save_pretrained(model, staging, params)  # transformers' files, the weights streamed
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        for name in os.listdir(staging):
+        written = os.listdir(staging)
+        for name in written:
             os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+        # An earlier export's weight files that this one did not write (one file then and shards now, or other
+        # shards): left beside it, a lone flax_model.msgpack is what from_pretrained would load.
+        for name in set(os.listdir(output_dir)) - set(written):
+            if any(fnmatch.fnmatch(name, pattern) for pattern in WEIGHT_FILES):
+                os.remove(os.path.join(output_dir, name))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("Exported model to %s", output_dir)
