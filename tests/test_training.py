@@ -79,14 +79,15 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def test_fresh_weights_are_made_while_the_train_step_compiles(tmp_path, monkeypatch):
-    """dp's fresh weights (`init_params_in_background`) are traced at once, so they are the model's as it was
+@pytest.mark.parametrize("make_layout", [DataParallel, lambda: FullySharded(2)], ids=["dp", "fsdp"])
+def test_fresh_weights_are_made_while_the_train_step_compiles(tmp_path, monkeypatch, make_layout):
+    """Fresh weights (`init_params_in_background`) are traced at once, so they are the model's as it was
     then, and made on the background thread, which the train step's compile does not wait for: here that
     thread is held until the compile has begun. The state and its first step are those of weights made at once."""
     training_args = args(tmp_path)
     data = InMemoryData(examples(), EXAMPLES)
     plan = training_plan(training_args, EXAMPLES)
-    layout = DataParallel()
+    layout = make_layout()
     release = threading.Event()
     Pending(None, lambda: release.wait(20))  # occupies the background thread until released
     scale = {"w": 1.0}
@@ -103,7 +104,7 @@ def test_fresh_weights_are_made_while_the_train_step_compiles(tmp_path, monkeypa
     monkeypatch.setattr(layout, "compile_train_step", compile_then_release)
     state, steps = make_steps(loss_fn, MODEL, params, layout, training_args, plan, data)
     assert waiting_at_compile == [True]
-    at_once = DataParallel()
+    at_once = make_layout()
     expected, expected_steps = make_steps(loss_fn, MODEL, init_params(), at_once, training_args, plan, data)
     for got, want in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(expected)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -113,16 +114,17 @@ def test_fresh_weights_are_made_while_the_train_step_compiles(tmp_path, monkeypa
     np.testing.assert_array_equal(np.asarray(sums["loss"]), np.asarray(expected_sums["loss"]))
 
 
-def test_fresh_weights_pending_lets_go_once_the_state_holds_them(tmp_path):
+@pytest.mark.parametrize("make_layout", [DataParallel, lambda: FullySharded(2)], ids=["dp", "fsdp"])
+def test_fresh_weights_pending_lets_go_once_the_state_holds_them(tmp_path, make_layout):
     """The script's variable holding fresh weights' `Pending` keeps them no longer than the state is being made
     of them: on a TPU host their host copy held 1.7 GiB for the Llama row's whole run. (Here, on CPU devices,
     the replicas may share the host copy's memory, so it is the `Pending` that is checked.)"""
     training_args = args(tmp_path)
     data = InMemoryData(examples(), EXAMPLES)
-    layout = DataParallel()
+    layout = make_layout()
     params = layout.init_params_in_background(lambda: {"w": jnp.asarray(init_params()["w"])})
     state, _ = make_steps(loss_fn, MODEL, params, layout, training_args, training_plan(training_args, EXAMPLES), data)
-    np.testing.assert_array_equal(np.asarray(state.params["w"])[0], init_params()["w"])
+    np.testing.assert_array_equal(layout.params_to_host(state.params)["w"], init_params()["w"])
     with pytest.raises(RuntimeError, match="handed over"):
         finished(params)
 

@@ -333,7 +333,7 @@ def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatc
     No device ever holds weights it would not hold in training: pretrained ones are read into host memory
     (`utils.weights`: any checkpoint format) and placed leaf by leaf; fresh ones come from one compiled init
     that writes them where they belong (transformers inits op by op, a hundred or so small programs compiled on
-    every start); under "dp", without adapters, a `utils.layout.Pending` of them, made while the train step
+    every start); on one host, without adapters, a `utils.layout.Pending` of them, made while the train step
     compiles (`utils.layout.finished` waits for their values). `--dtype` is the compute dtype (activations); the
     weights are stored in `--param_dtype`, float32 master weights by default whatever the checkpoint holds (hub
     Flax weights are sometimes bf16). With `new_head_if_mismatched`, a pretrained head of other shapes than
