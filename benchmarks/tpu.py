@@ -251,13 +251,15 @@ def main():
     if args.classic and not all(os.path.isfile(os.path.join(args.classic, SCRIPTS[ROWS[row][0]])) for row in args.rows):
         sys.exit(f"error: --classic {args.classic} lacks one of {sorted(set(SCRIPTS.values()))}: copy them there from "
                  "transformers' examples/flax")
-    measured = rows_measured(args.output) if args.classic_only else {}
-    if args.classic_only and not args.classic:
-        sys.exit("error: --classic_only times the classic scripts: give their folder with --classic DIR")
-    missing = [row for row in args.rows if args.classic_only and "tokens_per_step" not in measured.get(row, {})]
-    if missing:
-        sys.exit(f"error: --classic_only adds to rows already measured, and {args.output} lacks {', '.join(missing)}: "
-                 f"run benchmarks/tpu.py --rows {' '.join(missing)} first")
+    measured = {}
+    if args.classic_only:
+        if not args.classic:
+            sys.exit("error: --classic_only times the classic scripts: give their folder with --classic DIR")
+        measured = rows_measured(args.output)
+        missing = [row for row in args.rows if "tokens_per_step" not in measured.get(row, {})]
+        if missing:
+            sys.exit(f"error: --classic_only adds to rows already measured, and {args.output} lacks "
+                     f"{', '.join(missing)}: run benchmarks/tpu.py --rows {' '.join(missing)} first")
     work = tempfile.mkdtemp(prefix="flaxtune-tpu-")
     logs = args.logs or work
     os.makedirs(logs, exist_ok=True)

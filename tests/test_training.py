@@ -62,6 +62,10 @@ def examples(count=EXAMPLES, seed=0):
             "labels": rng.integers(0, CLASSES, size=count).astype(np.int32)}
 
 
+# Each test so marked runs under both layouts: `make_layout()` makes a fresh one.
+EACH_LAYOUT = pytest.mark.parametrize("make_layout", [DataParallel, lambda: FullySharded(4)], ids=["dp", "fsdp"])
+
+
 def init_params():
     return {"w": np.random.default_rng(1).normal(size=(DIM, CLASSES)).astype(np.float32)}
 
@@ -79,7 +83,7 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-@pytest.mark.parametrize("make_layout", [DataParallel, lambda: FullySharded(2)], ids=["dp", "fsdp"])
+@EACH_LAYOUT
 def test_fresh_weights_are_made_while_the_train_step_compiles(tmp_path, monkeypatch, make_layout):
     """Fresh weights (`init_params_in_background`) are traced at once, so they are the model's as it was
     then, and made on the background thread, which the train step's compile does not wait for: here that
@@ -114,7 +118,7 @@ def test_fresh_weights_are_made_while_the_train_step_compiles(tmp_path, monkeypa
     np.testing.assert_array_equal(np.asarray(sums["loss"]), np.asarray(expected_sums["loss"]))
 
 
-@pytest.mark.parametrize("make_layout", [DataParallel, lambda: FullySharded(2)], ids=["dp", "fsdp"])
+@EACH_LAYOUT
 def test_fresh_weights_pending_lets_go_once_the_state_holds_them(tmp_path, make_layout):
     """The script's variable holding fresh weights' `Pending` keeps them no longer than the state is being made
     of them: on a TPU host their host copy held 1.7 GiB for the Llama row's whole run. (Here, on CPU devices,
@@ -241,12 +245,13 @@ def test_the_train_step_follows_the_schedule_and_seed_it_is_given(tmp_path, kind
     np.testing.assert_allclose(np.asarray(state.params["w"])[0], np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("layout", [DataParallel, lambda: FullySharded(4)], ids=["dp", "fsdp"])
-def test_dropout_rng_picks_the_generator_of_the_masks(tmp_path, layout):
+@EACH_LAYOUT
+def test_dropout_rng_picks_the_generator_of_the_masks(tmp_path, make_layout):
     """--dropout_rng rbg draws other masks than threefry, the same ones again for the same seed (with
     accumulation's micro-batch keys too); auto is threefry off TPUs, the masks of every earlier run."""
     def weights(generator, seed=0):
-        return weights_after_two_steps(tmp_path, seed, layout(), dropout_rng=generator, gradient_accumulation_steps=2)
+        return weights_after_two_steps(tmp_path, seed, make_layout(), dropout_rng=generator,
+                                       gradient_accumulation_steps=2)
 
     rbg = weights("rbg")
     assert rbg.tobytes() == weights("rbg").tobytes()

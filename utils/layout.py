@@ -483,7 +483,7 @@ class FullySharded(Layout):
         """Fresh weights `init(*args)` computed straight into their shards: no device ever holds them all."""
         if self.plan:  # shapes only: the state is placed by `create_state`
             return jax.eval_shape(init, *args)
-        return self._sharded(init, *args)(*args)
+        return self._sharded(init, jax.eval_shape(init, *args))(*args)
 
     def init_params_in_background(self, init, *args):
         """`init_params` as a `Pending` (as `DataParallel.init_params_in_background`): traced now, compiled and
@@ -491,11 +491,13 @@ class FullySharded(Layout):
         program slowly: 26 s for GPT-2 small's on a v5e host, which under fsdp came before the train step's."""
         if self.plan or jax.process_count() > 1:
             return self.init_params(init, *args)
-        lowered = self._sharded(init, *args).lower(*args)
-        return Pending(self.abstract_state(jax.eval_shape(init, *args)), lambda: lowered.compile()(*args))
+        shapes = jax.eval_shape(init, *args)
+        lowered = self._sharded(init, shapes).lower(*args)
+        return Pending(self.abstract_state(shapes), lambda: lowered.compile()(*args))
 
-    def _sharded(self, init, *args):
-        return jax.jit(init, out_shardings=self._shardings(jax.eval_shape(init, *args)))
+    def _sharded(self, init, shapes):
+        """`init` compiled to write its outputs (of `shapes`) straight into their shards."""
+        return jax.jit(init, out_shardings=self._shardings(shapes))
 
     def place_params(self, host_params):
         """Pretrained weights from host memory, each leaf sent in shards to the devices that hold them."""
@@ -514,8 +516,7 @@ class FullySharded(Layout):
 
         def make(params):
             # Donated: the parameters move into the state instead of being held twice.
-            return jax.jit(create_placed, out_shardings=self._shardings(jax.eval_shape(create_placed, params)),
-                           donate_argnums=0)(params)
+            return jax.jit(create_placed, out_shardings=self._shardings(shapes), donate_argnums=0)(params)
 
         if isinstance(params, Pending):
             return Pending(shapes, lambda: make(taken(params)))

@@ -27,21 +27,21 @@ from utils.perf import memory_report
 
 logger = logging.getLogger(__name__)
 
+# The Hugging Face export's weights: one file, or shards with their index.
+WEIGHT_FILES = ("flax_model.msgpack", "flax_model-*.msgpack", "flax_model.msgpack.index.json")
 # Names (glob patterns) of what every run writes into its output directory; a task declares the rest
 # (`tasks.Task.outputs`: its prediction files).
 RUN_OUTPUTS = (
     CHECKPOINT_SUBDIR, "run_args.json", "metrics.jsonl", "metrics.jsonl.tmp", "events.out.tfevents.*",
     "*_results.json", ".export-*",
-    # The Hugging Face export: model (one file, or shards with an index), tokenizer or image processor.
-    "config.json", "generation_config.json", "flax_model.msgpack", "flax_model-*.msgpack",
-    "flax_model.msgpack.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "chat_template.*", "vocab.*", "merges.txt", "*.model", "*.spm", "preprocessor_config.json",
+    # The Hugging Face export: model, tokenizer or image processor.
+    "config.json", "generation_config.json", *WEIGHT_FILES, "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "chat_template.*", "vocab.*", "merges.txt", "*.model", "*.spm", "preprocessor_config.json",
     model_card.CARD,
     # LoRA's adapters in PEFT's layout, beside the merged model
     "adapter_config.json", "adapter_model.safetensors",
 )
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-WEIGHT_FILES = ("flax_model.msgpack", "flax_model-*.msgpack", "flax_model.msgpack.index.json")
 
 
 def is_run_output(name, task_outputs=()):
@@ -104,7 +104,7 @@ def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process
         # An earlier export's weight files that this one did not write (one file then and shards now, or other
         # shards): left beside it, a lone flax_model.msgpack is what from_pretrained would load.
         for name in set(os.listdir(output_dir)) - set(written):
-            if any(fnmatch.fnmatch(name, pattern) for pattern in WEIGHT_FILES):
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in WEIGHT_FILES):
                 os.remove(os.path.join(output_dir, name))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
