@@ -22,6 +22,7 @@ Refuses to run without TPU chips. Writes --output (JSON) after each row and prin
 """
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -108,12 +109,21 @@ class RunFailed(Exception):
     """A run ended with an error; the message holds the command, its exit status and its log's tail."""
 
 
+# A traceback's last line naming what was raised: `jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: ...`.
+RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b[^ ]*:")
+
+
 def last_line(failure):
-    """The exit status and the log's last line (a progress bar's, when the process was killed)."""
+    """The exit status and what the run died of: the last exception and its message (up to a `---` line, where
+    JAX appends a note on its traceback), else the log's last line (a progress bar's, when it was killed)."""
     text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", str(failure)).replace("\r", "\n")  # no terminal codes
-    lines = [line for line in text.splitlines() if line.strip()]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     status = re.search(r"\(exit -?[0-9]+\)", lines[0])
-    return f"{status.group(0) if status else ''} {lines[-1].strip()}"[:300].strip()
+    raised = [i for i, line in enumerate(lines) if RAISED.match(line)]
+    what = lines[-1:]
+    if raised:
+        what = list(itertools.takewhile(lambda line: not line.startswith("---"), lines[raised[-1]:]))
+    return f"{status.group(0) if status else ''} {' '.join(what)}"[:300].strip()
 
 
 def run(command, env, log_path, cwd=ROOT):

@@ -179,6 +179,25 @@ def test_tpu_classic_only_adds_the_classic_figures_to_the_rows_already_measured(
     assert t5["classic_failed"] == "(exit 1) out of memory, say"
 
 
+def test_a_failed_row_is_recorded_by_the_exception_it_died_of():
+    """The classic Llama row on a v5e chip died of this (its log's tail); JAX's note after it is not the why."""
+    from benchmarks import tpu
+
+    log = ("benchmarks/classic_timer.py failed (exit 1), log llama.log:\n"
+           "Training...:   0%|          | 0/87 [00:00<?, ?it/s]\x1b[A\r  \x1b[AEpoch ... :   0%|\n"
+           "Traceback (most recent call last):\n"
+           "  File \"run_clm_flax.py\", line 789, in main\n"
+           "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: E0101: RuntimeProgramAllocationFailure:\n"
+           "Error loading program 'jit__fun': Attempting to reserve 9.59G at the bottom of memory.\n"
+           "--------------------\n"
+           "For simplicity, JAX has removed its internal frames from the traceback of the following exception.\n")
+    assert tpu.last_line(log) == ("(exit 1) jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: E0101: "
+                                  "RuntimeProgramAllocationFailure: Error loading program 'jit__fun': "
+                                  "Attempting to reserve 9.59G at the bottom of memory.")
+    killed = "run_clm_flax.py failed (exit -9), log gpt2.log:\nstep 3\r\x1b[2KTraining:  40%|####\n"
+    assert tpu.last_line(killed) == "(exit -9) Training:  40%|####"
+
+
 def test_classic_timer_times_the_train_step_and_stops_after_the_steps_asked(tmp_path):
     """A classic-style script (pmap'd `train_step`, a partial as in summarization, in a loop of 100): 7 calls
     timed, the run stopped there."""

@@ -231,6 +231,9 @@ def test_performance_tpu_table_is_results_tpu_json():
         lambda r: [r.get("first_step_cold_seconds")], lambda r: [r.get("first_step_warm_seconds")],
         lambda r: [r["planned_device_memory_gib"]],
         lambda r: [r["peak_device_memory_gib"]], rss, lambda r: [r["host_memory_held_from_start_gib"]]])
+    for row in table(PERFORMANCE, "| row | tokens/s | MFU |"):  # a classic run that failed says why
+        failed = {r["row"]: r for r in json_file("results_tpu.json")}[row[0]].get("classic_failed", "")
+        assert (row[4] == "out of memory") == ("RESOURCE_EXHAUSTED" in failed), row
 
 
 def test_the_readme_tpu_sentence_is_the_tpu_results():
@@ -244,6 +247,8 @@ def test_the_readme_tpu_sentence_is_the_tpu_results():
             "tokens/s") in readme
     assert (f"a {llama['parameters'] / 1e6:.0f}M-parameter Llama-style decoder at "
             f"{llama['script_tokens_per_second']:,.0f} tokens/s, MFU {llama['script_mfu']:.3f}") in readme
+    assert "RESOURCE_EXHAUSTED" in llama["classic_failed"]
+    assert "the classic script runs out of the chip's memory" in readme
     t5, roberta = rows["t5_small"], rows["bert_base"]
     assert (f"t5-small summarization MFU {t5['script_mfu']:.3f} and RoBERTa-base MLM {roberta['script_mfu']:.3f}, "
             f"{t5['vs_classic']:.2f}x and {roberta['vs_classic']:.2f}x their classic scripts") in readme
