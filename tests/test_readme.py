@@ -314,6 +314,14 @@ def test_the_tpu_startup_figures_are_their_json():
     assert f"the first step {cold} s after a cold start and {warm} s warm against {first(loop, 'cold')} and " \
         f"{first(loop, 'warm')}" in performance
     assert f"The train step's program is {zlib['cold']['largest_cache_entry']['bytes'] / 1e6:.1f} MB" in performance
+    fsdp = runs[("--sharding fsdp", "zstandard")]
+    seconds = {(state, program["program"]): f"{program['seconds']:.1f}"
+               for state in ("cold", "warm") for program in fsdp[state]["slowest_programs"]}
+    assert (f"first step {first(fsdp, 'cold')} s cold, {first(fsdp, 'warm')} s warm and {first(fsdp, 'rerun')} s "
+            f"for a rerun with other numbers; their program's TPU compile ({seconds[('cold', 'jit__lambda')]} s "
+            f"cold, read back in {seconds[('warm', 'jit__lambda')]} s warm) now runs beside the train step's "
+            f"({seconds[('cold', 'jit_train_step')]} s, read back in {seconds[('warm', 'jit_train_step')]} s)"
+            ) in performance
     assert (f"{coding(zlib, 'cold')} s to write that program after its compile, {coding(zlib, 'warm')} s to "
             f"decompress it when read; with `zstandard` (now a requirement) {coding(loop, 'cold')} s and "
             f"{coding(loop, 'warm')} s") in performance
