@@ -164,6 +164,19 @@ def test_dp_replicates_the_state(trained):
     assert int(state.step[3]) == 4
 
 
+@pytest.mark.parametrize("devices", [1, N])
+def test_dp_sums_the_batch_with_an_all_reduce_only_over_several_devices(devices):
+    """On one device in all the sum is the device's own: no all-reduce in its program (a single-device one
+    halted a v5e chip at XLA's lower optimization levels). The layout as planned for `devices` devices."""
+    from utils.tpu_plan import Topology
+
+    layout = DataParallel(Topology("test", jax.devices()[:devices], 2**30))
+    values = np.arange(devices * 3, dtype=np.float32).reshape(devices, 3)
+    summed = jax.pmap(layout.batch_sum, axis_name=layouts.AXIS, devices=layout.local_devices)
+    assert ("all_reduce" in summed.lower(values).as_text()) == (devices > 1)
+    np.testing.assert_array_equal(summed(values), np.broadcast_to(values.sum(0), values.shape))
+
+
 def test_the_dropout_key_is_the_seed_folded_with_the_step_and_under_dp_the_device():
     """The keys a step draws, against plain `jax.random`: one per device under "dp" (the device's index
     among all of the run's), one under "fsdp"; the step counter as the train step sees it (traced)."""

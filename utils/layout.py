@@ -396,7 +396,9 @@ class DataParallel(Layout):
 
     # -- steps ----------------------------------------------------------------------------------------
     def batch_sum(self, tree):
-        return jax.lax.psum(tree, AXIS)
+        # On one device in all the sum is the tree: no all-reduce is left for the TPU compiler to keep.
+        devices = len(self.plan.devices) if self.plan else jax.device_count()
+        return tree if devices == 1 else jax.lax.psum(tree, AXIS)
 
     def all_rows(self, x):
         """(every device's rows of `x` in global batch order, the index of this device's first row
