@@ -6,7 +6,8 @@
 
 A run is ROW:SETTING. The settings: `threefry` / `rbg` (--dropout_rng: what draws the dropout masks),
 `xla` / `splash` (--attention: the stock attention or Pallas' splash kernel; the model without dropout, as
-Llama trains), `splash_checkpointing` (splash with --gradient_checkpointing), `dropout_kernel` (--attention
+Llama trains), `splash_checkpointing` (splash with --gradient_checkpointing), `splash_checkpointing_kernels` (and
+--gradient_checkpointing_policy kernels: each layer keeps its kernels' outputs), `dropout_kernel` (--attention
 splash with the model's dropouts: its attention dropout drawn inside utils/dropout_attention's kernel, the
 others by rbg), `chip_dropout` (that, and every other dropout's mask drawn inside utils/chip_dropout's
 kernel: --dropout_rng chip), `rbg_masks` / `chip_masks` (--dropout_rng rbg / chip beside the row's default
@@ -38,6 +39,8 @@ SETTINGS = {"threefry": (False, ["--dropout_rng", "threefry", "--attention", "xl
             "xla": (True, ["--attention", "xla"]),
             "splash": (True, ["--attention", "splash"]),
             "splash_checkpointing": (True, ["--attention", "splash", "--gradient_checkpointing"]),
+            "splash_checkpointing_kernels": (True, ["--attention", "splash", "--gradient_checkpointing",
+                                                    "--gradient_checkpointing_policy", "kernels"]),
             "dropout_kernel": (False, ["--dropout_rng", "rbg", "--attention", "splash"]),
             "chip_dropout": (False, ["--dropout_rng", "chip", "--attention", "splash"]),
             "rbg_masks": (False, ["--dropout_rng", "rbg"]),
@@ -79,7 +82,7 @@ def main():
         row, _, setting = name.partition(":")
         if row not in ROWS or setting not in SETTINGS or (SETTINGS[setting][0] and ROWS[row][1] not in NO_DROPOUT):
             sys.exit(f"error: --runs {name}: use ROW:SETTING with ROW a row of benchmarks/tpu.py ({', '.join(ROWS)}) "
-                     f"and SETTING one of {', '.join(SETTINGS)} (xla, splash and splash_checkpointing for "
+                     f"and SETTING one of {', '.join(SETTINGS)} (xla and the splash ones for "
                      f"{', '.join(r for r in ROWS if ROWS[r][1] in NO_DROPOUT)} only)")
     if not on_tpu():
         sys.exit("error: benchmarks/tpu_levers.py measures a TPU, and this machine has no TPU chips: run it on a TPU VM")

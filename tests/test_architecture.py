@@ -19,11 +19,11 @@ FLOORS = {
     # 1: arguments, the rotary decoders' positions, the dropout attention kernel, the chunked LM loss, the model hooks
     "args": 1, "decoder_positions": 1, "dropout_attention": 1, "lm_head": 1, "layers": 1,
     # 2: pieces that need only arguments and errors; the version shims
-    "compat": 2, "chip_dropout": 2, "layer_scan": 2, "devices": 2, "tpu_plan": 2, "attention": 2, "memory": 2, "steps": 2, "metrics": 2, "optim": 2, "weights": 2,
+    "compat": 2, "chip_dropout": 2, "remat": 2, "devices": 2, "tpu_plan": 2, "attention": 2, "memory": 2, "steps": 2, "metrics": 2, "optim": 2, "weights": 2,
     "flax_msgpack": 2,
     "logging": 2, "preemption": 2, "lora": 2, "hub_access": 2, "file_formats": 2, "arrow_columns": 2, "batch_order": 2,
-    # 3: data readers, layouts, checkpoints
-    "dataset_loading": 3, "stream_sources": 3, "layout": 3, "checkpoint": 3, "remat": 3, "model_card": 3,
+    # 3: data readers, layouts, checkpoints, scanned layer stacks
+    "dataset_loading": 3, "stream_sources": 3, "layout": 3, "checkpoint": 3, "layer_scan": 3, "model_card": 3,
     # 4: built on those: models, resume, saving, pushing, instruments, the stream
     "models": 4, "resume": 4, "saving": 4, "hub": 4, "perf": 4, "stream": 4, "stream_examples": 4,
     # 5: the loop and the data it takes

@@ -152,6 +152,17 @@ def test_non_positive_values(fails, files, flag, value):
     fails(scratch(files, flag, value), rf"{flag} must be (positive|a positive number)")
 
 
+@pytest.mark.parametrize("args, pattern", [
+    (["--gradient_checkpointing", "--gradient_checkpointing_policy", "dot"],
+     r"--gradient_checkpointing_policy 'dot' is unknown: use one of nothing, kernels$"),
+    (["--gradient_checkpointing_policy", "kernels"],
+     r"--gradient_checkpointing_policy kernels says what --gradient_checkpointing keeps, and it is off: add "
+     r"--gradient_checkpointing$"),
+])
+def test_a_checkpointing_policy_needs_a_known_name_and_checkpointing(fails, files, args, pattern):
+    fails(scratch(files, *args), pattern)
+
+
 def test_no_phase(fails, files):
     fails(scratch(files, phases=()), r"nothing to do: pass at least one of --do_train, --do_eval, --do_predict")
 

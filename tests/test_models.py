@@ -379,38 +379,79 @@ def test_gradient_checkpointing_where_the_family_has_it(tokenizer):
     assert t5.module.gradient_checkpointing
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_gradient_checkpointing_where_transformers_lacks_it(family):
-    """GPT-2 and Llama checkpoint each layer through `utils.remat`: the gradients (dropout on) are the
-    plain model's, and the backward pass recomputes one checkpointed region per layer."""
-    from transformers import FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, GPT2Config, LlamaConfig
+def calls(jaxpr, counts=None):
+    """{"products": matrix products, "kernels": Pallas kernel calls} of `jaxpr`, inside its checkpoints and
+    other nested programs too (not inside a kernel)."""
+    counts = {"products": 0, "kernels": 0} if counts is None else counts
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("dot_general", "pallas_call"):
+            counts["products" if eqn.primitive.name == "dot_general" else "kernels"] += 1
+            if eqn.primitive.name == "pallas_call":
+                continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    calls(sub, counts)
+    return counts
 
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_gradient_checkpointing_recomputes_each_layer_but_what_its_policy_keeps(family):
+    """GPT-2 and Llama checkpoint each layer through `utils.remat` (transformers lacks it for them), BERT
+    through transformers' own checkpointing, and every family through `utils.remat` under the `kernels`
+    policy; the attention through the kernels (Pallas' interpreter), as on TPUs. The gradients (dropout on)
+    are the plain model's. The backward pass runs the layers' products again under both policies (more than
+    the plain model's); `nothing` runs each layer's forward kernel again too, `kernels` keeps its outputs (as
+    many kernel calls as the plain model's)."""
+    from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM,
+                              GPT2Config, LlamaConfig)
+
+    from utils import attention
     from utils.models import enable_gradient_checkpointing
 
-    layers = 2
-    if family == "gpt2":
-        config, model_class = GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=16), \
-            FlaxGPT2LMHeadModel
-    else:
-        config, model_class = LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
-                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=64), \
-            FlaxLlamaForCausalLM
-    # Without their own init (op by op, slow): one compiled init gives both the same weights.
-    plain, checkpointed = model_class(config, _do_init=False), model_class(config, _do_init=False)
-    params = jax.jit(plain.init_weights, static_argnums=1)(jax.random.PRNGKey(0), (1, 8))
-    enable_gradient_checkpointing(checkpointed)
-    ids = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 8)))
+    layers, length = 2, attention.BLOCK  # one kernel tile
+    config, model_class = {
+        "gpt2": (GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=length),
+                 FlaxGPT2LMHeadModel),
+        "llama": (LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                              num_key_value_heads=2, vocab_size=64), FlaxLlamaForCausalLM),
+        "bert": (BertConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                            vocab_size=64, max_position_embeddings=length), FlaxBertForMaskedLM)}[family]
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, length)))
+    rng = jax.random.PRNGKey(1)  # dropout on: the recomputed layers draw the same masks
+
+    def model_with(policy):
+        model = model_class(config, _do_init=False)
+        if policy:
+            enable_gradient_checkpointing(model, policy)
+        attention.use_attention_kernels(model, interpret=True)  # after checkpointing, as the spine does
+        return model
 
     def grad_fn(model):
         return jax.grad(lambda params, rng: model(ids, params=params, dropout_rng=rng, train=True).logits.mean())
 
-    rng = jax.random.PRNGKey(1)  # dropout on: the recomputed layers draw the same masks
-    expected, got = (jax.jit(grad_fn(model))(params, rng) for model in (plain, checkpointed))
-    for a, b in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got)):
-        # Recomputing the same float32 ops in the backward pass may reassociate a sum: last-bit differences.
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
-    jaxpr = str(jax.make_jaxpr(grad_fn(checkpointed))(params, rng))
-    assert jaxpr.count("remat") == layers
+    plain = model_with(None)
+    # Without their own init (op by op, slow): one compiled init gives every model the same weights.
+    params = jax.jit(plain.init_weights, static_argnums=1)(jax.random.PRNGKey(0), (1, 8))
+    expected, counted = jax.jit(grad_fn(plain))(params, rng), {None: calls(jax.make_jaxpr(grad_fn(plain))(params, rng).jaxpr)}
+    for policy in ("nothing", "kernels"):
+        checkpointed = model_with(policy)
+        got = jax.jit(grad_fn(checkpointed))(params, rng)
+        for a, b in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got)):
+            # Recomputing the same float32 ops in the backward pass may reassociate a sum: last-bit differences.
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+        jaxpr = jax.make_jaxpr(grad_fn(checkpointed))(params, rng)
+        counted[policy] = calls(jaxpr.jaxpr)
+        if family != "bert" or policy == "kernels":  # utils.remat: one checkpointed region per layer
+            assert str(jaxpr).count("remat") == layers
+        if family == "gpt2" and policy == "kernels":  # the flash kernel's: each row's logsumexp as one float
+            kept = [tuple(var.aval.shape) for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "remat2"
+                    for var in eqn.invars]
+            assert (2, config.n_head, length) in kept and (2, config.n_head, length, 128) not in kept
+    assert counted[None]["kernels"] >= 2 * layers  # a forward and a backward kernel per layer at least
+    assert counted["nothing"]["products"] > counted[None]["products"] < counted["kernels"]["products"]
+    assert counted["nothing"]["kernels"] == counted[None]["kernels"] + layers == counted["kernels"]["kernels"] + layers
 
 
 def test_an_encoder_decoder_refusing_to_be_built_without_weights_draws_them_in_one_program():

@@ -263,6 +263,18 @@ def test_the_chunked_loss_figures_are_its_plan_json():
         " ".join(read(os.path.join("docs", "performance.md")).split())
 
 
+def test_the_checkpointing_policy_figures_are_its_plan_json():
+    plans = {(row["model"], row["policy"]): row
+             for row in json_file("results_checkpointing_policy_plan.json")["plans"]}
+    gib = {key: f"{row['train_step_device_bytes'] / 2**30:.2f}" for key, row in plans.items()}
+    llama, gpt2 = ([gib[(model, policy)] for policy in ("kernels", "nothing", None)]
+                   for model in ("llama_0.6b", "gpt2_small"))
+    assert (f"the Llama-style row (8 x 1024 tokens) {llama[0]} GiB a device against {llama[1]} keeping nothing and "
+            f"{llama[2]} without checkpointing; GPT-2 small (16 x 1024 tokens), whose dropouts run through the "
+            f"chip's kernel too and are kept with it, {gpt2[0]} against {gpt2[1]} and {gpt2[2]}"
+            ) in " ".join(read(os.path.join("docs", "performance.md")).split())
+
+
 def test_the_scan_layers_figures_are_its_plan_json():
     """The scanned plan (`auto`, which scans when planning for a TPU) against the loop's, in docs/performance.md."""
     plans = {(row["scan_layers"], row["gradient_checkpointing"]): row

@@ -104,19 +104,21 @@ def scan_lengths(fun, *args):
     return [eqn.params["length"] for eqn in jax.make_jaxpr(fun)(*args).jaxpr.eqns if eqn.primitive.name == "scan"]
 
 
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("checkpointed", [False, "nothing", "kernels"], ids=["plain", "checkpointed", "kernels"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_scanned_stack_computes_the_loops_loss_and_gradients(family, checkpointed):
     """With --gradient_checkpointing as the spine applies it: utils.remat's per-layer checkpoint first, then the
-    scan, whose body alone is checkpointed (the loop's layers, each under its own checkpoint, are not called)."""
+    scan, whose body alone is checkpointed (the loop's layers, each under its own checkpoint, are not called);
+    it keeps nothing, or what its policy keeps."""
     model = FAMILIES[family]()
     ids, mask = batch()
     stock = loss_and_grads(model, ids, mask)
     if checkpointed:
-        remat.remat_layers(model)
-        assert nesting(loss_fn(model, ids, mask), model.params) == ["checkpoint"] * LAYERS
+        remat.remat_layers(model, checkpointed)
+        layer = "checkpoint" if checkpointed == "nothing" else "checkpoint[policy]"
+        assert nesting(loss_fn(model, ids, mask), model.params) == [layer] * LAYERS
     layer_scan.scan_layers(model, checkpointed=checkpointed)
-    body = "scan/checkpoint" if checkpointed else "scan/checkpoint[policy]"
+    body = "scan/checkpoint" if checkpointed == "nothing" else "scan/checkpoint[policy]"
     assert nesting(loss_fn(model, ids, mask), model.params) == ["scan", body]
     assert scan_lengths(loss_fn(model, ids, mask), model.params) == [LAYERS]
     assert_same(loss_and_grads(model, ids, mask), stock)
@@ -135,11 +137,12 @@ def test_the_attention_kernels_run_inside_the_scan(family):
     assert_same(loss_and_grads(model, ids, mask), stock, atol=2e-5)
 
 
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("checkpointed", [False, "nothing", "kernels"], ids=["plain", "checkpointed", "kernels"])
 def test_the_backward_pass_runs_products_and_kernels_again_only_when_checkpointed(checkpointed):
     """Each product of a layer's forward pass has two in the backward one (the gradients of its operands), the
     dropout kernel its backward kernel; with --gradient_checkpointing the forward pass runs again there too
-    (its products but the last, whose output no gradient needs)."""
+    (its products but the last, whose output no gradient needs), and its kernel unless the policy keeps the
+    kernels' outputs (`kernels`)."""
     model = gpt2(attn_pdrop=0.1)
     ids, mask = batch(length=attention.BLOCK)
     attention.use_attention_kernels(model, interpret=True)
@@ -149,7 +152,7 @@ def test_the_backward_pass_runs_products_and_kernels_again_only_when_checkpointe
     forward, backward = (Counter(name for _, name in equations(eqn.params["jaxpr"].jaxpr)) for eqn in scans)
     again = forward["dot_general"] - 1 if checkpointed else 0
     assert forward["dot_general"] > 0 and backward["dot_general"] == 2 * forward["dot_general"] + again
-    assert (forward["pallas_call"], backward["pallas_call"]) == (1, 2 if checkpointed else 1)
+    assert (forward["pallas_call"], backward["pallas_call"]) == (1, 2 if checkpointed == "nothing" else 1)
 
 
 def test_the_backward_pass_gets_the_flash_kernels_row_statistics_as_one_float_each():

@@ -174,11 +174,13 @@ def test_a_train_step_the_tpu_compiler_refuses_does_not_fit(v3, tmp_path, capsys
     memory, _, state = _train_step_memory(layout, rows=2**18)
     assert memory is None and re.fullmatch(REFUSED + r" \([\d.]+G\)", layout.train_step_refused)
     args = type("Args", (), {"output_dir": str(tmp_path), "gradient_accumulation_steps": 1,
-                             "gradient_checkpointing": True, "per_device_eval_batch_size": 8})()
+                             "gradient_checkpointing": True, "gradient_checkpointing_policy": "kernels",
+                             "per_device_eval_batch_size": 8})()
     with pytest.raises(RunError, match=r"^the train step does not fit a TPU v3-8 device \(the TPU compiler: "
                                        + REFUSED + r".*\): use a smaller --per_device_train_batch_size with more "
-                                       r"--gradient_accumulation_steps \(now 1\), --dtype bfloat16 "
-                                       r"\(--gradient_checkpointing is on\)$"):
+                                       r"--gradient_accumulation_steps \(now 1\), --dtype bfloat16, or "
+                                       r"--gradient_checkpointing_policy nothing \(each layer keeps its kernels' "
+                                       r"outputs now\)$"):
         report_plan(args, layout, state, {"eval_step": {"input_ids": np.ones((8, SEQUENCE), np.int32)}})
     assert "--sharding fsdp: the train step does not fit: the TPU compiler refuses it (" in capsys.readouterr().out
     results = json.load(open(tmp_path / "all_results.json"))

@@ -26,6 +26,7 @@ LAYOUTS = ("dp", "fsdp")
 DROPOUT_GENERATORS = ("auto", "threefry", "rbg", "chip")
 ATTENTION = ("auto", "splash", "xla")
 SCAN_LAYERS = ("auto", "yes", "no")
+CHECKPOINTING_POLICIES = ("nothing", "kernels")  # what --gradient_checkpointing keeps: utils.remat
 # `--compile_only`: the TPU slices of one host (a TPU VM), by the names Cloud TPU rents them under,
 # and the topology (chips per dimension) the TPU compiler knows them by (`utils.tpu_plan`). v2 / v3 /
 # v4 / v5p names count cores, v5e / v6e chips.
@@ -223,6 +224,10 @@ class TrainingArguments:
     hub_model_id: Optional[str] = _help("Repository name on the hub (default: output_dir's name).", default=None)
     hub_token: Optional[str] = _help("Token for pushing to the hub (never logged or saved).", default=None)
     gradient_checkpointing: bool = _help("Recompute activations in the backward pass to save memory.", default=False)
+    gradient_checkpointing_policy: str = _help(
+        "With --gradient_checkpointing, what each layer keeps of its forward pass for the backward one: 'nothing' "
+        "(all is recomputed: the least memory) or 'kernels' (the outputs of its Pallas kernels, the attention's on "
+        "TPUs above all, whose forward then runs once; a little more memory).", default="nothing")
     attention: str = _help(
         "The self-attention kernel of GPT-2, Llama, BERT and RoBERTa models: 'splash' (Pallas' TPU kernels, which "
         "never write the score matrix out: a flash kernel that draws any attention dropout mask on the chip, for "
@@ -288,6 +293,12 @@ class TrainingArguments:
             raise UsageError(f"--attention {self.attention!r} is unknown: use one of {', '.join(ATTENTION)}")
         if self.scan_layers not in SCAN_LAYERS:
             raise UsageError(f"--scan_layers {self.scan_layers!r} is unknown: use one of {', '.join(SCAN_LAYERS)}")
+        if self.gradient_checkpointing_policy not in CHECKPOINTING_POLICIES:
+            raise UsageError(f"--gradient_checkpointing_policy {self.gradient_checkpointing_policy!r} is unknown: use "
+                             f"one of {', '.join(CHECKPOINTING_POLICIES)}")
+        if self.gradient_checkpointing_policy != "nothing" and not self.gradient_checkpointing:
+            raise UsageError(f"--gradient_checkpointing_policy {self.gradient_checkpointing_policy} says what "
+                             "--gradient_checkpointing keeps, and it is off: add --gradient_checkpointing")
         if self.sharding not in LAYOUTS:
             raise UsageError(f"--sharding {self.sharding!r} is unknown: use one of {', '.join(LAYOUTS)}")
         if self.fsdp_size is not None and (self.sharding != "fsdp" or self.fsdp_size <= 0):

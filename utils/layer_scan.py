@@ -17,7 +17,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from utils import dropout_attention
+from utils import remat
 from utils.args import tpu_lever
 from utils.layers import intercept_calls
 
@@ -60,9 +60,8 @@ def products_and_kernels(primitive, *args, **params):
     benchmarks/scan_layers.py). Of the flash kernel, what its backward kernel reads: each row's logsumexp
     as one float, not the forward kernel's 128 lanes of it (stacking those took 8.8 ms of a 107 ms GPT-2
     small step on a v5e chip, and 1.1 GiB)."""
-    if primitive.name == "name":  # jax.ad_checkpoint.checkpoint_name
-        return params["name"] == dropout_attention.RESIDUALS
-    return primitive.name == "pallas_call" or jax.checkpoint_policies.dots_saveable(primitive, *args, **params)
+    return remat.keep_kernels(primitive, *args, **params) or jax.checkpoint_policies.dots_saveable(
+        primitive, *args, **params)
 
 
 def _passable(value):
@@ -108,15 +107,17 @@ def _scanned(next_fun, args, kwargs, context, outputs, checkpointed):
         return layer.apply({"params": params}, hidden, **given, rngs=rngs)[0], None
 
     # prevent_cse=False: inside a scan nothing can merge the recomputation away.
-    body = jax.checkpoint(body, prevent_cse=False, policy=None if checkpointed else products_and_kernels)
+    body = jax.checkpoint(body, prevent_cse=False,
+                          policy=remat.POLICIES[checkpointed] if checkpointed else products_and_kernels)
     hidden, _ = jax.lax.scan(body, hidden, (stacked, jnp.arange(len(layers))))
     return (hidden,) + (None,) * (outputs - 1)
 
 
 def scan_layers(model, checkpointed=False):
     """Make every call of `model` run its layer stack under `jax.lax.scan` where it computes what the loop
-    would (the module's docstring); `checkpointed`: each layer recomputes its activations in the backward
-    pass (`--gradient_checkpointing`: `utils.remat`'s per-layer checkpoint then acts only where the loop runs)."""
+    would (the module's docstring); `checkpointed` (False, or a `--gradient_checkpointing_policy`): each layer
+    recomputes its activations in the backward pass but what the policy keeps (`utils.remat`, whose per-layer
+    checkpoint then acts only where the loop runs)."""
     stacks = _stacks()
 
     def scan(next_fun, args, kwargs, context):

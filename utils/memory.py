@@ -59,9 +59,15 @@ def does_not_fit(stats, limit, gradient_accumulation_steps, layout_name, device=
 
 
 def train_levers(gradient_accumulation_steps, layout_name, checkpointing):
-    """"use ...": what lowers a train step's memory, of the levers not pulled yet."""
+    """"use ...": what lowers a train step's memory, of the levers not pulled yet. `checkpointing`: False,
+    or --gradient_checkpointing's policy (True: it is on)."""
     split = "--sharding fsdp, " if layout_name == "dp" else ""
-    last = ", or --gradient_checkpointing" if not checkpointing else " (--gradient_checkpointing is on)"
+    if not checkpointing:
+        last = ", or --gradient_checkpointing"
+    elif checkpointing == "kernels":
+        last = ", or --gradient_checkpointing_policy nothing (each layer keeps its kernels' outputs now)"
+    else:
+        last = " (--gradient_checkpointing is on)"
     return (f"use {split}a smaller --per_device_train_batch_size with more --gradient_accumulation_steps (now "
             f"{gradient_accumulation_steps}), --dtype bfloat16{last}")
 

@@ -599,12 +599,13 @@ def load_composed_model(model_class, config, model_args, parts, seed, layout):
     return with_adapters(model, params, adapters, model_args, seed, layout)
 
 
-def enable_gradient_checkpointing(model):
-    """--gradient_checkpointing: recompute each layer's activations in the backward pass. The
-    families transformers implements it for do it their way; the others (GPT-2, Llama, OPT, BART,
-    ...) get each layer of their stacks checkpointed by `utils.remat`."""
-    if type(model).enable_gradient_checkpointing is FlaxPreTrainedModel.enable_gradient_checkpointing:
-        remat.remat_layers(model)
+def enable_gradient_checkpointing(model, policy="nothing"):
+    """--gradient_checkpointing: recompute each layer's activations in the backward pass, keeping what
+    `policy` (--gradient_checkpointing_policy) says. The families transformers implements it for do it
+    their way where a layer keeps nothing; the others (GPT-2, Llama, OPT, BART, ...), and every family
+    under another policy, get each layer of their stacks checkpointed by `utils.remat`."""
+    if policy != "nothing" or type(model).enable_gradient_checkpointing is FlaxPreTrainedModel.enable_gradient_checkpointing:
+        remat.remat_layers(model, policy)
     else:
         model.enable_gradient_checkpointing()  # a new module: LoRA's adapters are attached to it again
         adapters = lora.adapters_of(model)

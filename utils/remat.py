@@ -1,13 +1,32 @@
-"""Gradient checkpointing for transformers' Flax models that do not implement it (GPT-2, GPT-Neo,
-OPT, Llama, Mistral, Gemma, BART, ...): each layer of the model's stacks (`utils.layers`) runs under
-`flax.linen.checkpoint`, so it recomputes its activations in the backward pass instead of keeping them.
+"""Gradient checkpointing through `flax.linen.checkpoint` on each layer of a transformers Flax model's stacks
+(`utils.layers`): for the families transformers does not implement it for (GPT-2, GPT-Neo, OPT, Llama,
+Mistral, Gemma, BART, ...), and for every family when a layer keeps its kernels' outputs
+(`--gradient_checkpointing_policy kernels`), which transformers' own checkpointing cannot be told. The model's
+code and parameter tree stay as they are.
 """
 
 from flax import linen as nn
 
+from utils import dropout_attention
 from utils.layers import each_layer, intercept_calls
 
 
-def remat_layers(model):
-    """Make every call of `model` (a transformers Flax model) checkpoint each layer of its stacks."""
-    intercept_calls(model, each_layer(nn.checkpoint))
+def keep_kernels(primitive, *args, **params):
+    """`--gradient_checkpointing_policy kernels` (a `jax.checkpoint` policy): a layer keeps the outputs of its
+    Pallas kernels (the attention's, the chip's dropout) for the backward pass, which then runs every kernel's
+    forward once, not twice; all else is recomputed. Of the flash kernel, what its backward kernel reads: each
+    row's logsumexp as one float, not the forward kernel's 128 lanes of it (`utils.layer_scan`). On the TPU
+    compiler's plans of the decoder rows, about the memory of keeping nothing; keeping every weight product's
+    output as well planned about what no checkpointing needs, so it is not offered (docs/performance.md)."""
+    if primitive.name == "name":  # jax.ad_checkpoint.checkpoint_name
+        return params["name"] == dropout_attention.RESIDUALS
+    return primitive.name == "pallas_call"
+
+
+POLICIES = {"nothing": None, "kernels": keep_kernels}
+
+
+def remat_layers(model, policy="nothing"):
+    """Make every call of `model` (a transformers Flax model) checkpoint each layer of its stacks, keeping
+    what `policy` (a name of `POLICIES`) says."""
+    intercept_calls(model, each_layer(lambda layer: nn.checkpoint(layer, policy=POLICIES[policy])))

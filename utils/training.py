@@ -71,6 +71,11 @@ class Steps:
         return host_means(sums, keep_tokens=True), (rows if self.predicts else None)
 
 
+def checkpointing(training_args):
+    """False, or what --gradient_checkpointing keeps of each layer (--gradient_checkpointing_policy)."""
+    return training_args.gradient_checkpointing and training_args.gradient_checkpointing_policy
+
+
 def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=None, transform=None,
                predict_fn=None):
     """(train state, `Steps`) for a script's loss, placed and compiled by `layout`.
@@ -92,7 +97,7 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     `--compile_only` the steps are planned, never run: `Steps.report_plan`.
     """
     if training_args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model, training_args.gradient_checkpointing_policy)
     attention_kernels = attention.choose(training_args.attention, model, layout.platform, layout.name)
     if attention_kernels:
         # the interpreter: tests on CPUs
@@ -100,7 +105,7 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
         logger.info("attention: Pallas kernels (flash, any dropout mask drawn in the kernel; splash for other "
                     "families' attention without dropout)")
     if layer_scan.choose(training_args.scan_layers, model, layout.platform, layout.name):
-        layer_scan.scan_layers(model, checkpointed=training_args.gradient_checkpointing)
+        layer_scan.scan_layers(model, checkpointed=checkpointing(training_args))
         logger.info("layers: the %d layers run under jax.lax.scan, one traced and compiled (--scan_layers)",
                     model.config.num_hidden_layers)
     generator = layout.dropout_generator(training_args.dropout_rng, attention_kernels)
@@ -148,7 +153,7 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     if training_args.do_train:
         p_train_step = layout.compile_train_step(train_step, shapes_of(state),
                                                  train_data.example_batch(plan.batch_size, transform), accumulation,
-                                                 training_args.gradient_checkpointing, settings)
+                                                 checkpointing(training_args), settings)
     p_eval_step = layout.compile_step("eval_step", eval_step)
     eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
     state = finished(state)
@@ -215,13 +220,13 @@ def report_plan(training_args, layout, state, batches=None):
         print(f"{where} {step} needs {readable(needs[name])} of {readable(plan.device_bytes)} per device ({parts}): "
               f"{'fits' if needs[name] <= plan.device_bytes else 'does not fit'}", flush=True)
     device = f"a TPU {plan.name} device"
-    accumulation, checkpointing = training_args.gradient_accumulation_steps, training_args.gradient_checkpointing
+    accumulation, checkpointed = training_args.gradient_accumulation_steps, checkpointing(training_args)
     if layout.train_step_refused:
         raise RunError(f"the train step does not fit {device} (the TPU compiler: {layout.train_step_refused}): "
-                       f"{train_levers(accumulation, layout.name, checkpointing)}")
+                       f"{train_levers(accumulation, layout.name, checkpointed)}")
     if needs["train_step"] > plan.device_bytes:
         raise RunError(does_not_fit(layout.train_step_memory, plan.device_bytes, accumulation, layout.name,
-                                    device=device, checkpointing=checkpointing))
+                                    device=device, checkpointing=checkpointed))
     for name, (memory, refused) in plans.items():
         if refused or needs[name] > plan.device_bytes:
             need = (f"does not fit {device} (the TPU compiler: {refused})" if refused else
