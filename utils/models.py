@@ -604,7 +604,8 @@ def enable_gradient_checkpointing(model, policy="nothing"):
     `policy` (--gradient_checkpointing_policy) says. The families transformers implements it for do it
     their way where a layer keeps nothing; the others (GPT-2, Llama, OPT, BART, ...), and every family
     under another policy, get each layer of their stacks checkpointed by `utils.remat`."""
-    if policy != "nothing" or type(model).enable_gradient_checkpointing is FlaxPreTrainedModel.enable_gradient_checkpointing:
+    transformers_lacks_it = type(model).enable_gradient_checkpointing is FlaxPreTrainedModel.enable_gradient_checkpointing
+    if policy != "nothing" or transformers_lacks_it:
         remat.remat_layers(model, policy)
     else:
         model.enable_gradient_checkpointing()  # a new module: LoRA's adapters are attached to it again
