@@ -21,9 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.run import compile_only_plan  # noqa: E402
+from benchmarks.scan_layers import MODEL as GPT2_SMALL  # noqa: E402
 from benchmarks.tpu import ROWS  # noqa: E402
 
-MODELS = {"gpt2_small": ("gpt2", "vocab_size=50257,n_embd=768,n_layer=12,n_head=12,n_positions=1024", 16),
+MODELS = {"gpt2_small": ("gpt2", GPT2_SMALL, 16),
           "llama_0.6b": ("llama", ROWS["llama_0.6b"][2], 8)}
 POLICIES = (None, "nothing", "kernels")  # None: no gradient checkpointing
 GIB = 2**30

@@ -4,6 +4,7 @@ import importlib
 import inspect
 import logging
 import time
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import (BertConfig, EncoderDecoderConfig, FlaxAutoModelForSeq2SeqLM, GPT2Config,
                           PreTrainedTokenizerFast, T5Config)
 
+from tests.jaxprs import equations
 from utils import compat
 from utils.args import ModelArguments
 from utils.errors import UsageError
@@ -379,23 +381,6 @@ def test_gradient_checkpointing_where_the_family_has_it(tokenizer):
     assert t5.module.gradient_checkpointing
 
 
-def calls(jaxpr, counts=None):
-    """{"products": matrix products, "kernels": Pallas kernel calls} of `jaxpr`, inside its checkpoints and
-    other nested programs too (not inside a kernel)."""
-    counts = {"products": 0, "kernels": 0} if counts is None else counts
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("dot_general", "pallas_call"):
-            counts["products" if eqn.primitive.name == "dot_general" else "kernels"] += 1
-            if eqn.primitive.name == "pallas_call":
-                continue
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    calls(sub, counts)
-    return counts
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
 def test_gradient_checkpointing_recomputes_each_layer_but_what_its_policy_keeps(family):
     """GPT-2 and Llama checkpoint each layer through `utils.remat` (transformers lacks it for them), BERT
@@ -409,6 +394,9 @@ def test_gradient_checkpointing_recomputes_each_layer_but_what_its_policy_keeps(
 
     from utils import attention
     from utils.models import enable_gradient_checkpointing
+
+    def calls(jaxpr):  # of every primitive, inside checkpoints and other nested programs too
+        return Counter(name for _, name in equations(jaxpr.jaxpr))
 
     layers, length = 2, attention.BLOCK  # one kernel tile
     config, model_class = {
@@ -434,7 +422,8 @@ def test_gradient_checkpointing_recomputes_each_layer_but_what_its_policy_keeps(
     plain = model_with(None)
     # Without their own init (op by op, slow): one compiled init gives every model the same weights.
     params = jax.jit(plain.init_weights, static_argnums=1)(jax.random.PRNGKey(0), (1, 8))
-    expected, counted = jax.jit(grad_fn(plain))(params, rng), {None: calls(jax.make_jaxpr(grad_fn(plain))(params, rng).jaxpr)}
+    expected = jax.jit(grad_fn(plain))(params, rng)
+    counted = {None: calls(jax.make_jaxpr(grad_fn(plain))(params, rng))}
     for policy in ("nothing", "kernels"):
         checkpointed = model_with(policy)
         got = jax.jit(grad_fn(checkpointed))(params, rng)
@@ -442,16 +431,17 @@ def test_gradient_checkpointing_recomputes_each_layer_but_what_its_policy_keeps(
             # Recomputing the same float32 ops in the backward pass may reassociate a sum: last-bit differences.
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
         jaxpr = jax.make_jaxpr(grad_fn(checkpointed))(params, rng)
-        counted[policy] = calls(jaxpr.jaxpr)
+        counted[policy] = calls(jaxpr)
         if family != "bert" or policy == "kernels":  # utils.remat: one checkpointed region per layer
             assert str(jaxpr).count("remat") == layers
         if family == "gpt2" and policy == "kernels":  # the flash kernel's: each row's logsumexp as one float
             kept = [tuple(var.aval.shape) for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "remat2"
                     for var in eqn.invars]
             assert (2, config.n_head, length) in kept and (2, config.n_head, length, 128) not in kept
-    assert counted[None]["kernels"] >= 2 * layers  # a forward and a backward kernel per layer at least
-    assert counted["nothing"]["products"] > counted[None]["products"] < counted["kernels"]["products"]
-    assert counted["nothing"]["kernels"] == counted[None]["kernels"] + layers == counted["kernels"]["kernels"] + layers
+    products, kernels = "dot_general", "pallas_call"
+    assert counted[None][kernels] >= 2 * layers  # a forward and a backward kernel per layer at least
+    assert counted["nothing"][products] > counted[None][products] < counted["kernels"][products]
+    assert counted["nothing"][kernels] == counted[None][kernels] + layers == counted["kernels"][kernels] + layers
 
 
 def test_an_encoder_decoder_refusing_to_be_built_without_weights_draws_them_in_one_program():

@@ -17,6 +17,7 @@ from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxGemmaForCausalLM,
                           FlaxLlamaForCausalLM, FlaxMistralForCausalLM, GemmaConfig, GPT2Config, LlamaConfig,
                           MistralConfig)
 
+from tests.jaxprs import equations
 from tests.script_runner import read_metrics, run_script
 from utils import attention, compat, layer_scan, lora, remat
 from utils.args import ModelArguments
@@ -68,29 +69,6 @@ def assert_same(got, want, atol=1e-5):
     assert jax.tree_util.tree_structure(got[1]) == jax.tree_util.tree_structure(want[1])
     for a, b in zip(jax.tree_util.tree_leaves(got[1]), jax.tree_util.tree_leaves(want[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol)
-
-
-def label(eqn):
-    """An equation's primitive, jax.checkpoint's named for what it keeps: all recomputed, or a policy's choice."""
-    if eqn.primitive.name == "remat2":
-        return "checkpoint" if eqn.params["policy"] is None else "checkpoint[policy]"
-    return eqn.primitive.name
-
-
-def equations(jaxpr, where=()):
-    """(the scans and checkpoints it sits in, its label) of every equation of `jaxpr`, inside other equations
-    too (not inside a Pallas kernel: its own loops are not the model's)."""
-    for eqn in jaxpr.eqns:
-        name = label(eqn)
-        yield where, name
-        if name == "pallas_call":
-            continue
-        inner = where + (name,) if name.startswith(("scan", "checkpoint")) else where
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    yield from equations(sub, inner)
 
 
 def nesting(fun, *args):
