@@ -275,6 +275,22 @@ def test_the_checkpointing_policy_figures_are_its_plan_json():
             ) in " ".join(read(os.path.join("docs", "performance.md")).split())
 
 
+def test_the_checkpointing_policy_chip_figures_are_the_levers_json():
+    runs = {row["run"]: row for row in json_file("results_tpu_levers.json")}
+    performance = " ".join(read(os.path.join("docs", "performance.md")).split())
+
+    def pair(row, form):  # `kernels`, then `nothing`
+        return [form(runs[f"{row}:splash_checkpointing{policy}"]) for policy in ("_kernels", "")]
+
+    tokens = lambda run: f"{run['tokens_per_second']:,.0f}"  # noqa: E731
+    mfu = lambda run: f"{run['mfu']:.3f}"  # noqa: E731
+    plan = lambda run: f"{run['planned_device_memory_gib']:.2f}"  # noqa: E731
+    llama, gpt2 = ([*pair(row, tokens), *pair(row, mfu), *pair(row, plan)] for row in ("llama_0.6b", "gpt2_small"))
+    assert (f"the Llama row {llama[0]} tokens/s against {llama[1]} keeping nothing (MFU {llama[2]} against "
+            f"{llama[3]}), its train step planned at {llama[4]} GiB against {llama[5]}; GPT-2 small {gpt2[0]} tokens/s "
+            f"against {gpt2[1]} (MFU {gpt2[2]} against {gpt2[3]}), {gpt2[4]} GiB against {gpt2[5]}") in performance
+
+
 def test_the_scan_layers_figures_are_its_plan_json():
     """The scanned plan (`auto`, which scans when planning for a TPU) against the loop's, in docs/performance.md."""
     plans = {(row["scan_layers"], row["gradient_checkpointing"]): row

@@ -133,10 +133,12 @@ def test_the_backward_pass_runs_products_and_kernels_again_only_when_checkpointe
     assert (forward["pallas_call"], backward["pallas_call"]) == (1, 2 if checkpointed == "nothing" else 1)
 
 
-def test_the_backward_pass_gets_the_flash_kernels_row_statistics_as_one_float_each():
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_backward_pass_gets_the_attention_kernels_row_statistics_as_one_float_each(family):
     """The forward scan hands the backward one each layer's logsumexp per (row, head, position), not the
-    forward kernel's 128 lanes of each: those stacked for every layer were 1.1 GiB of a GPT-2-small step."""
-    model = gpt2(attn_pdrop=0.1)
+    forward kernel's 128 lanes of each: those stacked for every layer were 1.1 GiB of a GPT-2-small step.
+    GPT-2 with attention dropout runs the flash kernel, Llama splash."""
+    model = gpt2(attn_pdrop=0.1) if family == "gpt2" else FAMILIES[family]()
     ids, mask = batch(length=attention.BLOCK)
     attention.use_attention_kernels(model, interpret=True)
     layer_scan.scan_layers(model)
@@ -144,8 +146,9 @@ def test_the_backward_pass_gets_the_flash_kernels_row_statistics_as_one_float_ea
     forward = next(eqn for eqn in jax.make_jaxpr(grad)(model.params).jaxpr.eqns if eqn.primitive.name == "scan")
     handed = [var.aval.shape for var in forward.outvars[1:]]  # after the carried hidden states
     rows, length = ids.shape
-    assert (LAYERS, rows, model.config.n_head, length) in handed
-    assert not [shape for shape in handed if shape[1:4] == (rows, model.config.n_head, length) and len(shape) > 4]
+    heads = model.config.num_attention_heads
+    assert (LAYERS, rows, heads, length) in handed
+    assert (LAYERS, rows, heads, length, 128) not in handed
 
 
 def with_adapters(model, target):

@@ -42,9 +42,11 @@ def _kernel(heads, length, interpret):
                               block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
     mask = masks.MultiHeadMask([masks.CausalMask((length, length))] * heads)
     # The kernel is cached across traces: its block tables must be values, never one trace's tracers
-    # (built inside `nn.checkpoint`, they leaked into the next step's trace).
+    # (built inside `nn.checkpoint`, they leaked into the next step's trace). Its residuals carry the flash
+    # kernel's checkpoint name, so a checkpointed layer keeps each row's logsumexp as one float, not 128 lanes.
     with jax.ensure_compile_time_eval():
-        return splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
+        return splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret,
+                                                    residual_checkpoint_name=dropout_attention.RESIDUALS)
 
 
 def _segments(attention_mask, batch, length):

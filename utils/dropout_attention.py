@@ -40,8 +40,9 @@ LANES = 128  # a vector register's lanes: per-row statistics are kept broadcast 
 SUBLANES = 8
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a score no query sees (finite: no inf - inf)
 # The `checkpoint_name` of what the backward kernel reads from the forward one: its output, and each row's
-# logsumexp as one float rather than the forward kernel's 128 lanes of it. A `jax.checkpoint` policy that keeps
-# these keeps no more of the kernel than that (utils/layer_scan.py).
+# logsumexp as one float rather than the forward kernel's 128 lanes of it (splash's residuals carry it too,
+# utils/attention.py). A `jax.checkpoint` policy that keeps these keeps no more of the kernel than that
+# (utils/remat.py, utils/layer_scan.py).
 RESIDUALS = "flash_attention_residuals"
 
 

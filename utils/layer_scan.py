@@ -57,7 +57,7 @@ def products_and_kernels(primitive, *args, **params):
     into its consumers. The loop leaves what to keep to XLA; a scan keeps every intermediate of every
     layer unless told (GPT-2 small, 16 x 1024 tokens, bf16, planned for a v5e chip: 16.5 GiB of
     temporaries, which the TPU compiler refuses; 10.7 with this policy, the loop's 9.2;
-    benchmarks/scan_layers.py). Of the flash kernel, what its backward kernel reads: each row's logsumexp
+    benchmarks/scan_layers.py). Of the attention kernels, what their backward kernels read: each row's logsumexp
     as one float, not the forward kernel's 128 lanes of it (stacking those took 8.8 ms of a 107 ms GPT-2
     small step on a v5e chip, and 1.1 GiB)."""
     return remat.keep_kernels(primitive, *args, **params) or jax.checkpoint_policies.dots_saveable(

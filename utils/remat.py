@@ -14,10 +14,11 @@ from utils.layers import each_layer, intercept_calls
 def keep_kernels(primitive, *args, **params):
     """`--gradient_checkpointing_policy kernels` (a `jax.checkpoint` policy): a layer keeps the outputs of its
     Pallas kernels (the attention's, the chip's dropout) for the backward pass, which then runs every kernel's
-    forward once, not twice; all else is recomputed. Of the flash kernel, what its backward kernel reads: each
-    row's logsumexp as one float, not the forward kernel's 128 lanes of it (`utils.layer_scan`). On the TPU
-    compiler's plans of the decoder rows, about the memory of keeping nothing; keeping every weight product's
-    output as well planned about what no checkpointing needs, so it is not offered (docs/performance.md)."""
+    forward once, not twice; all else is recomputed. Of the attention kernels (flash and splash), what their
+    backward kernels read, named `dropout_attention.RESIDUALS`: the output and each row's logsumexp as one
+    float, not the forward kernel's 128 lanes of it (`utils.layer_scan`). On one v5e chip a few hundred MiB
+    more than keeping nothing, for faster steps; keeping every weight product's output as well planned about
+    what no checkpointing needs, so it is not offered (docs/performance.md)."""
     if primitive.name == "name":  # jax.ad_checkpoint.checkpoint_name
         return params["name"] == dropout_attention.RESIDUALS
     return primitive.name == "pallas_call"
