@@ -141,6 +141,12 @@ def gib(value, unit):
     return float(value) / (1024 if unit == "MiB" else 1)
 
 
+def planned_gib(log_text):
+    """The train step's planned device memory in GiB from a script's log (its plan line), or None."""
+    planned = PLANNED.search(log_text)
+    return gib(*planned.groups()) if planned else None
+
+
 def measure_row(name, work, data, steps, logs, classic, save):
     """The row's figures, `save`d as soon as ours are in (the classic's take minutes more)."""
     task, model_type, overrides, flags = ROWS[name]
@@ -171,8 +177,7 @@ def measure_row(name, work, data, steps, logs, classic, save):
                   peak_device_memory_gib=(measured["peak_device_memory"] or 0) / 2**30)
     held = HELD_FROM_START.search(text)
     record["host_memory_held_from_start_gib"] = float(held.group(1)) if held else None
-    planned = PLANNED.search(text)
-    record["planned_device_memory_gib"] = gib(*planned.groups()) if planned else None
+    record["planned_device_memory_gib"] = planned_gib(text)
     parameters = PARAMETERS.search(text)
     record["parameters"] = int(parameters.group(1).replace(",", "")) if parameters else None
 

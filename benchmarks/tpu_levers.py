@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.run import (FIRST_STEP, environment, format_table, save_records,  # noqa: E402
                             script_tokens_per_second)
-from benchmarks.tpu import PLANNED, ROWS, SCRIPTS, config_dir, gib, make_data, on_tpu, run  # noqa: E402
+from benchmarks.tpu import ROWS, SCRIPTS, config_dir, make_data, on_tpu, planned_gib, run  # noqa: E402
 
 NO_DROPOUT = {"gpt2": ",resid_pdrop=0,embd_pdrop=0,attn_pdrop=0", "llama": ""}  # Llama's config has none
 SETTINGS = {"threefry": (False, ["--dropout_rng", "threefry", "--attention", "xla"]),
@@ -64,10 +64,9 @@ def measure(run_name, work, data, steps, logs):
                 "--max_steps", str(steps), "--logging_steps", str(max(steps // 5, 1)), "--compilation_cache_dir",
                 "none"], environment(os.path.join(work, "datasets")), os.path.join(logs, f"{row}-{setting}.log"))
     rate, mfu, timed = script_tokens_per_second(os.path.join(out, "metrics.jsonl"))
-    planned = PLANNED.search(text)
     return {"run": run_name, "overrides": overrides, "flags": flags + setting_flags, "tokens_per_second": rate,
             "mfu": mfu, "timed_steps": timed, "first_step_cold_seconds": float(FIRST_STEP.search(text).group(1)),
-            "planned_device_memory_gib": gib(*planned.groups()) if planned else None,
+            "planned_device_memory_gib": planned_gib(text),
             "date": time.strftime("%Y-%m-%d")}
 
 

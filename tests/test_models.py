@@ -381,6 +381,14 @@ def test_gradient_checkpointing_where_the_family_has_it(tokenizer):
     assert t5.module.gradient_checkpointing
 
 
+def test_every_policy_the_flag_accepts_is_one_utils_remat_knows():
+    """utils.args checks --gradient_checkpointing_policy's names (it may not import utils.remat, above it)."""
+    from utils import remat
+    from utils.args import CHECKPOINTING_POLICIES
+
+    assert set(CHECKPOINTING_POLICIES) == set(remat.POLICIES)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
 def test_gradient_checkpointing_recomputes_each_layer_but_what_its_policy_keeps(family):
     """GPT-2 and Llama checkpoint each layer through `utils.remat` (transformers lacks it for them), BERT

@@ -60,7 +60,7 @@ def does_not_fit(stats, limit, gradient_accumulation_steps, layout_name, device=
 
 def train_levers(gradient_accumulation_steps, layout_name, checkpointing):
     """"use ...": what lowers a train step's memory, of the levers not pulled yet. `checkpointing`: False,
-    or --gradient_checkpointing's policy (True: it is on)."""
+    or --gradient_checkpointing's policy (`utils.training.checkpointing`)."""
     split = "--sharding fsdp, " if layout_name == "dp" else ""
     if not checkpointing:
         last = ", or --gradient_checkpointing"

@@ -96,8 +96,9 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     step return its per-row outputs beside the sums, in the same compiled step. With
     `--compile_only` the steps are planned, never run: `Steps.report_plan`.
     """
-    if training_args.gradient_checkpointing:
-        enable_gradient_checkpointing(model, training_args.gradient_checkpointing_policy)
+    checkpointed = checkpointing(training_args)
+    if checkpointed:
+        enable_gradient_checkpointing(model, checkpointed)
     attention_kernels = attention.choose(training_args.attention, model, layout.platform, layout.name)
     if attention_kernels:
         # the interpreter: tests on CPUs
@@ -105,7 +106,7 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
         logger.info("attention: Pallas kernels (flash, any dropout mask drawn in the kernel; splash for other "
                     "families' attention without dropout)")
     if layer_scan.choose(training_args.scan_layers, model, layout.platform, layout.name):
-        layer_scan.scan_layers(model, checkpointed=checkpointing(training_args))
+        layer_scan.scan_layers(model, checkpointed=checkpointed)
         logger.info("layers: the %d layers run under jax.lax.scan, one traced and compiled (--scan_layers)",
                     model.config.num_hidden_layers)
     generator = layout.dropout_generator(training_args.dropout_rng, attention_kernels)
@@ -153,7 +154,7 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     if training_args.do_train:
         p_train_step = layout.compile_train_step(train_step, shapes_of(state),
                                                  train_data.example_batch(plan.batch_size, transform), accumulation,
-                                                 checkpointing(training_args), settings)
+                                                 checkpointed, settings)
     p_eval_step = layout.compile_step("eval_step", eval_step)
     eval_batch_size = devices.global_batch_size(training_args.per_device_eval_batch_size)
     state = finished(state)
