@@ -26,7 +26,7 @@ from transformers import FlaxAutoModelForCausalLM
 from tasks import causal_lm, chat, lm
 from tasks.causal_lm import PREDICTIONS_FILE, TASK
 from utils import lm_head
-from utils.args import ModelArguments, TrainingArguments, parse_args
+from utils.args import READS, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.loop import InMemoryData
@@ -48,7 +48,8 @@ class DataTrainingArguments(lm.LMDataArguments):
     max_predict_samples: Optional[int] = field(default=None, metadata={"help": "Truncate the test set."})
     chat_template: Optional[str] = field(
         default=None, metadata={"help": "A Jinja chat template file to render `messages` rows with (default: the "
-                                        "tokenizer's own); saved with the tokenizer."})
+                                        "tokenizer's own); saved with the tokenizer.",
+                                READS: "its chat template"})
     predict_with_generate: bool = field(
         default=False, metadata={"help": "Chat and instruction rows: answer each evaluated prompt greedily, write "
                                          f"{PREDICTIONS_FILE} and the exact match (whitespace normalised)."})

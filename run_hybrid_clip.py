@@ -34,7 +34,7 @@ import numpy as np
 from tasks import image_classification as images
 from tasks import image_text
 from tasks.image_text import TASK
-from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
+from utils.args import READS, BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.models import fit_config_to_tokenizer, fit_length, load_config, load_tokenizer, max_positions
@@ -46,10 +46,12 @@ from utils.training import TrainingRun, make_steps
 class DualEncoderModelArguments(ModelArguments):
     text_model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "The pretrained text encoder (BERT, RoBERTa, ... or a CLIP model's text "
-                                        "tower), any checkpoint format; its tokenizer is the run's."})
+                                        "tower), any checkpoint format; its tokenizer is the run's.",
+                                READS: "its text encoder"})
     vision_model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "The pretrained vision encoder (ViT, BEiT, ... or a CLIP model's vision "
-                                        "tower), any checkpoint format; its image processor is the run's."})
+                                        "tower), any checkpoint format; its image processor is the run's.",
+                                READS: "its vision encoder"})
     text_model_type: Optional[str] = field(
         default=None, metadata={"help": "A new text encoder of this type (e.g. bert) instead of a pretrained one."})
     vision_model_type: Optional[str] = field(
@@ -64,7 +66,8 @@ class DualEncoderModelArguments(ModelArguments):
         default=2.6592, metadata={"help": "Initial log of the similarity scale (CLIP's: log(1 / 0.07))."})
     image_processor_name: Optional[str] = field(
         default=None, metadata={"help": "Image processor (name or path) whose normalisation the images get "
-                                        "(default: the vision model's; a new one: mean 0.5, std 0.5)."})
+                                        "(default: the vision model's; a new one: mean 0.5, std 0.5).",
+                                READS: "its image processor"})
 
     def __post_init__(self):
         super().__post_init__()

@@ -32,7 +32,7 @@ from tasks import image_captioning as captioning
 from tasks import image_classification as images
 from tasks.image_captioning import TASK
 from tasks.summarization import set_generation
-from utils.args import BaseDataArguments, EncoderDecoderModelArguments, TrainingArguments, parse_args
+from utils.args import READS, BaseDataArguments, EncoderDecoderModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.models import load_composed_model, load_tokenizer
@@ -44,7 +44,8 @@ from utils.training import TrainingRun, make_steps
 class CaptioningModelArguments(EncoderDecoderModelArguments):
     image_processor_name: Optional[str] = field(
         default=None, metadata={"help": "Image processor (name or path) whose normalisation the images get "
-                                        "(default: the model's or the encoder's; from scratch: mean 0.5, std 0.5)."})
+                                        "(default: the model's or the encoder's; from scratch: mean 0.5, std 0.5).",
+                                READS: "its image processor"})
 
 
 @dataclass

@@ -29,7 +29,7 @@ from transformers import FlaxAutoModelForImageClassification
 
 from tasks import image_classification as images
 from tasks.image_classification import TASK
-from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
+from utils.args import READS, BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.models import load_config, load_model
@@ -41,7 +41,8 @@ from utils.training import TrainingRun, make_steps
 class ImageModelArguments(ModelArguments):
     image_processor_name: Optional[str] = field(
         default=None, metadata={"help": "Image processor (name or path) whose normalisation the images get "
-                                        "(default: the model's; from scratch: mean 0.5, std 0.5)."})
+                                        "(default: the model's; from scratch: mean 0.5, std 0.5).",
+                                READS: "its image processor"})
 
 
 @dataclass

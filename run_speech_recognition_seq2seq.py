@@ -39,7 +39,7 @@ from transformers import FlaxAutoModel, FlaxAutoModelForCausalLM, FlaxAutoModelF
 
 from tasks import speech_recognition as speech
 from tasks.speech_recognition import TASK
-from utils.args import BaseDataArguments, EncoderDecoderModelArguments, TrainingArguments, parse_args
+from utils.args import READS, BaseDataArguments, EncoderDecoderModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.loop import host_means
@@ -53,7 +53,8 @@ class SpeechModelArguments(EncoderDecoderModelArguments):
     feature_extractor_name: Optional[str] = field(
         default=None, metadata={"help": "Feature extractor (name or path) if not the model's; a model trained from "
                                         "scratch needs one (its preprocessor_config.json sizes the encoder); a "
-                                        "speech encoder-decoder's defaults to its encoder's."})
+                                        "speech encoder-decoder's defaults to its encoder's.",
+                                READS: "its feature extractor"})
 
 
 @dataclass

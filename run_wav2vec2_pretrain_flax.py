@@ -27,7 +27,7 @@ from typing import Optional
 from tasks import speech_recognition as speech
 from tasks import wav2vec2_pretraining as w2v
 from tasks.wav2vec2_pretraining import TASK
-from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
+from utils.args import READS, BaseDataArguments, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
 from utils.layout import make_layout
 from utils.loop import host_means
@@ -40,7 +40,8 @@ from utils.training import TrainingRun, make_steps
 class Wav2Vec2ModelArguments(ModelArguments):
     feature_extractor_name: Optional[str] = field(
         default=None, metadata={"help": "Feature extractor (name or path) if not the model's; a model trained from "
-                                        "scratch needs one (a Wav2Vec2FeatureExtractor's preprocessor_config.json)."})
+                                        "scratch needs one (a Wav2Vec2FeatureExtractor's preprocessor_config.json).",
+                                READS: "its feature extractor"})
     mask_time_prob: Optional[float] = field(
         default=None, metadata={"help": "About this share of each clip's frames is masked (default: the config's)."})
     mask_time_length: Optional[int] = field(

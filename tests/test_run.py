@@ -31,6 +31,9 @@ def test_the_checkpoint_to_resume(tmp_path):
     assert preflight(out, do_train=True, resume_from_checkpoint="latest").resume == ResumePoint(here, 8)
     assert preflight(out, do_train=True, resume_from_checkpoint="4").resume == ResumePoint(here, 4)
     assert preflight(tmp_path / "new", do_train=True, resume_from_checkpoint=str(out)).resume == ResumePoint(here, 8)
+    # The run's own checkpoints, named as paths: resuming there is no writing over what it reads.
+    assert preflight(out, do_train=True, resume_from_checkpoint=str(out)).resume == ResumePoint(here, 8)
+    assert preflight(out, do_train=True, resume_from_checkpoint=here + "/4").resume == ResumePoint(here, 4)
     assert preflight(tmp_path / "fresh", do_train=True, resume_from_checkpoint="latest").resume is None
     assert preflight(tmp_path / "fresh", do_train=True).resume is None
     with pytest.raises(UsageError, match=r"no checkpoint of step 6 in .*checkpoints \(its steps: 4, 8\)"):

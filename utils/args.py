@@ -4,13 +4,15 @@ Names and defaults follow the classic Hugging Face Flax example scripts so their
 configs keep working. Each script adds its own data dataclass (subclassing `BaseDataArguments`).
 """
 
+import copy
 import dataclasses
 import difflib
 import json
 import os
+import types
 import typing
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from transformers import HfArgumentParser
 
@@ -34,19 +36,28 @@ TPU_SLICES = {"v2-8": "v2:2x2", "v3-8": "v3:2x2", "v4-8": "v4:2x2x1", "v5p-8": "
               "v5e-8": "v5e:2x4", "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4"}
 
 
-def _help(text, **kwargs):
-    return field(metadata={"help": text}, **kwargs)
+# Field metadata: what a run reads from the local path its flag names (a model, a tokenizer, ...):
+# `input_paths` finds every such flag by it, and the run refuses to write where it reads
+# (`utils.run.check_output_apart`).
+READS = "reads"
+
+
+def _help(text, reads=None, **kwargs):
+    return field(metadata={"help": text, **({READS: reads} if reads else {})}, **kwargs)
 
 
 @dataclass
 class ModelArguments:
-    model_name_or_path: Optional[str] = _help("Pretrained model name or path; omit to train from scratch.", default=None)
+    model_name_or_path: Optional[str] = _help("Pretrained model name or path; omit to train from scratch.",
+                                              reads="its model", default=None)
     model_type: Optional[str] = _help("Model type when training from scratch (e.g. t5, bart, gpt2).", default=None)
-    config_name: Optional[str] = _help("Config name or path if not the same as model_name_or_path.", default=None)
+    config_name: Optional[str] = _help("Config name or path if not the same as model_name_or_path.",
+                                       reads="its config", default=None)
     config_overrides: Optional[str] = _help(
         "Override config values when training from scratch, e.g. 'n_embd=64,n_layer=2'.", default=None
     )
-    tokenizer_name: Optional[str] = _help("Tokenizer name or path if not the same as the model.", default=None)
+    tokenizer_name: Optional[str] = _help("Tokenizer name or path if not the same as the model.",
+                                          reads="its tokenizer", default=None)
     cache_dir: Optional[str] = _help("Where to store downloaded models and datasets.", default=None)
     use_fast_tokenizer: bool = _help("Use a fast (Rust) tokenizer.", default=True)
     dtype: str = _help(
@@ -155,17 +166,17 @@ class EncoderDecoderModelArguments(ModelArguments):
     recognition): each part pretrained or from its config (`utils.models.join_configs`)."""
     encoder_model_name_or_path: Optional[str] = _help(
         "Pretrained encoder (name or path, any checkpoint format), e.g. google/vit-base-patch16-224-in21k or "
-        "facebook/wav2vec2-base.", default=None)
+        "facebook/wav2vec2-base.", reads="its encoder", default=None)
     encoder_config_name: Optional[str] = _help("Config (name or path) of a new encoder, trained from scratch.",
-                                               default=None)
+                                               reads="its encoder's config", default=None)
     encoder_model_type: Optional[str] = _help("Model type of a new encoder, from its family's default config.",
                                               default=None)
     encoder_config_overrides: Optional[str] = _help(
         "Override config values of a new encoder, e.g. 'hidden_size=64,num_hidden_layers=2'.", default=None)
     decoder_model_name_or_path: Optional[str] = _help(
-        "Pretrained decoder (name or path, any checkpoint format), e.g. gpt2.", default=None)
+        "Pretrained decoder (name or path, any checkpoint format), e.g. gpt2.", reads="its decoder", default=None)
     decoder_config_name: Optional[str] = _help("Config (name or path) of a new decoder, trained from scratch.",
-                                               default=None)
+                                               reads="its decoder's config", default=None)
     decoder_model_type: Optional[str] = _help("Model type of a new decoder, from its family's default config.",
                                               default=None)
     decoder_config_overrides: Optional[str] = _help(
@@ -211,7 +222,7 @@ class TrainingArguments:
     resume_from_checkpoint: Optional[str] = _help(
         "Resume training exactly: 'latest' (the newest checkpoint in output_dir; a fresh start if there is none), "
         "a step number, a step directory (OUTPUT_DIR/checkpoints/120), a checkpoints directory or an output "
-        "directory.", default=None
+        "directory.", reads="its checkpoint", default=None
     )
     seed: int = _help("Random seed for initialization, shuffling and dropout.", default=42)
     dropout_rng: str = _help(
@@ -324,6 +335,14 @@ class ArgumentParser(HfArgumentParser):
     def __init__(self, dataclass_types):
         super().__init__(dataclass_types, allow_abbrev=False)
 
+    @staticmethod
+    def _parse_dataclass_field(parser, field):
+        """transformers hands a field's metadata to argparse as keywords: ours (`READS`) is none of them."""
+        if READS in field.metadata:
+            field = copy.copy(field)
+            field.metadata = types.MappingProxyType({k: v for k, v in field.metadata.items() if k != READS})
+        HfArgumentParser._parse_dataclass_field(parser, field)
+
     def error(self, message):
         raise UsageError(f"{message} (see --help)")
 
@@ -375,6 +394,36 @@ def _check_config_values(config, dataclass_types, path):
         if not _accepts(fields[key], value):
             expected = getattr(fields[key], "__name__", str(fields[key]).replace("typing.", ""))
             raise UsageError(f"{key!r} in config file {path} must be {expected}, got {json.dumps(value)}")
+
+
+class InputPath(NamedTuple):
+    flag: str  # the argument that names it, e.g. "model_name_or_path"
+    path: str  # as given
+    reader: str  # what reads it, for an error: "--model_name_or_path outputs/x reads its model from"
+
+
+def input_paths(*instances):
+    """An `InputPath` for every argument of `instances` (argument dataclasses; anything else is passed over)
+    that names what the run reads a model, config, tokenizer, checkpoint, ... from (its field's `READS`),
+    where given; a hub id among them is for the caller to tell from a local path. A PEFT adapter that
+    --model_name_or_path names (`ModelArguments._continue_peft_adapter`) gives the adapter's directory and
+    the base model it names."""
+    found = []
+    for instance in instances:
+        if not dataclasses.is_dataclass(instance):
+            continue
+        for f in dataclasses.fields(instance):
+            value = getattr(instance, f.name)
+            if READS not in f.metadata or not value:
+                continue
+            adapter = getattr(instance, "lora_adapter_dir", None) if f.name == "model_name_or_path" else None
+            if adapter:
+                found.append(InputPath(f.name, adapter, f"--{f.name} {adapter} reads its LoRA adapter from"))
+                found.append(InputPath(f.name, value, f"{value} that the LoRA adapter --{f.name} {adapter} names as "
+                                                      "its base model"))
+            else:
+                found.append(InputPath(f.name, value, f"--{f.name} {value} reads {f.metadata[READS]} from"))
+    return found
 
 
 def parse_args(dataclass_types, argv):

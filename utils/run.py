@@ -12,8 +12,8 @@ import numpy as np
 from huggingface_hub import get_token
 
 from utils import batch_order, compat, dataset_loading, devices, file_formats, hub, hub_access, perf, tpu_plan
-from utils.args import check_output_dir, check_phases
-from utils.checkpoint import checkpoint_steps, find_checkpoint_dir
+from utils.args import check_output_dir, check_phases, input_paths
+from utils.checkpoint import checkpoint_steps, find_checkpoint_dir, locate_checkpoint
 from utils.errors import UsageError, name_data_files
 from utils.logging import setup_logging
 from utils.optim import learning_rate_schedule
@@ -39,6 +39,7 @@ def check_before_work(training_args, data_args, task, files, allowed, model_args
     """
     check_phases(training_args)
     name_data_files(files)  # an error about "the train data" names its file
+    check_output_apart(training_args, model_args, data_args)
     out = training_args.output_dir
     check_output_dir(training_args, has_checkpoint=bool(checkpoint_steps(find_checkpoint_dir(out))))
     resume = find_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
@@ -73,6 +74,48 @@ def check_before_work(training_args, data_args, task, files, allowed, model_args
                              "--push_to_hub")
         hub.check_token(training_args.hub_token)
     return Preflight(columns, resume)
+
+
+def check_output_apart(training_args, *arg_sets):
+    """A run never writes where it reads: --output_dir neither is, nor holds, nor lies inside a local path the
+    run reads a model, config, tokenizer, checkpoint, ... from (`utils.args.input_paths` of `training_args` and
+    `arg_sets`), whatever --overwrite_output_dir says: a run there would replace the model it loads (a LoRA
+    run's merged export over its base) or remove it with an earlier run's files. Paths are compared resolved
+    (relative, `..`, symlinks, `~`); a name that is no local path is a hub id. --resume_from_checkpoint naming
+    this run's own checkpoints is what resuming is."""
+    out = training_args.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        return  # a file: `check_output_dir` says so
+    real_out = os.path.realpath(out)
+    for source in input_paths(training_args, *arg_sets):
+        if source.flag == "resume_from_checkpoint" and _is_own_checkpoint(source.path, out):
+            continue
+        path = os.path.expanduser(source.path)
+        if not os.path.exists(path):
+            continue
+        real = os.path.realpath(path)
+        if real == real_out:
+            problem, harm = f"is the directory {source.reader}", "writing there would replace it"
+        elif _lies_inside(real, real_out):
+            kind = "directory" if os.path.isdir(real) else "file"
+            problem, harm = f"holds the {kind} {source.reader}", "writing there could replace or remove it"
+        elif os.path.isdir(real) and _lies_inside(real_out, real):
+            problem, harm = f"lies inside the directory {source.reader}", "writing there would change it"
+        else:
+            continue
+        raise UsageError(f"--output_dir {out} {problem}: {harm}; pass another --output_dir")
+
+
+def _lies_inside(path, directory):
+    """Whether resolved `path` lies somewhere below resolved `directory`."""
+    return path != directory and os.path.commonpath([path, directory]) == directory
+
+
+def _is_own_checkpoint(resume, output_dir):
+    """Whether --resume_from_checkpoint `resume` reads `output_dir`'s own checkpoints ('latest', a step, the
+    output dir, its checkpoints directory or one of its steps)."""
+    directory, _ = locate_checkpoint(resume, output_dir)
+    return os.path.realpath(directory) == os.path.realpath(find_checkpoint_dir(output_dir))
 
 
 PLAN_FILES = ("all_results.json", "metrics.jsonl")  # all that --compile_only writes
