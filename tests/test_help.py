@@ -131,6 +131,8 @@ def test_each_default_is_said_once_and_is_the_code_s(script):
         value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if not own and value not in (None, dataclasses.MISSING):
             assert help_text.endswith(f"(default: {typed_default(value)})"), f.name
+        elif not own:  # None: the option is unset unless given
+            assert "(default:" not in help_text, f.name
 
 
 def test_a_help_text_says_its_own_default_only_where_the_value_does_not(script):
