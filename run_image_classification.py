@@ -68,7 +68,8 @@ class ImageDataArguments(BaseDataArguments):
     min_crop_scale: float = field(
         default=0.08, metadata={"help": "Smallest share of an image's area the random training crop covers."})
     random_flip: bool = field(
-        default=True, metadata={"help": "Flip training images horizontally half of the time (never at eval)."})
+        default=True, metadata={"help": "Flip training images horizontally half of the time (never at eval).",
+                                "negated_help": "Never flip the training images."})
     max_predict_samples: Optional[int] = field(
         default=None, metadata={"help": "Predict this many test images, drawn at random (seeded by --seed)."})
 

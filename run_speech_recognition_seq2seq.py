@@ -74,7 +74,8 @@ class SpeechDataArguments(BaseDataArguments):
         default=128, metadata={"help": "Transcript tokens (prefix included) trained on and generated at most; "
                                        "longer transcripts are cut (counted in the log)."})
     max_predict_samples: Optional[int] = field(default=None, metadata={"help": "Truncate the test set."})
-    do_lower_case: bool = field(default=True, metadata={"help": "Lower-case the transcripts."})
+    do_lower_case: bool = field(default=True, metadata={"help": "Lower-case the transcripts.",
+                                                        "negated_help": "Keep the transcripts' case."})
     language: Optional[str] = field(
         default=None, metadata={"help": "Language token of a multilingual Whisper tokenizer (e.g. 'english'); None "
                                         "for English-only models."})

@@ -43,13 +43,15 @@ class LMDataArguments(BaseDataArguments):
         default=5, metadata={"help": "Percent of the training data held out for validation when there is no "
                                      "validation split (the first rows, so every run holds out the same ones)."}
     )
-    keep_linebreaks: bool = field(default=True, metadata={"help": "Keep line breaks when reading txt files."})
+    keep_linebreaks: bool = field(default=True, metadata={
+        "help": "Keep line breaks when reading txt files.",
+        "negated_help": "Strip each line's line break when reading txt files."})
     streaming: bool = field(
         default=False, metadata={"help": "Read, tokenize and shuffle the data on the fly instead of into memory "
                                          "(for corpora larger than memory, or hub datasets not to download); needs "
                                          "--max_steps: each time the stream ends it starts again, reshuffled, "
                                          "until then. Evaluation: the validation data, else the first "
-                                         "--max_eval_samples (default 10000) examples of the stream, held out on "
+                                         "--max_eval_samples (10000 if unset) examples of the stream, held out on "
                                          "every pass."}
     )
     shuffle_buffer_size: int = field(

@@ -91,9 +91,12 @@ def test_no_abbreviation_matching():
         parse(["--output_dir", "a", "--learning", "1e-3"])
 
 
-def test_missing_required_output_dir():
-    with pytest.raises(UsageError, match=r"required.*--output_dir"):
-        parse(["--do_train"])
+def test_missing_required_output_dir(tmp_path):
+    """Neither the flags nor the config file give --output_dir: one line saying both ways to give it."""
+    for argv in (["--do_train"], [write_config(tmp_path, {"do_train": True})]):
+        with pytest.raises(UsageError, match=r"^--output_dir is required: pass --output_dir DIR, or give "
+                                             r"\"output_dir\" in the JSON config file$"):
+            parse(argv)
 
 
 @pytest.mark.parametrize("argv, do_train, fast", [
