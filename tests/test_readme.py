@@ -1,11 +1,13 @@
 """The README and its pages in docs/ tell the truth: every argument of every script with the default the code
-has, no unfilled placeholder, every figure of a results table the value of the JSON file it comes from, and
-every page reachable from the README by links that lead somewhere."""
+has, no unfilled placeholder, every figure of a results table the value of the JSON file it comes from, every
+command of the README runnable as printed, and every page reachable from the README by links that lead
+somewhere."""
 
 import dataclasses
 import json
 import os
 import re
+import shlex
 
 import pytest
 
@@ -22,8 +24,9 @@ import run_mlm_flax
 import run_summarization_flax
 import run_t5_mlm_flax
 import run_bart_dlm_flax
+import demo
 import train_tokenizer
-from utils.args import BaseDataArguments, ModelArguments, TrainingArguments
+from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, input_paths, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGUMENTS = os.path.join("docs", "arguments.md")
@@ -248,8 +251,9 @@ def test_the_readme_tpu_sentence_is_the_tpu_results():
     assert "RESOURCE_EXHAUSTED" in llama["classic_failed"]
     assert "the classic script runs out of the chip's memory" in readme
     t5, roberta = rows["t5_small"], rows["bert_base"]
-    assert (f"t5-small summarization reaches MFU {t5['script_mfu']:.3f} and RoBERTa-base MLM {roberta['script_mfu']:.3f}: "
-            f"{t5['vs_classic']:.2f}x and {roberta['vs_classic']:.2f}x their classic scripts") in readme
+    assert (f"t5-small summarization reaches MFU {t5['script_mfu']:.3f} and RoBERTa-base MLM "
+            f"{roberta['script_mfu']:.3f}: {t5['vs_classic']:.2f}x and {roberta['vs_classic']:.2f}x their classic "
+            "scripts") in readme
 
 
 def test_the_chunked_loss_figures_are_its_plan_json():
@@ -659,3 +663,68 @@ def test_the_lora_table_is_results_configs_cpu_json():
     share = runs["glue LoRA"]["trainable_parameters"] / runs["glue LoRA"]["total_parameters"]
     assert f"LoRA trains {share:.0%} of the parameters and comes close to full" in " ".join(read("README.md").split())
     assert f"With {share:.0%} of the parameters it comes close to full" in " ".join(read(LORA).split())
+
+
+# ----------------------------------------------------------------------------------------------
+# Every command of the README runs as printed, and no run writes where another reads
+# ----------------------------------------------------------------------------------------------
+
+def readme_commands():
+    """Every `python <file>.py ...` command of the README, as its words after `python`: the lines of its bash
+    blocks (continuations joined, comments dropped, what follows a `&&`) and the commands of its tables."""
+    text = read("README.md")
+    lines = [line for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+             for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
+    lines += re.findall(r"^\|[^|]*\| `(python [^`]+)` \|", text, re.M)
+    commands = []
+    for line in lines:
+        words = shlex.split(line, comments=True)
+        while "&&" in words:
+            words = words[words.index("&&") + 1:]
+        if words[:1] == ["python"] and words[1].endswith(".py"):
+            commands.append(words[1:])
+    return commands
+
+
+def writes_and_reads(words):
+    """The directory a README command writes (None: it writes nothing) and the paths it reads a model,
+    tokenizer, config, ... from, as its script's own parser reads its arguments."""
+    script, argv = words[0], words[1:]
+    if script == "demo.py":
+        return None, [demo.parse_args(argv).output_dir]
+    if script == "train_tokenizer.py":
+        return train_tokenizer.parse_args(argv).output_dir, []
+    module = {f"{m.__name__}.py": m for m, _ in SCRIPTS.values()}[script]
+    parsed = parse_args((arguments_of(module, ModelArguments), arguments_of(module, BaseDataArguments),
+                         TrainingArguments), argv)
+    return parsed[2].output_dir, [source.path for source in input_paths(*parsed)]
+
+
+def apart(out, path):
+    """Whether an --output_dir `out` neither is, holds nor lies inside `path` (utils.run.check_output_apart's
+    rule, on the paths as written)."""
+    out, path = os.path.normpath(out), os.path.normpath(path)
+    return not (out == path or path.startswith(out + os.sep) or out.startswith(path + os.sep))
+
+
+def test_every_readme_command_parses_and_writes_apart_from_what_any_reads(monkeypatch):
+    """Each README command parses with its script's own parser (an unknown flag, a missing config fails) and
+    has an --output_dir no other command writes; none writes where it reads, nor where it would hold or lie
+    inside what another reads. One command reading another's output dir is how they chain."""
+    monkeypatch.chdir(ROOT)  # the configs' paths are the checkout's
+    commands = {" ".join(words): words for words in readme_commands()}  # a command the README repeats runs once
+    assert len(commands) > 40 and "run_clm_flax.py configs/chat_tiny.json" in commands
+    runs = {command: writes_and_reads(words) for command, words in commands.items()}
+    writers = {}
+    for command, (output_dir, inputs) in runs.items():
+        if output_dir:
+            writers.setdefault(os.path.normpath(output_dir), []).append(command)
+            for path in inputs:
+                assert apart(output_dir, path), f"{command}: writes where it reads {path}"
+    shared = {out: commands for out, commands in writers.items() if len(commands) > 1}
+    assert not shared, f"README commands that write the same --output_dir: {shared}"
+    for out, (writer,) in writers.items():
+        for command, (_, inputs) in runs.items():
+            for path in inputs:
+                assert out == os.path.normpath(path) or apart(out, path), \
+                    f"{writer}: its --output_dir {out} holds or lies inside {path}, which {command} reads"
