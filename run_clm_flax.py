@@ -155,7 +155,7 @@ def main(argv=None):
 
     # Answers stop at every end id; the export records them (and the sampling settings) in generation_config.json,
     # where the demo, transformers and serving engines find them.
-    decoding = causal_lm.decoding(data_args, chat.end_ids(tokenizer, config, model.generation_config))
+    decoding = causal_lm.decoding_of(data_args, chat.end_ids(tokenizer, config, model.generation_config))
     set_generation(model, **causal_lm.exported_generation(decoding))
 
     def generate_step(params, batch):

@@ -1,6 +1,6 @@
 """Causal language modelling (`run_clm_flax.py`): the text in blocks, or chat and instruction rows
 one per example (`tasks.chat`), the next-token loss (on the answers only for rows) and perplexity,
-greedy answers and their exact match, and the text-generation demo."""
+answers generated greedily or sampled, up to their first end id, and the text-generation demo."""
 
 import copy
 from typing import NamedTuple
@@ -131,7 +131,7 @@ class Decoding(NamedTuple):
     top_p: float = 1.0
 
 
-def decoding(data_args, end_ids):
+def decoding_of(data_args, end_ids):
     """The `Decoding` of run_clm_flax.py's arguments (--do_sample, --temperature, --top_k, --top_p)."""
     if not data_args.do_sample:
         return Decoding(tuple(end_ids))

@@ -1,5 +1,6 @@
 """Chat and instruction rows for causal-LM fine-tuning (`run_clm_flax.py`): found from the data's
-columns, one example per row, the loss on the answers only, greedy answers and their exact match.
+columns, one example per row, the loss on the answers only, the ids an answer ends at, generated
+answers cut there and their exact match.
 
 - `messages` rows (a list of {"role", "content"}) are rendered with the tokenizer's chat template
   (`--chat_template FILE` gives or overrides it); every assistant turn is an answer. Which tokens
@@ -12,6 +13,10 @@ A row longer than `--block_size` loses tokens from its start (the prompt's), and
 rows did; the generation prompt (the conversation up to its last assistant turn, ending in the
 template's generation prompt) likewise. Rows are padded to one width, the smallest length bucket
 (powers of two from 16, and --block_size) that holds the longest, so every batch has one shape.
+
+An answer ends at any of `end_ids`: the template's end-of-turn token (often not the tokenizer's eos:
+Llama 3's <|eot_id|>, Gemma's <end_of_turn>, ChatML's <|im_end|>), the generation config's ids, the model
+config's and the tokenizer's eos.
 """
 
 import logging
