@@ -9,7 +9,8 @@ or on chat and instruction data.
 Text is tokenized, concatenated and cut into `block_size` blocks; the model learns to predict each
 next token. Rows with `messages` (rendered with the tokenizer's chat template) or with `prompt` and
 `completion` are one example each, the loss on the answers only; `--predict_with_generate` answers
-the held-out prompts greedily and scores their exact match (`tasks/chat.py`). One train / eval loop,
+the held-out prompts (greedily, or sampled with --do_sample), each up to its first end id, and scores
+their exact match (`tasks/chat.py`). One train / eval loop,
 each step defined once for both layouts (`--sharding dp`, jax.pmap over the local devices, the
 default; `--sharding fsdp`, the model split over all devices);
 everything mechanical (layouts, schedules, checkpoints, metrics, logging) lives in `utils/`.
@@ -25,6 +26,7 @@ from transformers import FlaxAutoModelForCausalLM
 
 from tasks import causal_lm, chat, lm
 from tasks.causal_lm import PREDICTIONS_FILE, TASK
+from tasks.summarization import set_generation
 from utils import lm_head
 from utils.args import READS, ModelArguments, TrainingArguments, parse_args
 from utils.errors import UsageError, run_main
@@ -51,9 +53,22 @@ class DataTrainingArguments(lm.LMDataArguments):
                                         "tokenizer's own); saved with the tokenizer.",
                                 READS: "its chat template"})
     predict_with_generate: bool = field(
-        default=False, metadata={"help": "Chat and instruction rows: answer each evaluated prompt greedily, write "
-                                         f"{PREDICTIONS_FILE} and the exact match (whitespace normalised)."})
+        default=False, metadata={"help": "Chat and instruction rows: answer each evaluated prompt (greedily unless "
+                                         f"--do_sample), write {PREDICTIONS_FILE} and the exact match (whitespace "
+                                         "normalised). Answers stop at every end id (chat.end_ids)."})
     max_new_tokens: int = field(default=32, metadata={"help": "With --predict_with_generate: tokens per answer."})
+    do_sample: bool = field(
+        default=False, metadata={"help": "With --predict_with_generate: sample the answers instead of taking the "
+                                         "likeliest token, each row from its own key of --generation_seed."})
+    temperature: Optional[float] = field(
+        default=None, metadata={"help": "With --do_sample: divide the logits by this (> 0; default 1.0)."})
+    top_k: Optional[int] = field(
+        default=None, metadata={"help": "With --do_sample: draw from the k likeliest tokens only (default 0: all)."})
+    top_p: Optional[float] = field(
+        default=None, metadata={"help": "With --do_sample: draw from the likeliest tokens whose probabilities "
+                                        "reach p (0 < p <= 1; default 1.0: all)."})
+    generation_seed: Optional[int] = field(
+        default=None, metadata={"help": "With --do_sample: the seed of the answers' draws (default: --seed)."})
     chunked_loss: bool = field(
         default=False, metadata={"help": "Form the LM head's logits 1024 positions at a time inside the loss, never "
                                          "the whole batch's, and again in the backward pass: less memory for large "
@@ -65,6 +80,23 @@ class DataTrainingArguments(lm.LMDataArguments):
             raise UsageError(f"--block_size must be at least 2 (a token and its successor), got {self.block_size}")
         if self.max_new_tokens < 1:
             raise UsageError(f"--max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        self.check_sampling()
+
+    def check_sampling(self):
+        if self.do_sample and not self.predict_with_generate:
+            raise UsageError("--do_sample samples the answers of --predict_with_generate: add --predict_with_generate "
+                             "or drop --do_sample")
+        for flag in ("temperature", "top_k", "top_p", "generation_seed"):
+            if getattr(self, flag) is not None and not self.do_sample:
+                raise UsageError(f"--{flag} applies to sampled answers: add --do_sample (and --predict_with_generate) "
+                                 f"or drop --{flag}")
+        if self.temperature is not None and not self.temperature > 0:
+            raise UsageError(f"--temperature must be above 0, got {self.temperature}: for the likeliest tokens drop "
+                             "--do_sample")
+        if self.top_k is not None and self.top_k < 0:
+            raise UsageError(f"--top_k must be 0 (every token) or more, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UsageError(f"--top_p must be above 0 and at most 1, got {self.top_p}")
 
 # ----------------------------------------------------------------------------------------------
 # Main
@@ -122,23 +154,31 @@ def main(argv=None):
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data)
 
+    # Answers stop at every end id; the export records them (and the sampling settings) in generation_config.json,
+    # where the demo, transformers and serving engines find them.
+    decoding = causal_lm.decoding_of(data_args, chat.end_ids(tokenizer, config, model.generation_config))
+    set_generation(model, **causal_lm.exported_generation(decoding))
+
     def generate_step(params, batch):
-        return causal_lm.generate_answers(model, params, batch, data_args.max_new_tokens, tokenizer)
+        return causal_lm.generate_answers(model, params, batch, data_args.max_new_tokens, decoding)
 
     generates = bool(rows) and data_args.predict_with_generate
     p_generate_step = layout.compile_step("generate_step", generate_step) if generates else None
+    seed = training_args.seed if data_args.generation_seed is None else data_args.generation_seed
+    prompts = {split: causal_lm.generation_inputs(examples[split].prompts, decoding, seed)
+               for split in examples} if generates else {}
 
     def evaluate(params, split="validation"):
         """(next-token loss over the split's answer tokens or blocks, weighted by token, its perplexity
-        and the tokens scored; with --predict_with_generate the exact match of the greedy answers, and
+        and the tokens scored; with --predict_with_generate the exact match of the generated answers, and
         their texts, else None)."""
         metrics = lm.evaluate(steps, params, arrays[split])
         if not generates:
             return metrics, None
-        prompts, generated = examples[split].prompts, []
-        for batch, valid in steps.eval_batches(prompts, lm.num_examples(prompts)):
+        generated = []
+        for batch, valid in steps.eval_batches(prompts[split], lm.num_examples(prompts[split])):
             generated.extend(layout.rows_to_host(p_generate_step(params, batch))[:valid])
-        texts = chat.answer_texts(tokenizer, generated)
+        texts = chat.answer_texts(tokenizer, generated, decoding.end_ids)
         return {**metrics, "exact_match": chat.exact_match(texts, examples[split].references)}, texts
 
     def report(params, split="validation", prefix="eval"):
@@ -150,9 +190,9 @@ def main(argv=None):
 
     # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
     evaluated = arrays.get("validation", arrays.get("test"))
-    first_prompts = examples.get("validation", examples.get("test")) if generates else None
+    first_prompts = prompts.get("validation", prompts.get("test")) if generates else None
     steps.report_plan(training_args, state, eval_step=(evaluated, lm.num_examples(evaluated)),
-                      generate_step=first_prompts and (first_prompts.prompts, len(first_prompts.references)))
+                      generate_step=first_prompts and (first_prompts, lm.num_examples(first_prompts)))
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints

@@ -1,21 +1,29 @@
 """Causal language modelling (`run_clm_flax.py`): the text in blocks, or chat and instruction rows
 one per example (`tasks.chat`), the next-token loss (on the answers only for rows) and perplexity,
-greedy answers and their exact match, and the text-generation demo."""
+answers generated greedily or sampled, up to their first end id, and the text-generation demo."""
+
+import copy
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from transformers import GenerationConfig
+from transformers.generation.flax_logits_process import (FlaxLogitsProcessor, FlaxLogitsProcessorList,
+                                                         FlaxTemperatureLogitsWarper, FlaxTopKLogitsWarper,
+                                                         FlaxTopPLogitsWarper)
 
 from tasks import Task, chat, lm
 from tasks.demo import (Answer, BadInput, Predictor, bucket_for, buckets, escape_markdown, require_text,
                         show_answer)
-from utils import dataset_loading, lm_head
+from utils import dataset_loading, devices, lm_head
 from utils.errors import UsageError
 from utils.run import needed_splits, phase_datasets
 
 PREDICTIONS_FILE = "generated_predictions.txt"
 TASK = Task("causal-lm", "text-generation", outputs=(PREDICTIONS_FILE,), widget="prompt")
 ROW_FILE_FORMATS = ("json",)
+DEFAULT_GENERATION = GenerationConfig()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,14 +121,106 @@ def next_token_loss(logits, input_ids, example_weight=None, label_smoothing=0.0,
                          label_smoothing=label_smoothing)
 
 
-def generate_answers(model, params, batch, max_new_tokens, tokenizer):
-    """The `max_new_tokens` tokens greedy decoding appends to each left-padded prompt of `batch`
-    (traceable: the generate step)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    sequences = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], params=params,
-                               max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                               eos_token_id=tokenizer.eos_token_id).sequences
-    return sequences[:, batch["input_ids"].shape[1]:]
+class Decoding(NamedTuple):
+    """How answers are generated: the ids that end one (`chat.end_ids`; the first is the one Flax's loop stops
+    at), and greedily or by sampling with these settings (`temperature`, `top_k` 0 for no cut, `top_p`)."""
+    end_ids: tuple
+    sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+def decoding_of(data_args, end_ids):
+    """The `Decoding` of run_clm_flax.py's arguments (--do_sample, --temperature, --top_k, --top_p)."""
+    if not data_args.do_sample:
+        return Decoding(tuple(end_ids))
+    return Decoding(tuple(end_ids), True, 1.0 if data_args.temperature is None else data_args.temperature,
+                    data_args.top_k or 0, 1.0 if data_args.top_p is None else data_args.top_p)
+
+
+def generation_inputs(prompts, decoding, seed):
+    """The generate step's rows: the left-padded `prompts` and, when sampling, each row's key (`sample_keys`)."""
+    if not decoding.sample:
+        return prompts
+    return {**prompts, "sample_key": sample_keys(seed, len(prompts["input_ids"]))}
+
+
+def exported_generation(decoding):
+    """The generation config's settings that record `decoding` in the export (generation_config.json), so that
+    the demo, transformers and serving engines stop and sample as the run did: every end id (a list when there
+    are several)."""
+    ends = list(decoding.end_ids)
+    settings = {"eos_token_id": ends[0] if len(ends) == 1 else ends or None}
+    if decoding.sample:
+        settings.update(do_sample=True, temperature=decoding.temperature, top_k=decoding.top_k, top_p=decoding.top_p)
+    return settings
+
+
+def sample_keys(seed, rows):
+    """Each row's sampling key [rows, 2], made on the host's CPU: (seed, the row's place among the rows) folded,
+    so a row draws the same tokens in any batch, on any device, in any layout, and no two rows draw alike."""
+    with jax.default_device(devices.host_cpu()):
+        root = jax.random.PRNGKey(seed)
+        return np.asarray(jax.vmap(jax.random.fold_in, (None, 0))(root, jnp.arange(rows)))
+
+
+class NextToken(FlaxLogitsProcessor):
+    """The scores whose argmax Flax's greedy loop takes as the next token: with `decoding.sample`, warped
+    (temperature, top-k, top-p, as transformers warps them) and perturbed by Gumbel noise from each row's own key
+    and the number of tokens it has generated (the argmax is then a draw from the warped distribution:
+    `jax.random.categorical`'s own method); and where the pick is an end id other than the first, the first put
+    in its place, so that the loop, which stops at one id, stops the row there."""
+
+    def __init__(self, decoding, keys, prompt_width):
+        self.decoding, self.keys, self.prompt_width = decoding, keys, prompt_width
+        warpers = []
+        if decoding.temperature != 1.0:
+            warpers.append(FlaxTemperatureLogitsWarper(decoding.temperature))
+        if decoding.top_k:
+            warpers.append(FlaxTopKLogitsWarper(decoding.top_k))
+        if decoding.top_p < 1.0:
+            warpers.append(FlaxTopPLogitsWarper(decoding.top_p))
+        self.warp = FlaxLogitsProcessorList(warpers)
+
+    def __call__(self, input_ids, scores, cur_len):
+        scores = scores.astype(jnp.float32)
+        if self.decoding.sample:
+            scores = self.warp(input_ids, scores, cur_len)
+            drawn = cur_len - self.prompt_width
+
+            def noise(key):
+                return jax.random.gumbel(jax.random.fold_in(key, drawn), scores.shape[-1:])
+
+            scores = scores + jax.vmap(noise)(self.keys)
+        if len(self.decoding.end_ids) > 1:
+            ends = jnp.isin(scores.argmax(-1), jnp.asarray(self.decoding.end_ids))
+            first_only = jnp.where(jnp.arange(scores.shape[-1]) == self.decoding.end_ids[0], 0.0, -jnp.inf)
+            scores = jnp.where(ends[:, None], first_only, scores)
+        return scores
+
+
+def generate_answers(model, params, batch, max_new_tokens, decoding):
+    """The `max_new_tokens` tokens appended to each left-padded prompt of `batch` (with `decoding.sample`, its
+    rows' "sample_key"s: `sample_keys`), greedy or sampled; a row that ends goes on with the first end id
+    (traceable: the generate step).
+
+    transformers' Flax `generate` stops a row at one id and samples with one key for the whole batch: its greedy
+    loop runs here with `NextToken` choosing, so every end id stops a row and each row draws from its own key."""
+    width = batch["input_ids"].shape[1]
+    # No end id at all: one no row can draw (past the vocabulary), so every row runs to max_new_tokens.
+    first_end = decoding.end_ids[0] if decoding.end_ids else model.config.vocab_size
+    choose = NextToken(decoding, batch.get("sample_key"), width)
+    # The model's other generation settings hold (a checkpoint's suppressed tokens...); its sampling ones are
+    # `decoding`'s, applied by `NextToken`: reset, so `generate` does not warn that greedy search ignores them.
+    settings = copy.deepcopy(model.generation_config)
+    settings.update(**{name: getattr(DEFAULT_GENERATION, name) for name in ("do_sample", "temperature", "top_k",
+                                                                             "top_p")})
+    sequences = model.generate(batch["input_ids"], generation_config=settings, attention_mask=batch["attention_mask"],
+                               params=params, max_new_tokens=max_new_tokens, eos_token_id=first_end,
+                               pad_token_id=first_end if decoding.end_ids else 0,
+                               logits_processor=FlaxLogitsProcessorList([choose])).sequences
+    return sequences[:, width:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,10 +229,11 @@ def generate_answers(model, params, batch, max_new_tokens, tokenizer):
 class TextGenerator(Predictor):
     """Continues a prompt, greedily or by sampling with a seed; a model whose tokenizer has a chat
     template (`chat`) answers a conversation instead: its turns rendered as the training script
-    renders a generation prompt (`reply`). Prompts are left-padded to a bucket and every request
-    generates `max_new_tokens` tokens, cut to the number asked for: the tokens before a cut do not
-    depend on where it is (greedy, and sampling's per-step keys alike), so one program per (bucket,
-    greedy or sampling) serves every length."""
+    renders a generation prompt (`reply`). It generates as the script does (`generate_answers`), up to the
+    first of the end ids the export records (`chat.end_ids`), sampling with the export's settings. Prompts are
+    left-padded to a bucket and every request generates `max_new_tokens` tokens, cut to the number asked for:
+    the tokens before a cut do not depend on where it is (greedy, and sampling's keys per token drawn alike), so
+    one program per (bucket, greedy or sampling) serves every length."""
 
     auto_class = "FlaxAutoModelForCausalLM"
 
@@ -142,13 +243,17 @@ class TextGenerator(Predictor):
         positions = positions or getattr(self.config, "n_positions", None) or 1024
         self.max_new_tokens = min(64, positions // 2)
         self.prompt_buckets = buckets(positions - self.max_new_tokens, smallest=32)
-        self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else (
-            self.config.eos_token_id or 0)
-        self.eos_id = self.config.eos_token_id
         self.chat = bool(self.tokenizer.chat_template)
-        self._programs = {sample: jax.jit(lambda params, ids, mask, key, sample=sample: self.model.generate(
-            ids, attention_mask=mask, params=params, max_new_tokens=self.max_new_tokens, do_sample=sample,
-            prng_key=key, pad_token_id=self.pad_id, eos_token_id=self.eos_id).sequences) for sample in (False, True)}
+        # The export's generation config (generation_config.json) holds the run's end ids and sampling settings.
+        settings = self.model.generation_config
+        self.end_ids = chat.end_ids(self.tokenizer, self.config, settings)
+        self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else (
+            self.end_ids[0] if self.end_ids else 0)
+        decodings = {False: Decoding(tuple(self.end_ids)),
+                     True: Decoding(tuple(self.end_ids), True, settings.temperature or 1.0, settings.top_k or 0,
+                                    settings.top_p or 1.0)}
+        self._programs = {sample: jax.jit(lambda params, batch, decoding=decoding: generate_answers(
+            self.model, params, batch, self.max_new_tokens, decoding)) for sample, decoding in decodings.items()}
 
     def predict(self, prompt, max_new_tokens=32, sample=False, seed=0):
         require_text(prompt, "prompt")
@@ -181,17 +286,16 @@ class TextGenerator(Predictor):
         padded[0, size - len(ids):] = ids
         mask = np.zeros((1, size), np.int32)
         mask[0, size - len(ids):] = 1
-        sequences = np.asarray(self._programs[sample](self.params, padded, mask, jax.random.PRNGKey(seed)))
-        new = list(sequences[0, size:size + max_new_tokens])
-        if self.eos_id is not None and self.eos_id in new:
-            new = new[:new.index(self.eos_id)]
+        batch = {"input_ids": padded, "attention_mask": mask, "sample_key": sample_keys(seed, 1)}
+        new = chat.until_end(np.asarray(self._programs[sample](self.params, batch))[0, :max_new_tokens], self.end_ids)
         return answer, ids, new
 
     def warm_up(self):
         for size in self.prompt_buckets:
             for sample in (False, True):
                 ids = np.full((1, size), self.pad_id, np.int32)
-                self._programs[sample](self.params, ids, np.ones_like(ids), jax.random.PRNGKey(0)).block_until_ready()
+                batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "sample_key": sample_keys(0, 1)}
+                self._programs[sample](self.params, batch).block_until_ready()
 
 
 PREDICTOR = TextGenerator

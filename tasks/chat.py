@@ -1,5 +1,6 @@
 """Chat and instruction rows for causal-LM fine-tuning (`run_clm_flax.py`): found from the data's
-columns, one example per row, the loss on the answers only, greedy answers and their exact match.
+columns, one example per row, the loss on the answers only, the ids an answer ends at, generated
+answers cut there and their exact match.
 
 - `messages` rows (a list of {"role", "content"}) are rendered with the tokenizer's chat template
   (`--chat_template FILE` gives or overrides it); every assistant turn is an answer. Which tokens
@@ -12,6 +13,10 @@ A row longer than `--block_size` loses tokens from its start (the prompt's), and
 rows did; the generation prompt (the conversation up to its last assistant turn, ending in the
 template's generation prompt) likewise. Rows are padded to one width, the smallest length bucket
 (powers of two from 16, and --block_size) that holds the longest, so every batch has one shape.
+
+An answer ends at any of `end_ids`: the template's end-of-turn token (often not the tokenizer's eos:
+Llama 3's <|eot_id|>, Gemma's <end_of_turn>, ChatML's <|im_end|>), the generation config's ids, the model
+config's and the tokenizer's eos.
 """
 
 import logging
@@ -181,17 +186,74 @@ def to_arrays(examples, tokenizer, block_size, max_new_tokens, split):
 
 
 # ----------------------------------------------------------------------------------------------
-# Generated answers
+# Where an answer ends, generated answers
 # ----------------------------------------------------------------------------------------------
-def answer_texts(tokenizer, generated):
-    """The text of each row of generated token ids [rows, new tokens], up to its end token."""
-    ends = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
-    texts = []
-    for ids in generated:
-        ids = list(ids)
-        stop = next((i for i, token in enumerate(ids) if token in ends), len(ids))
-        texts.append(tokenizer.decode(ids[:stop], skip_special_tokens=True))
-    return texts
+# What `end_of_turn` renders: an assistant turn whose text is found again in the rendering.
+PROBE_QUESTION, PROBE_ANSWER = "Which answer?", "This answer"
+
+
+def end_of_turn(tokenizer):
+    """The id of the special token the tokenizer's chat template closes an assistant turn with (Llama 3's
+    <|eot_id|>, Gemma's <end_of_turn>, ChatML's <|im_end|>, Phi-3's <|end|>), or None: a small conversation
+    rendered as training renders it (the assistant's turn last), and the first token after the answer's text,
+    whitespace skipped, taken where it is a special token. A template whose turns end otherwise (plain text, or
+    nothing) is said in the log."""
+    from jinja2 import TemplateError
+
+    if not tokenizer.chat_template:
+        return None
+    messages = [{"role": "user", "content": PROBE_QUESTION}, {"role": "assistant", "content": PROBE_ANSWER}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except (TemplateError, ValueError, TypeError) as e:
+        logger.warning("the chat template could not render a user and an assistant turn (%s), so its end-of-turn "
+                       "token is unknown: generation stops at the other end ids", e)
+        return None
+    after = text[text.rfind(PROBE_ANSWER) + len(PROBE_ANSWER):] if PROBE_ANSWER in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    first = next((i for i in ids if tokenizer.decode([i]).strip()), None)
+    special = set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items()
+                                                if token.special}
+    if first is None or first not in special:
+        logger.warning("the chat template ends an assistant turn with no special token (it renders %r after the "
+                       "answer): generation stops at the other end ids", after)
+        return None
+    return first
+
+
+def _listed(token_ids):
+    """An `eos_token_id` of a config (None, an int or a list) as a list."""
+    if token_ids is None:
+        return []
+    return [int(i) for i in token_ids] if isinstance(token_ids, (list, tuple)) else [int(token_ids)]
+
+
+def end_ids(tokenizer, config, generation_config):
+    """Every id generation stops at, logged with its token and where it comes from: the chat template's end of
+    turn first (the one a chat model ends its answers with), then those the generation config lists, the model
+    config's and the tokenizer's eos; each once."""
+    sources = {}
+    for source, ids in (("the chat template's end of turn", _listed(end_of_turn(tokenizer))),
+                        ("the generation config", _listed(generation_config.eos_token_id)),
+                        ("the model config", _listed(getattr(config, "eos_token_id", None))),
+                        ("the tokenizer's eos", _listed(tokenizer.eos_token_id))):
+        for token_id in ids:
+            sources.setdefault(token_id, []).append(source)
+    listed = "; ".join(f"{token_id} {tokenizer.convert_ids_to_tokens(token_id)!r} ({', '.join(where)})"
+                       for token_id, where in sources.items())
+    logger.info("generation stops at %s", listed or "no end id: every answer runs to its length limit")
+    return list(sources)
+
+
+def until_end(ids, end_token_ids):
+    """`ids` (generated tokens) up to the first end id, which is left out."""
+    ids = [int(i) for i in ids]
+    return ids[:next((n for n, token in enumerate(ids) if token in end_token_ids), len(ids))]
+
+
+def answer_texts(tokenizer, generated, end_token_ids):
+    """The text of each row of generated token ids [rows, new tokens], up to its first end id."""
+    return [tokenizer.decode(until_end(ids, end_token_ids), skip_special_tokens=True) for ids in generated]
 
 
 def normalise(text):

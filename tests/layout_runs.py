@@ -89,7 +89,8 @@ SCRIPTS = {
         "--test_file", "data/long_qa/test.jsonl.gz", "--answer_categories", "--attention_type", "original_full",
         "--max_seq_length", 64, "--doc_stride", 32, "--max_train_samples", 40, "--max_eval_samples", 6,
         "--max_predict_samples", 4, "--do_predict"]),
-    # Chat rows (run_clm_flax.py): the loss on the answers, greedy answers to the held-out prompts.
+    # Chat rows (run_clm_flax.py): the loss on the answers, sampled answers to the held-out prompts (each row
+    # draws from its own key: every layout and process count draws the same answers).
     "chat": ("run_clm_flax.py", [
         "--model_type", "llama", "--tokenizer_name", "data/chat/tokenizer", "--config_overrides",
         "hidden_size=64,intermediate_size=256,num_hidden_layers=1,num_attention_heads=4,num_key_value_heads=2,"
@@ -97,7 +98,7 @@ SCRIPTS = {
         "--train_file", "data/chat/train.jsonl", "--validation_file", "data/chat/validation.jsonl",
         "--test_file", "data/chat/test.jsonl", "--block_size", 64, "--max_train_samples", 160,
         "--max_eval_samples", 21, "--max_predict_samples", 13, "--do_predict", "--predict_with_generate",
-        "--max_new_tokens", 4]),
+        "--max_new_tokens", 4, "--do_sample", "--top_p", 0.9]),
     # Clips read, resampled and featurised by threads ahead of the step; transcripts generated.
     "speech": ("run_speech_recognition_seq2seq.py", [
         "--model_type", "whisper", "--tokenizer_name", "data/speech/tokenizer", "--feature_extractor_name",

@@ -28,6 +28,21 @@ HF_MASKABLE_TEMPLATE = (
 )
 
 
+END_OF_TURN = "<|end|>"
+
+
+def save_end_of_turn_tokenizer(directory):
+    """data/chat's tokenizer, its template ending each assistant turn with <|end|> (a special token of its own,
+    as Phi-3's does) where the shipped one ends it with eos: its eos stays </s>. Saved in `directory`."""
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(DATA, "tokenizer"))
+    tokenizer.add_tokens([END_OF_TURN], special_tokens=True)
+    shipped = "message['content'] + eos_token"
+    assert tokenizer.chat_template.count(shipped) == 1
+    tokenizer.chat_template = tokenizer.chat_template.replace(shipped, f"message['content'] + '{END_OF_TURN}'")
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(os.path.join(DATA, "tokenizer"))
@@ -111,12 +126,18 @@ def test_short_rows_take_the_smallest_bucket(tokenizer):
     assert rows.arrays["input_ids"].shape == (1, 16) and rows.prompts["input_ids"].shape == (1, 16)
 
 
-def test_answers_end_at_the_end_token_and_match_with_whitespace_normalised(tokenizer):
+def test_answers_end_at_the_first_end_id_and_match_with_whitespace_normalised(tokenizer):
+    """Two end ids (an end-of-turn token, eos): each row is cut at whichever comes first."""
     ids = tokenizer(" owl dog cat", add_special_tokens=False)["input_ids"]
-    generated = np.array([ids + [tokenizer.eos_token_id, 7, 8], ids + [9, 9, 9]])
-    texts = chat.answer_texts(tokenizer, generated)
-    assert texts[0] == " owl dog cat" and texts[1].startswith(" owl dog cat") and texts[1] != texts[0]
-    assert chat.exact_match(texts, ["owl  dog\ncat", "owl dog cat"]) == 0.5
+    end_of_turn, eos = 401, tokenizer.eos_token_id
+    generated = np.array([ids + [eos, 7, 8, 9], ids + [end_of_turn, 7, eos, 9], ids + [7, eos, end_of_turn, 9],
+                          ids + [9, 9, 9, 9]])
+    texts = chat.answer_texts(tokenizer, generated, [end_of_turn, eos])
+    tail = [tokenizer.decode([7]), tokenizer.decode([9] * 4)]
+    assert texts == [" owl dog cat", " owl dog cat", " owl dog cat" + tail[0], " owl dog cat" + tail[1]]
+    # stopping at eos alone, the second row runs on past its end of turn (a special token, dropped from the text)
+    assert chat.answer_texts(tokenizer, generated[1:2], [eos]) == [" owl dog cat" + tail[0]]
+    assert chat.exact_match(texts, ["owl  dog\ncat", "owl dog cat", "owl dog cat", "owl dog cat"]) == 0.5
 
 
 @pytest.mark.parametrize("columns, kind", [
@@ -254,3 +275,186 @@ def test_the_chat_box_answers_as_a_plain_greedy_loop_and_keeps_the_conversation(
     assert conversation[1]["content"] and conversation[3]["content"]
     shown = [(message.name, message.markdown[0].value) for message in page.chat_message]
     assert [role for role, _ in shown] == ["user", "assistant", "user", "assistant"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Where answers end: the chat template's end of turn and every eos id
+# ----------------------------------------------------------------------------------------------
+# Templates in the style of real chat models (their turn structure, their end-of-turn tokens), and one whose
+# turns end in plain text.
+TEMPLATES = {
+    "llama3": ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+               "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}",
+               "<|eot_id|>"),
+    "gemma": ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}{% set role = "
+              "'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + "
+              "message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}"
+              "{{ '<start_of_turn>model\n' }}{% endif %}", "<end_of_turn>"),
+    "chatml": ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+               "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+               "{% endif %}", "<|im_end|>"),
+    "phi3": ("{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+             "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}",
+             "<|end|>"),
+    "mistral": ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + "
+                "message['content'] + ' [/INST]' }}{% else %}{{ ' ' + message['content'] + eos_token }}{% endif %}"
+                "{% endfor %}", "</s>"),
+    "plain text": ("{% for message in messages %}{% if message['role'] == 'user' %}{{ '### Instruction:\n' + "
+                   "message['content'] + '\n\n' }}{% else %}{{ '### Response:\n' + message['content'] + '\n\n' }}"
+                   "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '### Response:\n' }}{% endif %}", None),
+}
+TURN_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<start_of_turn>", "<end_of_turn>",
+               "<|im_start|>", "<|im_end|>", "<|end|>"]
+
+
+@pytest.fixture(scope="module")
+def turn_tokenizer():
+    """data/chat's tokenizer with the turn tokens of those models, added as Llama 3's are: special tokens of
+    the vocabulary, none of them the tokenizer's eos."""
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(DATA, "tokenizer"))
+    tokenizer.add_tokens(TURN_TOKENS, special_tokens=True)
+    return tokenizer
+
+
+@pytest.mark.parametrize("style", TEMPLATES)
+def test_generation_stops_at_the_templates_end_of_turn_and_every_eos(turn_tokenizer, style, caplog):
+    from transformers import GenerationConfig, LlamaConfig
+
+    turn_tokenizer.chat_template, end_token = TEMPLATES[style]
+    eos = turn_tokenizer.eos_token_id
+    # the model config's eos another id than the tokenizer's; the generation config lists several (Gemma's does)
+    config, generation_config = LlamaConfig(eos_token_id=5), GenerationConfig(eos_token_id=[eos, 6])
+    with caplog.at_level(logging.INFO, logger="tasks.chat"):
+        ids = chat.end_ids(turn_tokenizer, config, generation_config)
+    end_of_turn = [turn_tokenizer.convert_tokens_to_ids(end_token)] if end_token else []
+    assert ids == end_of_turn + [i for i in (eos, 6, 5) if i not in end_of_turn]
+    logged = caplog.records[-1].getMessage()  # each id, its token, then where it comes from
+    assert logged.startswith("generation stops at ")
+    assert [part.split(" (")[0] for part in logged[len("generation stops at "):].split("; ")] == [
+        f"{i} {turn_tokenizer.convert_ids_to_tokens(i)!r}" for i in ids]
+    if end_token is None:
+        assert "the chat template ends an assistant turn with no special token (it renders '\\n\\n' after the " \
+               "answer)" in caplog.text
+
+
+def test_end_ids_without_a_template_are_the_configs_and_the_tokenizers(tokenizer):
+    from transformers import GenerationConfig, GPT2Config
+
+    bare = AutoTokenizer.from_pretrained(os.path.join(ROOT, "data", "lm", "tokenizer"))
+    assert chat.end_ids(bare, GPT2Config(eos_token_id=[7, 8]), GenerationConfig(eos_token_id=9)) == [
+        9, 7, 8, bare.eos_token_id]
+    assert chat.end_ids(bare, GPT2Config(eos_token_id=None), GenerationConfig()) == [bare.eos_token_id]
+
+
+# ----------------------------------------------------------------------------------------------
+# Generating: every end id stops a row; sampling
+# ----------------------------------------------------------------------------------------------
+def warped_probabilities(logits, temperature, top_k, top_p):
+    """numpy: softmax(logits / temperature) kept to the top_k likeliest (0: all), then to the likeliest whose
+    probabilities, the one crossing top_p included, reach top_p; renormalised."""
+    probs = np.exp(logits / temperature - (logits / temperature).max())
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    if top_k:
+        probs[order[top_k:]] = 0
+        probs /= probs.sum()
+    before = np.cumsum(probs[order]) - probs[order]  # the probability of the likelier tokens
+    probs[order[before >= top_p]] = 0
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.5, 4, 1.0), (1.5, 0, 0.7), (1.0, 5, 0.8)])
+def test_sampled_tokens_follow_the_warped_distribution(temperature, top_k, top_p):
+    """20,000 rows, each its own key, draw from one row of logits: the tokens' frequencies are the numpy
+    probabilities (within 0.015, about 4 standard deviations), and a token cut off is never drawn."""
+    from tasks.causal_lm import Decoding, NextToken, sample_keys
+
+    logits = np.random.default_rng(0).normal(0, 1.5, 12).astype(np.float32)
+    rows = 20_000
+    choose = NextToken(Decoding((), True, temperature, top_k, top_p), sample_keys(3, rows), prompt_width=5)
+    drawn = np.asarray(choose(None, np.tile(logits, (rows, 1)), 7).argmax(-1))
+    frequencies = np.bincount(drawn, minlength=12) / rows
+    want = warped_probabilities(logits.astype(np.float64), temperature, top_k, top_p)
+    np.testing.assert_allclose(frequencies, want, atol=0.015)
+    assert (frequencies[want == 0] == 0).all()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tokenizer):
+    """(an untrained one-layer Llama, its parameters: made in one program)."""
+    import jax
+    from transformers import FlaxLlamaForCausalLM, LlamaConfig
+
+    from utils import compat
+
+    compat.apply()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = FlaxLlamaForCausalLM(config, _do_init=False)
+    return model, jax.jit(model.init_weights, static_argnums=1)(jax.random.PRNGKey(5), (1, 1))
+
+
+def left_padded(tokenizer, texts, width=16):
+    batch = {"input_ids": np.full((len(texts), width), tokenizer.pad_token_id, np.int32),
+             "attention_mask": np.zeros((len(texts), width), np.int32)}
+    for row, text in enumerate(texts):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        batch["input_ids"][row, width - len(ids):] = ids
+        batch["attention_mask"][row, width - len(ids):] = 1
+    return batch
+
+
+def test_every_end_id_stops_a_row_where_greedy_decoding_draws_it(tokenizer, tiny_llama):
+    """Greedy answers with one end id, then with a second: the token a row draws at a random step: each row is
+    the first answer up to where it drew either, then the first end id (what Flax's loop pads a row with)."""
+    import jax
+
+    from tasks.causal_lm import Decoding, generate_answers
+
+    batch = left_padded(tokenizer, ["<|user|> What is 1 plus 2?<|assistant|>", "<|user|> Reverse: cat dog owl",
+                                    "<|user|> Where does the", "Sam has a"])
+    eos = tokenizer.eos_token_id
+
+    model, params = tiny_llama
+
+    def answers(end_ids):
+        step = jax.jit(lambda params, batch: generate_answers(model, params, batch, 10, Decoding(end_ids)))
+        return np.asarray(step(params, batch))
+
+    once = answers((eos,))
+    second = int(once[1, 4])
+    assert second != eos
+    both = answers((eos, second))
+    for row, first in zip(both, once):
+        stop = next((n for n, token in enumerate(first) if token in (eos, second)), len(first))
+        np.testing.assert_array_equal(row, list(first[:stop]) + [eos] * (len(first) - stop))
+    assert (both[1, 4:] == eos).all()
+
+
+def test_sampled_answers_are_the_seeds_own_row_by_row_in_any_layout(tokenizer, tiny_llama):
+    """Sixteen rows of one prompt: all sixteen answers differ (no two rows share draws), the same seed gives them
+    again and another seed others; under --sharding dp (2 rows on each of 8 devices, each device running the
+    same program) every row draws what it draws in one program over the whole batch."""
+    import jax
+
+    from tasks.causal_lm import Decoding, generate_answers, generation_inputs
+    from utils.layout import DataParallel
+
+    model, params = tiny_llama
+    decoding = Decoding((tokenizer.eos_token_id,), True, 1.5)
+    prompts = left_padded(tokenizer, ["<|user|> What is 1 plus 2?<|assistant|>"] * 16)
+
+    def step(params, batch):
+        return generate_answers(model, params, batch, 8, decoding)
+
+    whole = jax.jit(step)
+    answers = {seed: np.asarray(whole(params, generation_inputs(prompts, decoding, seed))) for seed in (0, 1)}
+    assert len({tuple(row) for row in answers[0]}) == 16
+    np.testing.assert_array_equal(whole(params, generation_inputs(prompts, decoding, 0)), answers[0])
+    assert (answers[0] != answers[1]).any(axis=1).all()
+    layout = DataParallel()
+    per_device = layout.compile_step("generate_step", step)
+    placed = layout.place_batch(generation_inputs(prompts, decoding, 0))
+    on_devices = layout.rows_to_host(per_device(layout.replicated(params), placed))
+    np.testing.assert_array_equal(on_devices, answers[0])

@@ -12,6 +12,8 @@ import run_clm_flax as clm
 from tasks.causal_lm import next_token_loss
 from tests.script_runner import (ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script,
                                  run_streamed_config)
+from test_chat import END_OF_TURN, save_end_of_turn_tokenizer
+from utils.errors import UsageError
 
 SCRIPT = "run_clm_flax.py"
 MAX_STEPS = 60
@@ -112,6 +114,33 @@ def test_usage_errors_are_one_line(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         "error: --predict_with_generate applies to chat or instruction rows (`messages`, or `prompt` and "
         "`completion`), but the data is text: drop --predict_with_generate")
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"do_sample": True}, "--do_sample samples the answers of --predict_with_generate: add --predict_with_generate "
+                          "or drop --do_sample"),
+    ({"predict_with_generate": True, "temperature": 0.7},
+     "--temperature applies to sampled answers: add --do_sample (and --predict_with_generate) or drop --temperature"),
+    ({"predict_with_generate": True, "generation_seed": 3}, "--generation_seed applies to sampled answers"),
+    ({"predict_with_generate": True, "do_sample": True, "temperature": 0.0},
+     "--temperature must be above 0, got 0.0: for the likeliest tokens drop --do_sample"),
+    ({"predict_with_generate": True, "do_sample": True, "top_k": -1},
+     "--top_k must be 0 (every token) or more, got -1"),
+    ({"predict_with_generate": True, "do_sample": True, "top_p": 0.0},
+     "--top_p must be above 0 and at most 1, got 0.0"),
+    ({"predict_with_generate": True, "do_sample": True, "top_p": 1.5},
+     "--top_p must be above 0 and at most 1, got 1.5"),
+])
+def test_sampling_flags_are_checked(flags, message):
+    with pytest.raises(UsageError) as raised:
+        clm.DataTrainingArguments(train_file="data/chat/train.jsonl", **flags)
+    assert str(raised.value).startswith(message)
+
+
+def test_sampling_flags_in_range_are_taken():
+    args = clm.DataTrainingArguments(train_file="data/chat/train.jsonl", predict_with_generate=True, do_sample=True,
+                                     temperature=0.7, top_k=0, top_p=1.0, generation_seed=0)
+    assert (args.temperature, args.top_k, args.top_p, args.generation_seed) == (0.7, 0, 1.0, 0)
 
 
 @pytest.mark.slow
@@ -226,17 +255,24 @@ def test_the_embedded_config_streams_and_learns(tmp_path):
 # Chat rows (configs/chat_tiny.json: a tiny Llama on data/chat)
 # ----------------------------------------------------------------------------------------------
 CHAT_CONFIG = "configs/chat_tiny.json"
-# Two of the config's three epochs; the held-out exact match was 0.41 there (8 devices), an untrained model's 0.
+# Two of the config's three epochs; the held-out exact match was 0.405 there (8 devices, turns ending with <|end|>),
+# an untrained model's 0.
 CHAT_STEPS = 250
 CHAT_EXACT_MATCH_THRESHOLD = 0.25
 
 
 @pytest.fixture(scope="module")
 def chat_trained(tmp_path_factory, cache_dir):
+    """The config's run with a template that ends each assistant turn with <|end|>, not the tokenizer's eos </s>
+    (as Llama 3, Gemma, Phi-3 and ChatML templates do)."""
     out = str(tmp_path_factory.mktemp("chat"))
-    result = run_script(SCRIPT, [CHAT_CONFIG, "--output_dir", out, "--max_steps", CHAT_STEPS, "--eval_steps",
-                                 CHAT_STEPS, "--save_steps", CHAT_STEPS, "--compilation_cache_dir", cache_dir])
+    tokenizer = save_end_of_turn_tokenizer(tmp_path_factory.mktemp("end_of_turn_tokenizer"))
+    result = run_script(SCRIPT, [CHAT_CONFIG, "--tokenizer_name", tokenizer, "--output_dir", out, "--max_steps",
+                                 CHAT_STEPS, "--eval_steps", CHAT_STEPS, "--save_steps", CHAT_STEPS,
+                                 "--compilation_cache_dir", cache_dir])
     assert result.returncode == 0, result.stderr[-3000:]
+    with open(out + "_output.txt", "w", encoding="utf-8") as f:
+        f.write(result.stdout + result.stderr)
     return out
 
 
@@ -273,6 +309,69 @@ def test_chat_eval_only_and_predict_only_from_the_saved_model(chat_trained, tmp_
     test = read_json(tmp_path / "predict" / "test_results.json")
     assert test["test_exact_match"] > CHAT_EXACT_MATCH_THRESHOLD and test["test_samples"] == 200
     assert len((tmp_path / "predict" / "generated_predictions.txt").read_text().splitlines()) == 200
+
+
+def plain_greedy_ids(output_dir, prompts, new_tokens):
+    """[rows, new_tokens]: a plain greedy loop, never stopping, over the full forward pass of each prompt, the
+    rows right-padded in one buffer (one compiled forward; causal attention ignores what follows a position)."""
+    from transformers import FlaxAutoModelForCausalLM
+
+    from utils import compat
+
+    compat.apply()  # as the scripts and the demo load a model (Llama's head_dim)
+    model = FlaxAutoModelForCausalLM.from_pretrained(output_dir)
+    forward = jax.jit(lambda ids: model(ids, params=model.params).logits)
+    lengths = np.array([len(ids) for ids in prompts])
+    buffer = np.zeros((len(prompts), lengths.max() + new_tokens), np.int32)
+    for row, ids in enumerate(prompts):
+        buffer[row, :len(ids)] = ids
+    rows = np.arange(len(prompts))
+    for step in range(new_tokens):
+        buffer[rows, lengths + step] = np.asarray(forward(buffer))[rows, lengths + step - 1].argmax(-1)
+    return buffer[rows[:, None], lengths[:, None] + np.arange(new_tokens)]
+
+
+@pytest.mark.slow
+def test_chat_answers_end_at_the_end_of_turn_and_the_demo_answers_alike(chat_trained):
+    """The model learnt to end its answers with <|end|>: the exported generation config lists it beside </s>, the
+    exact match is the share of right answers of the raw greedy ids cut at the first of them (while cut at </s>
+    alone, as before, few answers are right), the predictions are those answers, and the demo gives them too."""
+    from transformers import AutoTokenizer
+
+    from tasks.causal_lm import TextGenerator
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_trained)
+    end_of_turn, eos = tokenizer.convert_tokens_to_ids(END_OF_TURN), tokenizer.eos_token_id
+    assert read_json(os.path.join(chat_trained, "generation_config.json"))["eos_token_id"] == [end_of_turn, eos]
+    with open(os.path.join(ROOT, "data", "chat", "validation.jsonl"), encoding="utf-8") as f:
+        conversations = [json.loads(line)["messages"] for line in f]
+    asked = [messages[:max(i for i, turn in enumerate(messages) if turn["role"] == "assistant")]
+             for messages in conversations]
+    references = [messages[len(before)]["content"] for messages, before in zip(conversations, asked)]
+    prompts = [tokenizer(tokenizer.apply_chat_template(before, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"][-(64 - 8):] for before in asked]  # block - new tokens
+    raw = plain_greedy_ids(chat_trained, prompts, 8)
+
+    def answers(end_ids):
+        cut = [[int(token) for token in row[:next((n for n, t in enumerate(row) if t in end_ids), len(row))]]
+               for row in raw]
+        return [" ".join(tokenizer.decode(ids, skip_special_tokens=True).split()) for ids in cut]
+
+    def share_right(texts):
+        return np.mean([text == " ".join(reference.split()) for text, reference in zip(texts, references)])
+
+    exact_match = read_json(os.path.join(chat_trained, "eval_results.json"))["eval_exact_match"]
+    assert exact_match == pytest.approx(share_right(answers({end_of_turn, eos})), abs=1e-9)
+    assert share_right(answers({eos})) < exact_match / 2  # stopping at eos only, answers run on
+    with open(os.path.join(chat_trained, "generated_predictions.txt"), encoding="utf-8") as f:
+        predicted = f.read().splitlines()
+    assert predicted == answers({end_of_turn, eos})
+    demo = TextGenerator(chat_trained, read_json(os.path.join(chat_trained, "run_args.json")))
+    fitting = [row for row, ids in enumerate(prompts) if len(ids) <= demo.prompt_buckets[-1]][:12]
+    assert [" ".join(demo.reply(asked[row], 8).text.split()) for row in fitting] == [predicted[row] for row in fitting]
+    with open(chat_trained + "_output.txt", encoding="utf-8") as f:
+        assert f"generation stops at {end_of_turn} '{END_OF_TURN}' (the chat template's end of turn); {eos} '</s>'" \
+            in f.read()
 
 
 @pytest.mark.slow

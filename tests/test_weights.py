@@ -138,6 +138,18 @@ def test_sharded_pytorch_safetensors(family, tmp_path):
     assert_same_weights(ours, model.params)
 
 
+def test_a_pytorch_checkpoints_generation_config_is_read(tmp_path):
+    """Its end ids (Llama 3 Instruct's and Gemma's list several), as transformers reads them beside Flax weights;
+    without the file, the model config's."""
+    from transformers import GenerationConfig
+
+    model = fresh_model("gpt2")
+    directory = write_pytorch_safetensors(tmp_path / "pt", model.config, pytorch_state_dict(model.params, "gpt2"))
+    assert loaded("gpt2", directory)[0].generation_config.eos_token_id == model.config.eos_token_id
+    GenerationConfig(eos_token_id=[5, 7], bos_token_id=1).save_pretrained(directory)
+    assert loaded("gpt2", directory)[0].generation_config.eos_token_id == [5, 7]
+
+
 def test_bfloat16_pytorch_weights_become_float32_master_weights(tmp_path):
     model = fresh_model("gpt2")
     directory = write_pytorch_safetensors(tmp_path / "pt", model.config, pytorch_state_dict(model.params, "gpt2"),

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.frozen_dict import unfreeze
 from flax.traverse_util import flatten_dict, unflatten_dict
-from transformers import AutoConfig, AutoTokenizer, FlaxPreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, FlaxPreTrainedModel, GenerationConfig
 from transformers.models.auto import modeling_flax_auto
 
 from utils import decoder_positions, devices, hub_access, lora, remat, weights
@@ -300,7 +300,19 @@ def _pretrained(auto_class, model_args, config, kwargs):
             return model, model.params
     # PyTorch or safetensors weights: the model from its config, the weights read here.
     model = _from_config(auto_class, config, kwargs)
+    if model.can_generate():
+        model.generation_config = _saved_generation_config(model_args) or model.generation_config
     return model, weights.read_converted(model, name, filename, path, model_args.cache_dir, model_args.token)
+
+
+def _saved_generation_config(model_args):
+    """The checkpoint's generation_config.json (its end ids: Llama 3 Instruct's or Gemma's several), which
+    transformers reads itself only with Flax weights; None where there is none."""
+    try:
+        return GenerationConfig.from_pretrained(model_args.model_name_or_path, cache_dir=model_args.cache_dir,
+                                                token=model_args.token)
+    except OSError:
+        return None
 
 
 def _saved_config(model_args):
