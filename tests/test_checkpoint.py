@@ -18,7 +18,9 @@ from flax import linen as nn
 from flax.training.train_state import TrainState
 
 from utils import perf
-from utils.checkpoint import Checkpointer, all_finite, checkpoint_steps, find_checkpoint_dir, locate_checkpoint
+from utils.checkpoint import (
+    WRITES_HOST_ARRAYS_IN_PLACE, Checkpointer, all_finite, checkpoint_steps, find_checkpoint_dir, locate_checkpoint,
+)
 from utils.errors import UsageError
 from utils.layout import DataParallel
 
@@ -120,6 +122,7 @@ def test_async_save_then_wait(tmp_path, trained_state):
     ckpt.close()
 
 
+@pytest.mark.skipif(not WRITES_HOST_ARRAYS_IN_PLACE, reason="orbax-checkpoint < 0.12.5 always copies host arrays")
 def test_host_state_is_written_without_a_copy(tmp_path):
     """The state's host arrays (dp's `checkpoint_tree`: already copies of the device's) are written as they are:
     orbax's own copy of them, made by default, held a second host copy of the state while it was written
@@ -163,7 +166,8 @@ def test_host_state_is_written_uncompressed_without_holding_it_again(tmp_path):
     finally:
         writing.set()
         sampler.join()
-    assert peak[0] - before < 64 << 20, f"{(peak[0] - before) / 2**20:.0f} MiB held while writing 256 MiB"
+    copied = 0 if WRITES_HOST_ARRAYS_IN_PLACE else 256 << 20  # an older orbax's own copy of the state
+    assert peak[0] - before < copied + (64 << 20), f"{(peak[0] - before) / 2**20:.0f} MiB held while writing 256 MiB"
     ckpt.close()
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+import sentencepiece
+from packaging.version import Version
 from transformers import AutoTokenizer
 
 from train_tokenizer import KINDS, train_tokenizer
@@ -214,6 +216,11 @@ def _load_generator(name):
     return module
 
 
+# The committed unigram tokenizers were trained by this sentencepiece; older ones (the requirements' floor, 0.2.0,
+# through 0.2.2) choose some other pieces from the same data.
+TRAINED_BY = Version("0.2.3")
+
+
 @pytest.mark.parametrize(
     "generator, committed, files, tokenizers",
     [("make_summarization_data", SUMMARIZATION, ["train.jsonl", "validation.jsonl", "test.jsonl"], ["tokenizer"]),
@@ -224,6 +231,8 @@ def test_generators_reproduce_the_committed_files(tmp_path, generator, committed
     _load_generator(generator).main(["--output_dir", str(tmp_path)])
     for name in files:
         assert (tmp_path / name).read_bytes() == open(os.path.join(committed, name), "rb").read(), name
+    if Version(sentencepiece.__version__) < TRAINED_BY:
+        pytest.skip(f"the data files match; the committed tokenizers were trained by sentencepiece {TRAINED_BY}")
     for name in tokenizers:
         fresh, saved = (AutoTokenizer.from_pretrained(path) for path in (tmp_path / name, os.path.join(committed, name)))
         assert fresh.get_vocab() == saved.get_vocab(), name

@@ -22,6 +22,7 @@ With a single process, `is_main_process=False` opens the checkpoints read-only: 
 """
 
 import contextlib
+import inspect
 import logging
 import os
 
@@ -151,12 +152,15 @@ def _check_compatible(step: int, saved: dict, expected: dict):
 # copies (or views of device buffers, which a step cannot donate while a view is alive), which nothing
 # changes. Orbax's copy cost a second host copy of the state while it was written: 5.1 GiB more host memory
 # for the Llama row's 455M parameters on a TPU host. A streamed run's "data" rows keep the copy.
+# orbax-checkpoint before 0.12.5 (what some TPU VMs' own package index holds) always copies: there the state
+# is written with its default handler, at the cost of that second copy (docs/running.md).
+WRITES_HOST_ARRAYS_IN_PLACE = "deepcopy_host_arrays" in inspect.signature(ocp.type_handlers.NumpyHandler).parameters
 # Nor are they compressed (`use_compression=False` below): trained float weights and Adam's moments shrink by
 # ~10%, and tensorstore held compressed chunks of most of the state until the write was done (3.7 GiB for the
 # Llama row; on this project's CPU 1.27 GiB for a 1.5 GiB state, against 0.11 uncompressed, in twice the time).
 _STATE_TYPES = ocp.type_handlers.create_type_handler_registry(*[
-    (kind, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False) if kind is np.ndarray
-     else ocp.type_handlers.get_type_handler(kind))
+    (kind, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)
+     if kind is np.ndarray and WRITES_HOST_ARRAYS_IN_PLACE else ocp.type_handlers.get_type_handler(kind))
     for kind in ocp.type_handlers.supported_types()])
 
 
