@@ -122,7 +122,8 @@ def main(argv=None):
     extractor = speech.load_feature_extractor(model_args)
     config = w2v.fit_config(load_config(model_args, task="wav2vec2", model_types=("wav2vec2",)), model_args)
     workers = data_args.preprocessing_num_workers or speech.audio.default_workers()
-    clips = speech.load_clips(data_args, training_args, extractor, model_args.cache_dir, workers, transcribed=False)
+    clips = speech.load_clips(data_args, training_args, extractor, model_args.cache_dir, workers, transcribed=False,
+                              shortest_model_clip=speech.shortest_heard(config, extractor.sampling_rate))
     waveforms = w2v.Waveforms(extractor, w2v.padded_samples(data_args.max_duration_in_seconds,
                                                             extractor.sampling_rate, data_args.pad_to_multiple_of))
     frames = int(w2v.frame_lengths(config, waveforms.length))

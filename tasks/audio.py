@@ -144,6 +144,9 @@ def read_audio(source):
     `soundfile` package. AudioError when it cannot be read."""
     if _is_wav(source):
         return read_wav(source)
+    with _opened(source) as f:
+        if not f.read(1):
+            raise AudioError("an empty file (0 bytes)")
     soundfile = _soundfile()
     if soundfile is None:
         raise AudioError("not a WAV file; FLAC, OGG and other formats are read only with the optional soundfile "
@@ -204,9 +207,10 @@ def load(source, target_rate):
 class AudioSources:
     """The clips of a `datasets` column as `read_audio` sources, without decoding them up front:
     `sources[i]` is the encoded bytes of row i, or its file's path (a string column of paths is read
-    relative to `base`, the data file's folder). `select(rows)` keeps those rows."""
+    relative to `base`, the data file's folder; `split` names the data in errors). `select(rows)` keeps
+    those rows."""
 
-    def __init__(self, dataset, column, base=None):
+    def __init__(self, dataset, column, base=None, split="train"):
         import datasets
 
         feature = dataset.features[column]
@@ -215,13 +219,13 @@ class AudioSources:
         elif not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
             raise UsageError(f"column {column!r} holds {feature}, neither audio nor paths to audio files: name the "
                              "audio column with --audio_column_name")
-        self.dataset, self.column, self.base = dataset, column, base
+        self.dataset, self.column, self.base, self.split = dataset, column, base, split
 
     def __len__(self):
         return len(self.dataset)
 
     def select(self, rows):
-        return AudioSources(self.dataset.select(rows), self.column, self.base)
+        return AudioSources(self.dataset.select(rows), self.column, self.base, self.split)
 
     def __getitem__(self, key):
         value = self.dataset[int(key)][self.column]
@@ -230,7 +234,8 @@ class AudioSources:
                 return value["bytes"]
             value = value.get("path")
         if not value:
-            raise UsageError(f"row {key} of column {self.column!r} has no audio: give it a file, or drop the row")
+            raise UsageError(f"row {key} of the {self.split} data has no audio in column {self.column!r}: give it a "
+                             "file, or drop the row")
         return value if self.base is None or os.path.isabs(value) else os.path.join(self.base, value)
 
     def name(self, i):
@@ -246,9 +251,11 @@ def check_clips(sources, split, workers=None):
     def seconds(i):
         source = sources[i]
         try:
-            return clip_seconds(source), None
+            duration = clip_seconds(source)
         except (OSError, AudioError, EOFError, struct.error) as e:
             return None, e
+        # No sample to hear: a model would pool over nothing (wav2vec2's loss turns nan)
+        return (duration, None) if duration > 0 else (None, AudioError("it holds no samples (0 s)"))
 
     with ThreadPoolExecutor(workers or default_workers()) as pool:
         found = list(pool.map(seconds, range(len(sources))))
