@@ -20,6 +20,7 @@ lives in `utils/`. The export (`FlaxWav2Vec2ForPreTraining` and its feature extr
 
 import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
 
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -63,12 +64,12 @@ class Wav2Vec2ModelArguments(ModelArguments):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"--{name} must be positive, got {value}")
-        if self.diversity_loss_weight is not None and self.diversity_loss_weight < 0:
-            raise UsageError(f"--diversity_loss_weight must be >= 0, got {self.diversity_loss_weight}")
-        if not 0 < self.min_gumbel_temperature <= self.max_gumbel_temperature:
+        if self.diversity_loss_weight is not None and not 0 <= self.diversity_loss_weight < math.inf:
+            raise UsageError(f"--diversity_loss_weight must be >= 0 and finite, got {self.diversity_loss_weight}")
+        if not 0 < self.min_gumbel_temperature <= self.max_gumbel_temperature < math.inf:
             raise UsageError(f"the Gumbel temperatures must satisfy 0 < --min_gumbel_temperature "
                              f"({self.min_gumbel_temperature:g}) <= --max_gumbel_temperature "
-                             f"({self.max_gumbel_temperature:g})")
+                             f"({self.max_gumbel_temperature:g}), both finite")
         if not 0 < self.gumbel_temperature_decay <= 1:
             raise UsageError(f"--gumbel_temperature_decay must be in (0, 1], got {self.gumbel_temperature_decay}")
 

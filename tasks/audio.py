@@ -216,6 +216,11 @@ class AudioSources:
         feature = dataset.features[column]
         if isinstance(feature, datasets.Audio):
             dataset = dataset.cast_column(column, datasets.Audio(decode=False))
+        elif isinstance(feature, datasets.Json):  # paths and other values mixed: name the first row that is no path
+            row, value = next((row, value) for row, value in enumerate(dataset[column])
+                              if not isinstance(value, (str, type(None))))
+            raise UsageError(f"row {row} of the {split} data holds {str(value)[:60]} in column {column!r}, not a path "
+                             "to an audio file: fix the row")
         elif not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
             raise UsageError(f"column {column!r} holds {feature}, neither audio nor paths to audio files: name the "
                              "audio column with --audio_column_name")

@@ -477,7 +477,8 @@ def t5_args(*args, train=LM_TRAIN):
     (["--mlm_probability", 0], r"--mlm_probability \(the noise density\) must be between 0 and 1 \(exclusive\), got 0"),
     (["--mlm_probability", 1], r"--mlm_probability \(the noise density\) must be between 0 and 1 \(exclusive\), got 1"),
     (["--mlm_probability", 1.5], r"--mlm_probability \(the noise density\) must be between 0 and 1"),
-    (["--mean_noise_span_length", 0], r"--mean_noise_span_length must be at least 1 \(a span holds one token or more\)"),
+    (["--mean_noise_span_length", 0],
+     r"--mean_noise_span_length must be at least 1 and finite \(a span holds one token or more\)"),
     (["--mean_noise_span_length", -3], r"--mean_noise_span_length must be at least 1"),
     (["--max_seq_length", 0], r"--max_seq_length must be positive, got 0"),
     # 80% noise in spans of 1: every kept token is its own span, so the inputs are always odd.
