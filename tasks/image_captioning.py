@@ -123,10 +123,7 @@ def captioned_images(dataset, columns, split, file):
     import datasets
 
     image_column, caption_column = columns
-    missing = images.first_missing(dataset, image_column)
-    if missing is not None:
-        raise UsageError(f"row {missing} of the {split} data has no image in column {image_column!r}: give it one "
-                         "(a path or the image), or drop the row")
+    images.check_images_given(dataset, image_column, split)
     base = os.path.dirname(os.path.abspath(file)) if file else None
     sources = images.DatasetImages(dataset, image_column, base)
     # A path names its image; an image stored in the row is its own.

@@ -155,10 +155,7 @@ def dataset_split(data_args, dataset, split, base):
     image_column = _pick(data_args, "image_column", IMAGE_COLUMNS, columns, split)
     caption_column = _pick(data_args, "caption_column", CAPTION_COLUMNS, columns, split)
     label_column = _pick(data_args, "label_column", LABEL_COLUMNS, columns, split, required=False)
-    missing = images.first_missing(dataset, image_column)
-    if missing is not None:
-        raise UsageError(f"row {missing} of the {split} data has no image in column {image_column!r}: give it one "
-                         "(a path or the image), or drop the row")
+    images.check_images_given(dataset, image_column, split)
     raw_captions = column_values(dataset, caption_column)
     raw_labels = column_values(dataset, label_column) if label_column else None
     image_of, first_rows, captions, labels = {}, [], [], []  # image key -> its index; each image's first row
