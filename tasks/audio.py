@@ -11,8 +11,8 @@ them, find them in data files and datasets, measure and check them.
   folder) or the project's own decoding of an `Audio` feature's bytes (cast to `decode=False`:
   `datasets` itself decodes audio only through torchcodec).
 - measure and check: `clip_seconds` reads a WAV's duration from its header alone; `check_clips`
-  reads every clip's duration once, before any work, so a file that is not audio stops the run at
-  its start with its name.
+  reads every clip's duration once (and a float WAV's samples, which may be NaN), before any work, so
+  a file that is not audio, is empty or holds no numbers stops the run at its start with its name.
 """
 
 import io
@@ -168,6 +168,17 @@ def clip_seconds(source):
     return len(samples) / rate
 
 
+def non_finite_float_wav(source):
+    """Whether `source` is a float WAV holding NaN or infinite samples (a PCM clip cannot): its samples
+    are read, so only float clips pay for the check."""
+    if not _is_wav(source):
+        return False
+    with _opened(source) as f:
+        if WavHeader(f).encoding != "float":
+            return False
+    return not np.isfinite(read_wav(source)[0]).all()
+
+
 def write_wav(path, samples, rate):
     """`samples` (float, mono, in [-1, 1]) as a 16-bit PCM WAV file (the data generator's)."""
     pcm = np.clip(np.round(np.asarray(samples, np.float64) * 32767), -32768, 32767).astype("<i2")
@@ -259,8 +270,12 @@ def check_clips(sources, split, workers=None):
             duration = clip_seconds(source)
         except (OSError, AudioError, EOFError, struct.error) as e:
             return None, e
-        # No sample to hear: a model would pool over nothing (wav2vec2's loss turns nan)
-        return (duration, None) if duration > 0 else (None, AudioError("it holds no samples (0 s)"))
+        # No sample to hear, or samples that are no numbers: the loss would be nan
+        if duration <= 0:
+            return None, AudioError("it holds no samples (0 s)")
+        if non_finite_float_wav(source):
+            return None, AudioError("it holds samples that are not finite numbers (NaN or infinity)")
+        return duration, None
 
     with ThreadPoolExecutor(workers or default_workers()) as pool:
         found = list(pool.map(seconds, range(len(sources))))
