@@ -516,7 +516,7 @@ def bart_args(*args, train=LM_TRAIN):
 @pytest.mark.parametrize("args, pattern", [
     (["--mlm_probability", 1], r"--mlm_probability must be at least 0 and below 1, got 1"),
     (["--permute_sentence_ratio", 1.5], r"--permute_sentence_ratio must be between 0 and 1, got 1.5"),
-    (["--poisson_lambda", 0], r"--poisson_lambda \(the mean span length\) must be positive, got 0"),
+    (["--poisson_lambda", 0], r"--poisson_lambda \(the mean span length\) must be positive and finite, got 0"),
     (["--random_token_ratio", -0.1], r"--random_token_ratio must be between 0 and 1, got -0.1"),
     (["--sentence_separator", "<sep-not-there>"], r"--sentence_separator '<sep-not-there>' is not a token of the "
                                                   r"tokenizer"),
