@@ -445,6 +445,14 @@ def test_lm_model_type_the_script_cannot_train(fails, name, model_type, task):
                                                   rf"\({task}\)", script=script)
 
 
+def test_mlm_masking_nothing_most_steps_is_refused(fails):
+    """0.0001 of a batch of 8 x 32 tokens masks 0.026 on average: a logging window without a masked
+    token had no loss to average (a ValueError after the output dir was replaced)."""
+    script, argv = lm_args("mlm", "--mlm_probability", 0.0001)
+    fails(argv, r"--mlm_probability 0.0001 masks 0.026 tokens of a training batch of 8 x 32 tokens on average, less "
+                r"than one", script=script)
+
+
 @pytest.mark.parametrize("name", LM_SCRIPTS)
 def test_lm_hub_model_without_network(fails, hub_online, name):
     hub_online(UNREACHABLE)
