@@ -362,8 +362,10 @@ def open_rgb(source):
 
 
 def _to_8_bit(values):
+    """Grey levels of 16 bits (or 8 held in a wider type), or floats in [0, 1], as 8-bit grey."""
+    floats = np.issubdtype(values.dtype, np.floating)
     values = values.astype(np.float64)
-    top = 65535.0 if values.max() > 255 else 255.0
+    top = 65535.0 if values.max() > 255 else 1.0 if floats and values.max() <= 1 else 255.0
     return Image.fromarray(np.clip(np.round(values * (255.0 / top)), 0, 255).astype(np.uint8), mode="L")
 
 
