@@ -85,6 +85,8 @@ def main(argv=None):
     train_data, eval_arrays = masked_lm.read_examples(data_args, training_args, tokenizer, seq_length,
                                                       model_args.cache_dir)
     plan = training_plan(training_args, train_data and train_data.size)
+    if training_args.do_train:
+        masked_lm.check_masking_density(data_args.mlm_probability, seq_length, plan.batch_size)
 
     model, params = load_model(FlaxAutoModelForMaskedLM, model_args, config, training_args.seed, layout)
 

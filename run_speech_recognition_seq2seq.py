@@ -126,7 +126,8 @@ def main(argv=None):
     speech.set_run_prefix(tokenizer, data_args, joined)
     config = speech.load_speech_config(model_args, extractor, tokenizer, joined)
     workers = data_args.preprocessing_num_workers or speech.audio.default_workers()
-    clips = speech.load_clips(data_args, training_args, extractor, model_args.cache_dir, workers)
+    clips = speech.load_clips(data_args, training_args, extractor, model_args.cache_dir, workers,
+                              shortest_model_clip=speech.shortest_heard(config, extractor.sampling_rate))
     texts = {split: [speech.transcript(text, data_args.do_lower_case) for text in found.texts]
              for split, found in clips.items()}
     label_length = speech.label_length(data_args.max_label_length, config)

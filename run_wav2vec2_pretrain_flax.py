@@ -20,6 +20,7 @@ lives in `utils/`. The export (`FlaxWav2Vec2ForPreTraining` and its feature extr
 
 import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
 
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -64,12 +65,12 @@ class Wav2Vec2ModelArguments(ModelArguments):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"--{name} must be positive, got {value}")
-        if self.diversity_loss_weight is not None and self.diversity_loss_weight < 0:
-            raise UsageError(f"--diversity_loss_weight must be >= 0, got {self.diversity_loss_weight}")
-        if not 0 < self.min_gumbel_temperature <= self.max_gumbel_temperature:
+        if self.diversity_loss_weight is not None and not 0 <= self.diversity_loss_weight < math.inf:
+            raise UsageError(f"--diversity_loss_weight must be >= 0 and finite, got {self.diversity_loss_weight}")
+        if not 0 < self.min_gumbel_temperature <= self.max_gumbel_temperature < math.inf:
             raise UsageError(f"the Gumbel temperatures must satisfy 0 < --min_gumbel_temperature "
                              f"({self.min_gumbel_temperature:g}) <= --max_gumbel_temperature "
-                             f"({self.max_gumbel_temperature:g})")
+                             f"({self.max_gumbel_temperature:g}), both finite")
         if not 0 < self.gumbel_temperature_decay <= 1:
             raise UsageError(f"--gumbel_temperature_decay must be in (0, 1], got {self.gumbel_temperature_decay}")
 
@@ -123,7 +124,8 @@ def main(argv=None):
     extractor = speech.load_feature_extractor(model_args)
     config = w2v.fit_config(load_config(model_args, task="wav2vec2", model_types=("wav2vec2",)), model_args)
     workers = data_args.preprocessing_num_workers or speech.audio.default_workers()
-    clips = speech.load_clips(data_args, training_args, extractor, model_args.cache_dir, workers, transcribed=False)
+    clips = speech.load_clips(data_args, training_args, extractor, model_args.cache_dir, workers, transcribed=False,
+                              shortest_model_clip=speech.shortest_heard(config, extractor.sampling_rate))
     waveforms = w2v.Waveforms(extractor, w2v.padded_samples(data_args.max_duration_in_seconds,
                                                             extractor.sampling_rate, data_args.pad_to_multiple_of))
     frames = int(w2v.frame_lengths(config, waveforms.length))

@@ -11,8 +11,8 @@ them, find them in data files and datasets, measure and check them.
   folder) or the project's own decoding of an `Audio` feature's bytes (cast to `decode=False`:
   `datasets` itself decodes audio only through torchcodec).
 - measure and check: `clip_seconds` reads a WAV's duration from its header alone; `check_clips`
-  reads every clip's duration once, before any work, so a file that is not audio stops the run at
-  its start with its name.
+  reads every clip's duration once (and a float WAV's samples, which may be NaN), before any work, so
+  a file that is not audio, is empty or holds no numbers stops the run at its start with its name.
 """
 
 import io
@@ -144,6 +144,9 @@ def read_audio(source):
     `soundfile` package. AudioError when it cannot be read."""
     if _is_wav(source):
         return read_wav(source)
+    with _opened(source) as f:
+        if not f.read(1):
+            raise AudioError("an empty file (0 bytes)")
     soundfile = _soundfile()
     if soundfile is None:
         raise AudioError("not a WAV file; FLAC, OGG and other formats are read only with the optional soundfile "
@@ -163,6 +166,17 @@ def clip_seconds(source):
             return WavHeader(f).seconds
     samples, rate = read_audio(source)
     return len(samples) / rate
+
+
+def non_finite_float_wav(source):
+    """Whether `source` is a float WAV holding NaN or infinite samples (a PCM clip cannot): its samples
+    are read, so only float clips pay for the check."""
+    if not _is_wav(source):
+        return False
+    with _opened(source) as f:
+        if WavHeader(f).encoding != "float":
+            return False
+    return not np.isfinite(read_wav(source)[0]).all()
 
 
 def write_wav(path, samples, rate):
@@ -204,24 +218,30 @@ def load(source, target_rate):
 class AudioSources:
     """The clips of a `datasets` column as `read_audio` sources, without decoding them up front:
     `sources[i]` is the encoded bytes of row i, or its file's path (a string column of paths is read
-    relative to `base`, the data file's folder). `select(rows)` keeps those rows."""
+    relative to `base`, the data file's folder; `split` names the data in errors). `select(rows)` keeps
+    those rows."""
 
-    def __init__(self, dataset, column, base=None):
+    def __init__(self, dataset, column, base=None, split="train"):
         import datasets
 
         feature = dataset.features[column]
         if isinstance(feature, datasets.Audio):
             dataset = dataset.cast_column(column, datasets.Audio(decode=False))
+        elif isinstance(feature, datasets.Json):  # paths and other values mixed: name the first row that is no path
+            row, value = next((row, value) for row, value in enumerate(dataset[column])
+                              if not isinstance(value, (str, type(None))))
+            raise UsageError(f"row {row} of the {split} data holds {str(value)[:60]} in column {column!r}, not a path "
+                             "to an audio file: fix the row")
         elif not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
             raise UsageError(f"column {column!r} holds {feature}, neither audio nor paths to audio files: name the "
                              "audio column with --audio_column_name")
-        self.dataset, self.column, self.base = dataset, column, base
+        self.dataset, self.column, self.base, self.split = dataset, column, base, split
 
     def __len__(self):
         return len(self.dataset)
 
     def select(self, rows):
-        return AudioSources(self.dataset.select(rows), self.column, self.base)
+        return AudioSources(self.dataset.select(rows), self.column, self.base, self.split)
 
     def __getitem__(self, key):
         value = self.dataset[int(key)][self.column]
@@ -230,7 +250,8 @@ class AudioSources:
                 return value["bytes"]
             value = value.get("path")
         if not value:
-            raise UsageError(f"row {key} of column {self.column!r} has no audio: give it a file, or drop the row")
+            raise UsageError(f"row {key} of the {self.split} data has no audio in column {self.column!r}: give it a "
+                             "file, or drop the row")
         return value if self.base is None or os.path.isabs(value) else os.path.join(self.base, value)
 
     def name(self, i):
@@ -246,9 +267,15 @@ def check_clips(sources, split, workers=None):
     def seconds(i):
         source = sources[i]
         try:
-            return clip_seconds(source), None
+            duration = clip_seconds(source)
         except (OSError, AudioError, EOFError, struct.error) as e:
             return None, e
+        # No sample to hear, or samples that are no numbers: the loss would be nan
+        if duration <= 0:
+            return None, AudioError("it holds no samples (0 s)")
+        if non_finite_float_wav(source):
+            return None, AudioError("it holds samples that are not finite numbers (NaN or infinity)")
+        return duration, None
 
     with ThreadPoolExecutor(workers or default_workers()) as pool:
         found = list(pool.map(seconds, range(len(sources))))

@@ -39,6 +39,7 @@ def check_before_work(training_args, data_args, task, model_args):
     (`lm.check_before_work`, with --test_file for --do_predict). Local files tell their rows' format
     now; a hub dataset's is read once it is loaded (`rows_format_of`)."""
     preflight = lm.check_before_work(training_args, data_args, task, model_args, data_args.test_file)
+    chat.read_template(data_args.chat_template)  # the file checked now; installed with the tokenizer
     if not preflight.columns:
         return preflight, None
     rows = chat.row_format(preflight.columns)

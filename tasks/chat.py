@@ -46,21 +46,50 @@ def row_format(columns):
     return found.pop() if found else None
 
 
-def use_template(tokenizer, path):
-    """Install `--chat_template` FILE's template in the tokenizer (it is saved with it)."""
+def read_template(path):
+    """The text of `--chat_template` FILE, checked: readable UTF-8, not blank, and a Jinja template
+    that compiles (a UsageError naming the file, before any work); None without the flag."""
     if path is None:
-        return
+        return None
     try:
         with open(path, encoding="utf-8") as f:
-            tokenizer.chat_template = f.read()
+            template = f.read()
     except OSError as e:
         raise UsageError(f"--chat_template {path}: {e.strerror}: pass a readable template file")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--chat_template {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start}): save it as UTF-8")
+    if not template.strip():
+        raise UsageError(f"--chat_template {path} is empty: give a Jinja template that renders `messages`")
+    _compile(template, f"--chat_template {path}")
+    return template
+
+
+def _compile(template, source):
+    """Compile a chat template as transformers renders it; a syntax error is a UsageError naming `source`."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as e:
+        raise UsageError(f"{source} is not a valid Jinja template (line {e.lineno}: {e.message}): fix its syntax")
+
+
+def use_template(tokenizer, path):
+    """Install `--chat_template` FILE's template in the tokenizer (it is saved with it)."""
+    if path is not None:
+        tokenizer.chat_template = read_template(path)
 
 
 def check_template(tokenizer, kind):
-    if kind == MESSAGES and not tokenizer.chat_template:
+    if kind != MESSAGES:
+        return
+    if not tokenizer.chat_template:
         raise UsageError("the data has `messages` rows but the tokenizer has no chat template: pass one with "
                          "--chat_template FILE (a Jinja template), or a tokenizer that has one")
+    if isinstance(tokenizer.chat_template, str):  # a tokenizer's own (a file's was checked when read)
+        _compile(tokenizer.chat_template, "the tokenizer's chat template")
 
 
 class Example(NamedTuple):
@@ -75,9 +104,10 @@ def _render(tokenizer, messages, where, generation_prompt=False):
 
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    except TemplateError as e:
-        raise UsageError(f"{where}: the chat template rejects it ({e}): fix the row, or give a template that takes "
-                         "its roles with --chat_template")
+    except Exception as e:  # noqa: BLE001 - raise_exception(), an undefined name, or Python's errors in the template
+        reason = str(e) if isinstance(e, TemplateError) else f"{type(e).__name__}: {e}"
+        raise UsageError(f"{where}: the chat template rejects it ({reason}): fix the row, or give a template that "
+                         "takes its roles with --chat_template")
 
 
 def _check_messages(messages, where):
@@ -90,6 +120,11 @@ def _check_messages(messages, where):
     if not any(turn["role"] == "assistant" for turn in messages):
         raise UsageError(f"{where}: the conversation has no assistant turn, so nothing to learn: add one or drop "
                          "the row")
+    empty = next((i for i, turn in enumerate(messages) if turn["role"] == "assistant" and not turn["content"].strip()),
+                 None)
+    if empty is not None:
+        raise UsageError(f"{where}: assistant turn {empty + 1} of `messages` is empty, so it has no answer to learn: "
+                         "give it its text, or drop the row")
 
 
 def encode_conversation(tokenizer, messages, where):
@@ -116,6 +151,20 @@ def encode_conversation(tokenizer, messages, where):
                    messages[last_answer]["content"])
 
 
+ANSWER_PROBE = "flaxtune-answer-probe"
+
+
+def check_template_writes_answers(tokenizer, messages, where):
+    """The chat template must write the assistant turns' `content` (a template that ignores it, or
+    `messages` altogether, would train on its own fixed text): `messages` (a checked row) rendered with
+    a probe as every answer must show the probe."""
+    probed = [{**turn, "content": ANSWER_PROBE} if turn["role"] == "assistant" else turn for turn in messages]
+    if ANSWER_PROBE not in _render(tokenizer, probed, where):
+        raise UsageError(f"the chat template does not write the assistant turns' `content` (tried on {where}), so "
+                         "there is no answer to learn: use a template that renders each message's content "
+                         "(--chat_template)")
+
+
 def encode_instruction(tokenizer, prompt, completion, where):
     """The `Example` of one `prompt` / `completion` row."""
     if not isinstance(prompt, str) or not isinstance(completion, str) or not completion.strip():
@@ -136,7 +185,12 @@ def encode_rows(dataset, tokenizer, kind, split):
     for number, row in enumerate(dataset, start=1):
         where = f"row {number} of the {split} data"
         if kind == MESSAGES:
+            if row[MESSAGES] is None and any(row.get(name) is not None for name in (PROMPT, COMPLETION)):
+                raise UsageError(f"{where} has `prompt` / `completion` where the other rows have `messages`: give "
+                                 "every row of the data one kind")
             examples.append(encode_conversation(tokenizer, row[MESSAGES], where))
+            if number == 1:
+                check_template_writes_answers(tokenizer, row[MESSAGES], where)
         else:
             examples.append(encode_instruction(tokenizer, row[PROMPT], row[COMPLETION], where))
     return examples

@@ -121,8 +121,8 @@ def check_rates(mlm_probability, permute_sentence_ratio, poisson_lambda, random_
         raise UsageError(f"--mlm_probability must be at least 0 and below 1, got {mlm_probability}")
     if not 0 <= permute_sentence_ratio <= 1:
         raise UsageError(f"--permute_sentence_ratio must be between 0 and 1, got {permute_sentence_ratio}")
-    if not poisson_lambda > 0:
-        raise UsageError(f"--poisson_lambda (the mean span length) must be positive, got {poisson_lambda}")
+    if not 0 < poisson_lambda < math.inf:  # numpy draws no Poisson numbers of an infinite mean
+        raise UsageError(f"--poisson_lambda (the mean span length) must be positive and finite, got {poisson_lambda}")
     if not 0 <= random_token_ratio <= 1:
         raise UsageError(f"--random_token_ratio must be between 0 and 1, got {random_token_ratio}")
 

@@ -26,6 +26,7 @@ import numpy as np
 from tasks import Task
 from tasks import image_classification as images
 from tasks.demo import Answer, Predictor, show_answer
+from tasks.image_text import captions_of, column_values
 from tasks.lm import token_sums
 from tasks.summarization import decode_texts
 from utils import dataset_loading, file_formats
@@ -116,31 +117,19 @@ class CaptionedImages(NamedTuple):
     shown: list
 
 
-def _captions_of(value, row, split, column):
-    texts = [value] if isinstance(value, str) or value is None else list(value)
-    texts = [str(text).strip() for text in texts if text is not None and str(text).strip()]
-    if not texts:
-        raise UsageError(f"row {row} of the {split} data has no caption in column {column!r}: give it one, or drop "
-                         "the row")
-    return texts
-
-
 def captioned_images(dataset, columns, split, file):
     """The `CaptionedImages` of a `datasets` split: rows naming the same image file are one image with
     all their captions, in the order of its first row."""
     import datasets
 
     image_column, caption_column = columns
-    missing = images.first_missing(dataset, image_column)
-    if missing is not None:
-        raise UsageError(f"row {missing} of the {split} data has no image in column {image_column!r}: give it one "
-                         "(a path or the image), or drop the row")
+    images.check_images_given(dataset, image_column, split)
     base = os.path.dirname(os.path.abspath(file)) if file else None
     sources = images.DatasetImages(dataset, image_column, base)
     # A path names its image; an image stored in the row is its own.
     stored = isinstance(dataset.features[image_column], datasets.Image)
     keys = range(len(dataset)) if stored else list(dataset[image_column])
-    texts = list(dataset[caption_column]) if caption_column in dataset.column_names else None
+    texts = column_values(dataset, caption_column) if caption_column in dataset.column_names else None
     first_rows, captions, image_of = [], [], {}
     for row, key in enumerate(keys):
         if key not in image_of:
@@ -148,7 +137,7 @@ def captioned_images(dataset, columns, split, file):
             first_rows.append(row)
             captions.append([])
         if texts is not None:
-            captions[image_of[key]].extend(_captions_of(texts[row], row, split, caption_column))
+            captions[image_of[key]].extend(captions_of(texts[row], row, caption_column, split))
     kept = sources.select(first_rows) if len(first_rows) < len(sources) else sources
     return CaptionedImages(kept, captions if texts is not None else None, [kept.name(i) for i in range(len(kept))])
 

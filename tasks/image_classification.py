@@ -192,10 +192,7 @@ def dataset_columns(data_args, columns, split):
 def dataset_split(data_args, dataset, split, file):
     """The `ImageSplit` of a `datasets` split (read from `file`, or a hub dataset when None)."""
     image_column, label_column = dataset_columns(data_args, dataset.column_names, split)
-    missing = first_missing(dataset, image_column)
-    if missing is not None:
-        raise UsageError(f"row {missing} of the {split} data has no image in column {image_column!r}: give it one "
-                         "(a path or the image), or drop the row")
+    check_images_given(dataset, image_column, split)
     base = os.path.dirname(os.path.abspath(file)) if file else None
     sources = DatasetImages(dataset, image_column, base)
     names = None
@@ -210,12 +207,21 @@ def dataset_split(data_args, dataset, split, file):
     return ImageSplit(sources, names, [sources.name(i) for i in range(len(sources))])
 
 
-def first_missing(dataset, column):
-    """The first row whose `column` is null, or None; read from the Arrow table, nothing decoded."""
+def check_images_given(dataset, column, split):
+    """Every row of `column` gives an image, a path or the image itself: a UsageError names the first
+    row without one, or holding something else (a number among paths, which `datasets` keeps as a
+    `Json` column); read from the Arrow table, nothing decoded unless the column is such a mix."""
+    import datasets
     import pyarrow.compute as pc
 
-    index = pc.index(pc.is_null(dataset.with_format("arrow")[column]), True).as_py()
-    return None if index < 0 else index
+    missing = pc.index(pc.is_null(dataset.with_format("arrow")[column]), True).as_py()
+    if missing >= 0:
+        raise UsageError(f"row {missing} of the {split} data has no image in column {column!r}: give it one (a path "
+                         "or the image), or drop the row")
+    if isinstance(dataset.features[column], datasets.Json):
+        row, value = next((row, value) for row, value in enumerate(dataset[column]) if not isinstance(value, str))
+        raise UsageError(f"row {row} of the {split} data holds {str(value)[:60]} in column {column!r}, not a path to "
+                         "an image file: fix the row")
 
 
 def load_splits(data_args, training_args, cache_dir):
@@ -356,8 +362,10 @@ def open_rgb(source):
 
 
 def _to_8_bit(values):
+    """Grey levels of 16 bits (or 8 held in a wider type), or floats in [0, 1], as 8-bit grey."""
+    floats = np.issubdtype(values.dtype, np.floating)
     values = values.astype(np.float64)
-    top = 65535.0 if values.max() > 255 else 255.0
+    top = 65535.0 if values.max() > 255 else 1.0 if floats and values.max() <= 1 else 255.0
     return Image.fromarray(np.clip(np.round(values * (255.0 / top)), 0, 255).astype(np.uint8), mode="L")
 
 

@@ -123,16 +123,30 @@ def _image_keys(dataset, column):
     return [key if key is not None else ("row", row) for row, key in enumerate(values.to_pylist())]
 
 
-def _captions_of(value, row, column, split):
-    captions = [value] if isinstance(value, str) else value
+def captions_of(value, row, column, split):
+    """The captions of a row's `column` value: one caption or a list of them, each text; blank ones
+    are dropped, and a row left with none, or holding anything but text, is a UsageError."""
+    captions = [] if value is None else [value] if isinstance(value, str) else value
     if not isinstance(captions, list) or not all(isinstance(c, str) for c in captions):
-        raise UsageError(f"row {row} of the {split} data holds {type(value).__name__} in column {column!r}, not a "
-                         "caption or a list of captions: fix the row")
+        raise UsageError(f"row {row} of the {split} data holds {one_line(repr(value))[:60]} in column {column!r}, not "
+                         "a caption or a list of captions: fix the row")
     captions = [c.strip() for c in captions if c.strip()]
     if not captions:
         raise UsageError(f"row {row} of the {split} data has no caption in column {column!r}: give it one, or drop "
                          "the row")
     return captions
+
+
+def column_values(dataset, column):
+    """The values of a `datasets` column as Python objects, read from its Arrow table; a column whose
+    rows hold values of different types (a number among texts) is kept by `datasets` as JSON text (its
+    `Json` feature), which is decoded, so each row's own value is checked."""
+    import datasets
+
+    feature = dataset.features[column]
+    if isinstance(feature, datasets.Json) or isinstance(getattr(feature, "feature", None), datasets.Json):
+        return list(dataset[column])
+    return dataset.with_format("arrow")[column].to_pylist()
 
 
 def dataset_split(data_args, dataset, split, base):
@@ -141,15 +155,12 @@ def dataset_split(data_args, dataset, split, base):
     image_column = _pick(data_args, "image_column", IMAGE_COLUMNS, columns, split)
     caption_column = _pick(data_args, "caption_column", CAPTION_COLUMNS, columns, split)
     label_column = _pick(data_args, "label_column", LABEL_COLUMNS, columns, split, required=False)
-    missing = images.first_missing(dataset, image_column)
-    if missing is not None:
-        raise UsageError(f"row {missing} of the {split} data has no image in column {image_column!r}: give it one "
-                         "(a path or the image), or drop the row")
-    raw_captions = dataset.with_format("arrow")[caption_column].to_pylist()
-    raw_labels = dataset.with_format("arrow")[label_column].to_pylist() if label_column else None
+    images.check_images_given(dataset, image_column, split)
+    raw_captions = column_values(dataset, caption_column)
+    raw_labels = column_values(dataset, label_column) if label_column else None
     image_of, first_rows, captions, labels = {}, [], [], []  # image key -> its index; each image's first row
     for row, key in enumerate(_image_keys(dataset, image_column)):
-        found = _captions_of(raw_captions[row], row, caption_column, split)
+        found = captions_of(raw_captions[row], row, caption_column, split)
         if key in image_of:  # another row of the same image: its captions join the image's
             captions[image_of[key]].extend(found)
             continue

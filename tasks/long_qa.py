@@ -126,11 +126,17 @@ def parse_answers(value, split, row):
     answers = []
     for answer in value:
         category = answer.get("category")
+        if category is None:
+            raise UsageError(f"row {row} of the {split} data: an answer has no category: --answer_categories reads "
+                             "answers as {category, text, answer_start}, the category one of "
+                             f"{', '.join(CATEGORIES)} (SQuAD-style answers are read without --answer_categories)")
         if category not in CATEGORIES:
             raise UsageError(f"row {row} of the {split} data: unknown answer category {category!r}: use one of "
                              f"{', '.join(CATEGORIES)}")
         if category != "null":
             start = answer.get("answer_start")
+            # A column of offsets with one float among them (pandas, a null elsewhere) reads as floats: 432.0 is 432
+            start = int(start) if isinstance(start, float) and start.is_integer() else start
             answers.append((category, str(answer.get("text") or ""), -1 if start is None else start))
     return answers
 
@@ -143,7 +149,10 @@ def check_answer(category, text, start, context, split, row):
     if category in SPAN_CATEGORIES and not text:
         raise UsageError(f"row {row} of the {split} data: its {category} answer has no text: give the answer's "
                          "text and answer_start")
-    if not isinstance(start, int) or not 0 <= start < len(context):
+    if not isinstance(start, int) or isinstance(start, bool):
+        raise UsageError(f"row {row} of the {split} data: answer_start {start!r} is not a character offset: give the "
+                         f"{category} answer's offset in the document as a whole number")
+    if not 0 <= start < len(context):
         raise UsageError(f"row {row} of the {split} data: answer_start {start} is outside its document of "
                          f"{len(context)} characters: it must be the {category} answer's character offset")
     if context[start:start + len(text)] != text:
@@ -166,6 +175,9 @@ def read_examples(dataset, split, data_args, tokenizer, has_answers):
             question, context = examples[question_col][i], examples[context_col][i]
             if not isinstance(question, str) or not isinstance(context, str):
                 raise UsageError(f"row {row} of the {split} data: the question and the document must be text")
+            empty = "document" if not context.strip() else "question" if not question.strip() else None
+            if empty:  # nothing to find an answer in, or nothing to answer
+                raise UsageError(f"row {row} of the {split} data has an empty {empty}: give it its text, or drop the row")
             answers = parse_answers(examples[answer_col][i], split, row) if has_answers else []
             for category, text, start in answers:
                 check_answer(category, text, start, context, split, row)

@@ -89,6 +89,17 @@ def train_eval_masking(tokenizer, probability, seed):
     return tuple(masking(tokenizer, probability, seed, stream) for stream in (lm.TRAIN_STREAM, lm.EVAL_STREAM))
 
 
+def check_masking_density(probability, seq_length, batch_size):
+    """A density that masks less than one token of a training batch on average leaves most steps
+    nothing to learn, and a logging window without a masked token no loss to report: refused before
+    any work (`batch_size`: the global batch of `seq_length`-token rows)."""
+    expected = probability * seq_length * batch_size
+    if expected < 1:
+        raise UsageError(f"--mlm_probability {probability:g} masks {expected:.2g} tokens of a training batch of "
+                         f"{batch_size} x {seq_length} tokens on average, less than one, so most steps would learn "
+                         "nothing: raise it (BERT's is 0.15), or the batch size or --max_seq_length")
+
+
 # ----------------------------------------------------------------------------------------------
 # Loss
 # ----------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ like `tasks.masked_lm.masking`. The flags named in the errors are those of `run_
 """
 
 import logging
+import math
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -74,8 +75,8 @@ def span_corruption_lengths(max_seq_length, noise_density, mean_noise_span_lengt
     if not 0 < noise_density < 1:
         raise UsageError(f"--mlm_probability (the noise density) must be between 0 and 1 (exclusive), got "
                          f"{noise_density}")
-    if not mean_noise_span_length >= 1:
-        raise UsageError(f"--mean_noise_span_length must be at least 1 (a span holds one token or more), "
+    if not 1 <= mean_noise_span_length < math.inf:
+        raise UsageError(f"--mean_noise_span_length must be at least 1 and finite (a span holds one token or more), "
                          f"got {mean_noise_span_length}")
 
     def input_length(raw_length):

@@ -233,9 +233,38 @@ def max_duration(data_args, extractor):
     return data_args.max_duration_in_seconds
 
 
-def load_clips(data_args, training_args, extractor, cache_dir, workers, transcribed=True):
+def transcripts(values, split, column):
+    """The stripped transcripts of a column ("" where a row has none); a number is its digits (a csv of
+    spoken digits reads as integers), a row holding anything else but text (a list, a record) is a
+    UsageError."""
+    texts = []
+    for row, text in enumerate(values):
+        if isinstance(text, (int, float)) and not isinstance(text, bool):
+            text = str(text)
+        elif text is not None and not isinstance(text, str):
+            raise UsageError(f"row {row} of the {split} data holds {str(text)[:60]} in column {column!r}, not a "
+                             "transcript: give it its text")
+        texts.append((text or "").strip())
+    return texts
+
+
+def shortest_heard(config, rate):
+    """The seconds of the shortest clip a waveform encoder (wav2vec2's convolutions, alone or as a
+    speech encoder-decoder's encoder) makes one frame of; 0 for a model of mel frames (Whisper). A
+    clip without a frame would have nothing to attend to: its loss would be nan."""
+    config = getattr(config, "encoder", config)
+    if not hasattr(config, "conv_kernel"):
+        return 0.0
+    samples = 1
+    for kernel, stride in reversed(list(zip(config.conv_kernel, config.conv_stride))):
+        samples = (samples - 1) * stride + kernel
+    return samples / rate
+
+
+def load_clips(data_args, training_args, extractor, cache_dir, workers, transcribed=True, shortest_model_clip=0.0):
     """{split: Clips} of the phases asked for, read from data files or a hub dataset, every clip
-    checked, the unusable ones (too long, too short, no transcript) skipped and counted. Not
+    checked, the unusable ones (too long, too short, no transcript) skipped and counted; too short
+    is under --min_duration_in_seconds or `shortest_model_clip` (`shortest_heard`). Not
     `transcribed` (wav2vec2 pretraining): no text column is read, and `Clips.texts` is None."""
     splits = needed_splits(training_args)
     files = {split: getattr(data_args, SPLIT_FILES[split]) for split in splits}
@@ -243,13 +272,14 @@ def load_clips(data_args, training_args, extractor, cache_dir, workers, transcri
     raw = phase_datasets(raw, {split: split for split in splits}, data_args)
     audio_column, text_column = resolve_columns(data_args, {split: raw[split].column_names for split in splits},
                                                 transcribed)
-    longest, shortest = max_duration(data_args, extractor), data_args.min_duration_in_seconds
+    longest, shortest = max_duration(data_args, extractor), max(data_args.min_duration_in_seconds, shortest_model_clip)
     clips = {}
     for split in splits:
         file = files[split]
-        sources = audio.AudioSources(raw[split], audio_column, os.path.dirname(os.path.abspath(file)) if file else None)
+        sources = audio.AudioSources(raw[split], audio_column, os.path.dirname(os.path.abspath(file)) if file else None,
+                                     split)
         seconds = audio.check_clips(sources, split, workers)
-        texts = [str(text or "").strip() for text in raw[split][text_column]] if transcribed else None
+        texts = transcripts(raw[split][text_column], split, text_column) if transcribed else None
         too_long, too_short = seconds > longest, seconds < shortest
         untranscribed = np.array([not text for text in texts] if transcribed else [False] * len(seconds), bool)
         untranscribed &= ~too_long & ~too_short

@@ -161,8 +161,15 @@ def test_a_missing_or_unreadable_clip_is_one_error_naming_it(tmp_path):
     import datasets
 
     (tmp_path / "text.wav").write_text("hello, I am no audio")
+    (tmp_path / "empty.wav").write_bytes(b"")
+    (tmp_path / "silent.wav").write_bytes(pcm_wav(np.zeros((0, 1), np.int64), 2))
+    (tmp_path / "nan.wav").write_bytes(float_wav(np.array([[0.1], [np.nan], [0.2]]), 4))
     for name, message in (("absent.wav", "absent.wav of the train data \\(row 0\\) not found"),
-                          ("text.wav", "audio text.wav of the train data \\(row 0\\) cannot be read: not a WAV")):
+                          ("text.wav", "audio text.wav of the train data \\(row 0\\) cannot be read: not a WAV"),
+                          ("empty.wav", "empty.wav of the train data \\(row 0\\) cannot be read: an empty file"),
+                          ("silent.wav", "silent.wav of the train data \\(row 0\\) cannot be read: it holds no samples"),
+                          ("nan.wav", "nan.wav of the train data \\(row 0\\) cannot be read: it holds samples that are "
+                                      "not finite numbers")):
         sources = audio.AudioSources(datasets.Dataset.from_dict({"audio": [name]}), "audio", base=str(tmp_path))
         with pytest.raises(UsageError, match=message):
             audio.check_clips(sources, "train")

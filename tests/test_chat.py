@@ -2,9 +2,11 @@
 transformers' own assistant mask), the loss on them alone (against a plain numpy cross-entropy), one
 example per row cut and padded as documented, exact match, and one line for each kind of bad row."""
 
+import copy
 import json
 import logging
 import os
+import re
 
 import numpy as np
 import pytest
@@ -174,6 +176,9 @@ def test_splits_of_different_formats_are_refused():
     ([{"role": "user"}, {"role": "assistant", "content": "x"}], "lacks a text `role` or `content`"),
     ([{"role": "tool", "content": "42"}, {"role": "assistant", "content": "x"}],
      r"row 3 of the train data: the chat template rejects it \(roles are system, user and assistant, not tool\)"),
+    # An empty answer would train on the end-of-turn token alone
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}],
+     "row 3 of the train data: assistant turn 2 of `messages` is empty"),
 ])
 def test_bad_rows_are_named(tokenizer, messages, message):
     with pytest.raises(UsageError, match=message):
@@ -184,6 +189,51 @@ def test_an_empty_completion_is_named(tokenizer):
     with pytest.raises(UsageError, match="row 2 of the validation data: `prompt` and `completion` must be text"):
         chat.encode_rows([{"prompt": "a", "completion": "x"}, {"prompt": "a", "completion": " "}], tokenizer,
                          "prompt-completion", "validation")
+
+
+def test_a_row_of_another_kind_is_named(tokenizer):
+    """A json lines file of `messages` rows with one `prompt` / `completion` row: datasets gives that row
+    `messages` None."""
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "prompt": None,
+             "completion": None}, {"messages": None, "prompt": "a", "completion": "b"}]
+    with pytest.raises(UsageError, match="row 2 of the train data has `prompt` / `completion` where the other rows "
+                                         "have `messages`"):
+        chat.encode_rows(rows, tokenizer, chat.MESSAGES, "train")
+
+
+CONVERSATION = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+
+
+@pytest.mark.parametrize("template, message", [
+    # Renders no answer: trained, it would learn the template's own text
+    ("{{ bos_token }}hello", r"the chat template does not write the assistant turns' `content` \(tried on row 1 of "
+                             r"the train data\)"),
+    ("{% for m in messages %}<|{{ m.role }}|>{% endfor %}", "does not write the assistant turns' `content`"),
+    # Python's errors inside the template, not jinja's
+    ("{% for m in messages %}{{ m.content }}{% endfor %}{{ 1 / 0 }}",
+     r"row 1 of the train data: the chat template rejects it \(ZeroDivisionError: division by zero\)"),
+    ("{% for m in messages %}{{ m.content }", r"the tokenizer's chat template is not a valid Jinja template \(line 1: "),
+])
+def test_a_template_that_cannot_give_answers_is_named(tokenizer, template, message):
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = template
+    with pytest.raises(UsageError, match=message):
+        chat.check_template(tokenizer, chat.MESSAGES)
+        chat.encode_rows([{"messages": CONVERSATION}], tokenizer, chat.MESSAGES, "train")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"caf\xe9 {{ messages }}", r"--chat_template {path} is not UTF-8 text \(byte 0xe9 at offset 3\): save it as UTF-8"),
+    (b" \n", "--chat_template {path} is empty"),
+    (b"{% if %}", r"--chat_template {path} is not a valid Jinja template \(line 1: "),
+    (None, "--chat_template {path}: No such file or directory"),
+])
+def test_a_bad_template_file_is_named(tmp_path, content, message):
+    path = tmp_path / "chat.jinja"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(UsageError, match=message.format(path=re.escape(str(path)))):
+        chat.read_template(str(path))
 
 
 def test_messages_need_a_template(tokenizer):

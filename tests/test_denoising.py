@@ -360,6 +360,7 @@ def test_what_cannot_work_is_refused_up_front(tokenizer):
         dn.plan_denoising(tokenizer, bart_config(), data_args(max_seq_length=3))
     for rates, flag in [((1.0, 1, 3, 0), "--mlm_probability"), ((0.3, 1.5, 3, 0), "--permute_sentence_ratio"),
                         ((0.3, 1, 0, 0), "--poisson_lambda"), ((0.3, 1, float("nan"), 0), "--poisson_lambda"),
+                        ((0.3, 1, float("inf"), 0), "--poisson_lambda"),
                         ((0.3, 1, 3, -0.1), "--random_token_ratio")]:
         with pytest.raises(UsageError, match=flag) as raised:
             dn.check_rates(*rates)

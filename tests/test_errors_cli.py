@@ -445,6 +445,14 @@ def test_lm_model_type_the_script_cannot_train(fails, name, model_type, task):
                                                   rf"\({task}\)", script=script)
 
 
+def test_mlm_masking_nothing_most_steps_is_refused(fails):
+    """0.0001 of a batch of 8 x 32 tokens masks 0.026 on average: a logging window without a masked
+    token had no loss to average (a ValueError after the output dir was replaced)."""
+    script, argv = lm_args("mlm", "--mlm_probability", 0.0001)
+    fails(argv, r"--mlm_probability 0.0001 masks 0.026 tokens of a training batch of 8 x 32 tokens on average, less "
+                r"than one", script=script)
+
+
 @pytest.mark.parametrize("name", LM_SCRIPTS)
 def test_lm_hub_model_without_network(fails, hub_online, name):
     hub_online(UNREACHABLE)
@@ -477,7 +485,8 @@ def t5_args(*args, train=LM_TRAIN):
     (["--mlm_probability", 0], r"--mlm_probability \(the noise density\) must be between 0 and 1 \(exclusive\), got 0"),
     (["--mlm_probability", 1], r"--mlm_probability \(the noise density\) must be between 0 and 1 \(exclusive\), got 1"),
     (["--mlm_probability", 1.5], r"--mlm_probability \(the noise density\) must be between 0 and 1"),
-    (["--mean_noise_span_length", 0], r"--mean_noise_span_length must be at least 1 \(a span holds one token or more\)"),
+    (["--mean_noise_span_length", 0],
+     r"--mean_noise_span_length must be at least 1 and finite \(a span holds one token or more\)"),
     (["--mean_noise_span_length", -3], r"--mean_noise_span_length must be at least 1"),
     (["--max_seq_length", 0], r"--max_seq_length must be positive, got 0"),
     # 80% noise in spans of 1: every kept token is its own span, so the inputs are always odd.
@@ -515,7 +524,7 @@ def bart_args(*args, train=LM_TRAIN):
 @pytest.mark.parametrize("args, pattern", [
     (["--mlm_probability", 1], r"--mlm_probability must be at least 0 and below 1, got 1"),
     (["--permute_sentence_ratio", 1.5], r"--permute_sentence_ratio must be between 0 and 1, got 1.5"),
-    (["--poisson_lambda", 0], r"--poisson_lambda \(the mean span length\) must be positive, got 0"),
+    (["--poisson_lambda", 0], r"--poisson_lambda \(the mean span length\) must be positive and finite, got 0"),
     (["--random_token_ratio", -0.1], r"--random_token_ratio must be between 0 and 1, got -0.1"),
     (["--sentence_separator", "<sep-not-there>"], r"--sentence_separator '<sep-not-there>' is not a token of the "
                                                   r"tokenizer"),

@@ -24,8 +24,10 @@ import run_image_captioning_flax as captioning
 import run_image_classification as image
 import run_mlm_flax as mlm
 import run_qa
+import run_speech_recognition_seq2seq as speech
 import run_summarization_flax as summarization
 import run_t5_mlm_flax as t5_mlm
+import run_wav2vec2_pretrain_flax as wav2vec2
 from script_runner import ROOT, directory_state
 from test_long_qa import LONG_QA_TOKENIZER, TINY_BIG_BIRD, long_qa_row
 from test_errors_cli import (LM_TOKENIZER, QA_TOKENIZER, T5_TOKENIZER, TINY_BERT, TINY_T5, TINY_VIT, TOKENIZER,
@@ -33,7 +35,7 @@ from test_errors_cli import (LM_TOKENIZER, QA_TOKENIZER, T5_TOKENIZER, TINY_BERT
 
 GLUE_TOKENIZER = os.path.join(ROOT, "data", "glue", "tokenizer")
 NER_TOKENIZER = os.path.join(ROOT, "data", "ner", "tokenizer")
-SCRIPTS = (summarization, clm, mlm, t5_mlm, glue, ner, run_qa, image)
+SCRIPTS = (summarization, clm, mlm, t5_mlm, glue, ner, run_qa, image, speech, wav2vec2)
 IMAGE_TEXT_TOKENIZER = os.path.join(ROOT, "data", "image_text", "tokenizer")
 
 
@@ -83,6 +85,16 @@ LONG_QA = ["--model_type", "big_bird", "--config_overrides", TINY_BIG_BIRD, "--t
            "--answer_categories", "--attention_type", "original_full", "--max_seq_length", 64, "--doc_stride", 16,
            "--do_train", "--train_file", "{train}"]
 
+CHAT = ["--model_type", "gpt2", "--config_overrides", "n_embd=32,n_layer=1,n_head=2,n_positions=64", "--block_size",
+        64, "--tokenizer_name", os.path.join(ROOT, "data", "chat", "tokenizer"), "--do_train", "--train_file", "{train}"]
+SPEECH_DATA = os.path.join(ROOT, "data", "speech")
+SPEECH = ["--model_type", "whisper", "--config_overrides", "d_model=32,encoder_layers=1,decoder_layers=1,"
+          "encoder_attention_heads=2,decoder_attention_heads=2,encoder_ffn_dim=64,decoder_ffn_dim=64,"
+          "max_target_positions=32", "--tokenizer_name", os.path.join(SPEECH_DATA, "tokenizer"),
+          "--feature_extractor_name", os.path.join(SPEECH_DATA, "tokenizer"), "--do_train", "--train_file", "{train}"]
+WAV2VEC2 = ["--config_name", os.path.join(SPEECH_DATA, "wav2vec2_tiny"), "--feature_extractor_name",
+            os.path.join(SPEECH_DATA, "wav2vec2_tiny"), "--do_train", "--train_file", "{train}"]
+
 SENTENCES = [f"sentence number {i}" for i in range(10)]
 GOOD_QA = [qa_row(i) for i in range(4)]
 
@@ -119,6 +131,35 @@ def bomb_image(d):
     """A valid PNG of 20000 x 20000 pixels (48 kB compressed): more than Pillow decodes."""
     Image.new("1", (20000, 20000)).save(d / "bomb.png")
     return "bomb.png"
+
+
+def conversation(answer, question="What is 1 plus 1?"):
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+def chat_rows(d, rows):
+    return write_jsonl(d / "train.jsonl", [conversation("two")] * 3 + rows)
+
+
+def template(d, content):
+    (d / "chat.jinja").write_bytes(content)
+    return str(d / "chat.jinja")
+
+
+def wav(d, name, samples):
+    """A 16 kHz 16-bit mono WAV of `samples` samples (`tasks.audio.write_wav`)."""
+    from tasks.audio import write_wav
+
+    write_wav(d / name, np.zeros(samples), 16000)
+    return name
+
+
+def clips_csv(d, rows):
+    """A csv of audio paths (relative to it) and transcripts; `rows` are (writer of a clip into `d`, text)."""
+    return write_csv(d / "train.csv", ["audio", "text"], [(make(d), text) for make, text in rows])
+
+
+SECOND = [(lambda d, i=i: wav(d, f"{i}.wav", 16000), "one two") for i in range(3)]
 
 
 # (case, script, flags, {placeholder: writer of the file into a folder}, the file the error names, pattern)
@@ -220,6 +261,48 @@ CASES = [
      {"train": lambda d: write_csv(d / "train.csv", ["image_path", "caption"],
                                    [(good_image(0, "")[0](d), "a"), (good_image(1, "")[0](d), "")])},
      "train", r"row 1 of the train data has no caption in column 'caption'"),
+    ("clip: a number among the captions", clip, CLIP,
+     {"train": lambda d: caption_rows(d, [(good_image(0, "")[0], ["a cat"]), (good_image(1, "")[0], 7)])},
+     "train", r"row 1 of the train data holds 7 in column 'captions', not a caption or a list of captions"),
+    ("captioning: a number among the image paths", captioning, CAPTIONING,
+     {"train": lambda d: caption_rows(d, [(good_image(0, "")[0], ["a cat"]), ((lambda d: 7), ["a dog"])])},
+     "train", r"row 1 of the train data holds 7 in column 'image_path', not a path to an image file"),
+    ("captioning: a record among the captions", captioning, CAPTIONING,
+     {"train": lambda d: caption_rows(d, [(good_image(0, "")[0], ["a cat"]), (good_image(1, "")[0], {"a": "b"})])},
+     "train", r"row 1 of the train data holds \{'a': 'b'\} in column 'captions', not a caption"),
+    # Chat rows and templates
+    ("chat: empty answer", clm, CHAT, {"train": lambda d: chat_rows(d, [conversation("")])},
+     "train", r"row 4 of the train data: assistant turn 2 of `messages` is empty"),
+    ("chat: a prompt / completion row among conversations", clm, CHAT,
+     {"train": lambda d: chat_rows(d, [{"prompt": "a", "completion": "b"}])},
+     "train", r"row 4 of the train data has `prompt` / `completion` where the other rows have `messages`"),
+    ("chat: template not UTF-8", clm, CHAT + ["--chat_template", "{template}"],
+     {"train": lambda d: chat_rows(d, []), "template": lambda d: template(d, b"caf\xe9 {{ messages }}")},
+     "template", r"--chat_template .* is not UTF-8 text \(byte 0xe9 at offset 3\)"),
+    ("chat: template syntax", clm, CHAT + ["--chat_template", "{template}"],
+     {"train": lambda d: chat_rows(d, []), "template": lambda d: template(d, b"{% for m in messages %}{{ m }")},
+     "template", r"--chat_template .* is not a valid Jinja template \(line 1: unexpected '}'\)"),
+    ("chat: template writes no answer", clm, CHAT + ["--chat_template", "{template}"],
+     {"train": lambda d: chat_rows(d, []), "template": lambda d: template(d, b"{% for m in messages %}{{ m.role }}"
+                                                                                b"{% endfor %}")},
+     "train", r"the chat template does not write the assistant turns' `content` \(tried on row 1 of the train data"),
+    # Audio
+    ("speech: a clip of no samples", speech, SPEECH,
+     {"train": lambda d: clips_csv(d, SECOND + [(lambda d: wav(d, "silent.wav", 0), "three")])},
+     "train", r"audio .*silent\.wav of the train data \(row 3\) cannot be read: it holds no samples"),
+    ("speech: an empty file", speech, SPEECH,
+     {"train": lambda d: clips_csv(d, SECOND + [(lambda d: (d / "empty.wav").write_bytes(b"") * 0 or "empty.wav", "x")])},
+     "train", r"audio .*empty\.wav of the train data \(row 3\) cannot be read: an empty file \(0 bytes\)"),
+    ("speech: a list for a transcript", speech, SPEECH,
+     {"train": lambda d: write_jsonl(d / "train.jsonl", [{"audio": wav(d, "a.wav", 16000), "text": "one"},
+                                                         {"audio": wav(d, "b.wav", 16000), "text": ["one", "two"]}])},
+     "train", r"row 1 of the train data holds \['one', 'two'\] in column 'text', not a transcript"),
+    ("wav2vec2: a row without audio", wav2vec2, WAV2VEC2,
+     {"train": lambda d: clips_csv(d, SECOND + [(lambda d: "", "")])},
+     "train", r"row 3 of the train data has no audio in column 'audio'"),
+    ("wav2vec2: a clip of no samples", wav2vec2, WAV2VEC2,
+     {"train": lambda d: clips_csv(d, SECOND + [(lambda d: wav(d, "silent.wav", 0), "")])},
+     "train", r"silent\.wav of the train data \(row 3\) cannot be read: it holds no samples"),
     # Texts
     ("summarization: header only", summarization, SUMMARIZATION,
      {"train": lambda d: write_csv(d / "train.csv", ["document", "summary"], [])}, "train", r"but no rows"),

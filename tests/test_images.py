@@ -94,6 +94,12 @@ def test_open_rgb_converts_every_mode(tmp_path):
         "rgba.png": (Image.fromarray(np.dstack([rgb, np.full(grey.shape, 7, np.uint8)])), rgb),
         "grey16.png": (Image.fromarray(grey.astype(np.uint16) * 257), np.repeat(grey[..., None], 3, axis=2)),
     }
+    bits = grey > 127
+    cases["one_bit.png"] = (Image.fromarray(bits), np.repeat(bits[..., None] * np.uint8(255), 3, axis=2))
+    # Lossless CMYK (TIFF) of the colours' complements, no black: RGB = 255 - CMY
+    cases["cmyk.tif"] = (Image.fromarray(np.dstack([255 - rgb, np.zeros(grey.shape, np.uint8)]), mode="CMYK"), rgb)
+    # Float grey in [0, 1] (scientific TIFFs): scaled to 0..255, not rounded to black
+    cases["float.tif"] = (Image.fromarray(grey.astype(np.float32) / 255), np.repeat(grey[..., None], 3, axis=2))
     palette = Image.fromarray(rgb).quantize(8)
     cases["palette.png"] = (palette, np.asarray(palette.convert("RGB")))
     transparent = palette.copy()

@@ -190,11 +190,36 @@ def test_simplified_natural_questions_rows_lose_their_tags_and_keep_their_answer
     ([{"category": "long", "text": "Lyon", "answer_start": 2}], "the long answer 'Lyon' is not at answer_start 2"),
     ([{"category": "yes", "text": "Lyon", "answer_start": 500}], "answer_start 500 is outside its document"),
     ('{"category": short', "are not JSON"),
+    # SQuAD-style answers given to --answer_categories
+    ([{"text": "Lyon", "answer_start": 2}], r"an answer has no category: --answer_categories reads answers as "
+                                            r"\{category, text, answer_start\}"),
+    ([{"category": "short", "text": "Lyon", "answer_start": 2.5}], "answer_start 2.5 is not a character offset"),
 ])
 def test_bad_answers_are_one_error_naming_the_row(answers, pattern):
     with pytest.raises(UsageError, match=pattern):
         for category, text, start in long_qa.parse_answers(answers, "train", 3):
             long_qa.check_answer(category, text, start, long_qa_row(0)["context"], "train", 3)
+
+
+def test_a_whole_float_offset_is_the_offset():
+    """One float among a file's offsets makes pandas or datasets read them all as floats: 12.0 is 12."""
+    row = long_qa_row(0)
+    start = row["answers"][0]["answer_start"]
+    answers = long_qa.parse_answers([{**row["answers"][0], "answer_start": float(start)}], "train", 0)
+    assert answers == [("short", "Lyon", start)] and isinstance(answers[0][2], int)
+    long_qa.check_answer(*answers[0], row["context"], "train", 0)
+
+
+@pytest.mark.parametrize("context, question, pattern", [
+    ("", "Where did Amara move to?", "row 0 of the train data has an empty document"),
+    (" Amara moved to Lyon .", " ", "row 0 of the train data has an empty question"),
+])
+def test_an_empty_document_or_question_is_named(tokenizer, context, question, pattern):
+    import datasets
+
+    rows = datasets.Dataset.from_list([{"id": "q0", "question": question, "context": context, "answers": []}])
+    with pytest.raises(UsageError, match=pattern):
+        long_qa.read_examples(rows, "train", data_args(), tokenizer, has_answers=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -338,6 +338,11 @@ def test_the_peft_export_has_peft_keys_shapes_and_config(name):
     (dict(lora_target="q_proj"), "--lora_target applies to LoRA only"),
     (dict(lora_rank=4, lora_dropout=1.0), "--lora_dropout must be in [0, 1)"),
     (dict(lora_rank=4, lora_base_dtype="int8"), "--lora_base_dtype 'int8' is not supported"),
+    # Not a number a run could train with: the loss would be nan from step 1, after the output dir was replaced
+    (dict(lora_rank=4, lora_alpha=float("nan")), "--lora_alpha must be a positive number, got nan"),
+    (dict(lora_rank=4, lora_alpha=float("inf")), "--lora_alpha must be a positive number, got inf"),
+    (dict(lora_rank=4, lora_target=""), "--lora_target is empty"),  # an empty regex would adapt every layer
+    (dict(lora_rank=4, lora_target="(attn"), "--lora_target '(attn' is not a valid regular expression"),
 ])
 def test_bad_lora_flags(flags, words):
     with pytest.raises(UsageError, match=None) as error:
@@ -345,9 +350,45 @@ def test_bad_lora_flags(flags, words):
     assert words in str(error.value)
 
 
+def adapter_dir(directory, config=None, weights=b""):
+    """A PEFT adapter directory: adapter_config.json (`config` over a valid one) and `weights` as
+    adapter_model.safetensors (None: no such file)."""
+    os.makedirs(directory, exist_ok=True)
+    settings = {"peft_type": "LORA", "base_model_name_or_path": "some/base", "r": 4, "lora_alpha": 8}
+    with open(os.path.join(directory, "adapter_config.json"), "w", encoding="utf-8") as f:
+        json.dump({**settings, **(config or {})}, f)
+    if weights is not None:
+        with open(os.path.join(directory, "adapter_model.safetensors"), "wb") as f:
+            f.write(weights)
+    return str(directory)
+
+
+def safetensors_bytes():
+    import safetensors.numpy
+
+    return safetensors.numpy.save({"base_model.model.a.lora_A.weight": np.zeros((4, 8), np.float32)})
+
+
+@pytest.mark.parametrize("rank, config, weights, words", [
+    (0, None, "valid", "is a PEFT adapter of rank 4: continue it with --lora_rank 4"),
+    (4, dict(r="4"), "valid", "gives r '4' and lora_alpha 8: a LoRA adapter's rank is a positive integer"),
+    (4, dict(lora_alpha=None), "valid", "gives r 4 and lora_alpha None"),
+    (4, None, None, "cannot read {dir}/adapter_model.safetensors (No such file or directory"),
+    (4, None, b"not a safetensors file", "cannot read {dir}/adapter_model.safetensors (Error while deserializing"),
+    (4, None, "truncated", "cannot read {dir}/adapter_model.safetensors (Error while deserializing header: "
+                           "incomplete metadata"),
+])
+def test_a_bad_peft_adapter_is_named_before_any_work(tmp_path, rank, config, weights, words):
+    """Checked with the arguments, before the base model is read: its config and its weights' header."""
+    weights = {"valid": safetensors_bytes(), "truncated": safetensors_bytes()[:-10]}.get(weights, weights)
+    directory = adapter_dir(tmp_path / "adapter", config, weights)
+    with pytest.raises(UsageError) as error:
+        ModelArguments(model_name_or_path=directory, lora_rank=rank)
+    assert words.format(dir=directory) in str(error.value)
+
+
 @pytest.mark.parametrize("flags, words", [
     (dict(lora_rank=4, lora_target="no_such_layer"), "matches no layer of this gpt2 model"),
-    (dict(lora_rank=4, lora_target="(attn"), "is not a valid regular expression"),
     (dict(lora_rank=40), "--lora_rank 40 is larger than layer transformer/h/0/attn/c_attn (32 -> 96)"),
 ])
 def test_bad_targets_and_ranks_are_named(flags, words):

@@ -171,3 +171,13 @@ def test_the_classic_flag_names_the_audio_column(fails, tmp_path):
 def test_settings_without_meaning_here_are_refused(fails):
     fails(["--min_gumbel_temperature", "3"], r"--min_gumbel_temperature \(3\) <= --max_gumbel_temperature \(2\)")
     fails(["--label_smoothing_factor", "0.1"], r"--label_smoothing_factor has no labels to smooth")
+
+
+@pytest.mark.parametrize("flags, pattern", [
+    # Not numbers a run could train with: the loss or the temperature schedule would be nan or inf
+    (["--max_gumbel_temperature", "inf"], r"--max_gumbel_temperature \(inf\), both finite"),
+    (["--diversity_loss_weight", "nan"], r"--diversity_loss_weight must be >= 0 and finite, got nan"),
+    (["--mask_time_prob", "nan"], r"--mask_time_prob must be in \(0, 1\], got nan"),
+])
+def test_pretraining_settings_out_of_range_are_refused(fails, flags, pattern):
+    fails(flags, pattern)

@@ -120,6 +120,7 @@ def test_refusals_name_the_nearest_lengths_that_work():
     (0.15, 0, "--mean_noise_span_length must be at least 1"),
     (0.15, -2, "--mean_noise_span_length must be at least 1"),
     (0.15, 0.5, "--mean_noise_span_length must be at least 1"),
+    (0.15, float("inf"), "--mean_noise_span_length must be at least 1 and finite"),  # trained as one span a row
 ])
 def test_bad_density_or_span_length_is_a_one_line_usage_error(density, mean_span, message):
     with pytest.raises(UsageError, match=message) as raised:

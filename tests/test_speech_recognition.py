@@ -139,6 +139,27 @@ def test_clips_too_long_too_short_or_untranscribed_are_skipped_and_counted(tmp_p
     # --max_duration_in_seconds 30 is more than the 2-second chunk the model takes: lowered to it.
     assert "more than the 2 seconds the model takes" in caplog.text
     assert "skipped 3 of 5 clips: 1 longer than 2 s, 1 shorter than 0.3 s, 1 without a transcript" in caplog.text
+    # The shortest clip the model hears (`shortest_heard`) raises the floor, with the same count
+    clips = speech.load_clips(DataArgs(), training_args, extractor, str(tmp_path / "cache"), workers=2,
+                              shortest_model_clip=1.5)
+    assert clips["train"].texts == ["four blue dogs"]
+    assert "skipped 4 of 5 clips: 1 longer than 2 s, 3 shorter than 1.5 s, 0 without a transcript" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["wav2vec2_tiny", "wav2vec2"])
+def test_the_shortest_clip_heard_is_one_frame_of_the_encoders_own_count(name):
+    """A clip shorter than one frame of a waveform encoder gives it nothing to attend to (a nan loss):
+    it is skipped as too short. transformers' own frame count is the reference; Whisper hears any clip."""
+    from transformers import AutoConfig, SpeechEncoderDecoderConfig, WhisperConfig
+    from transformers.models.wav2vec2.modeling_flax_wav2vec2 import FlaxWav2Vec2Module
+
+    config = AutoConfig.from_pretrained(os.path.join(ROOT, "data", "speech", name))
+    samples = round(speech.shortest_heard(config, 16000) * 16000)
+    frames = FlaxWav2Vec2Module(config)._get_feat_extract_output_lengths
+    assert (frames(samples), frames(samples - 1)) == (1, 0)
+    joined = SpeechEncoderDecoderConfig.from_encoder_decoder_configs(config, AutoConfig.for_model("gpt2"))
+    assert speech.shortest_heard(joined, 8000) == samples / 8000
+    assert speech.shortest_heard(WhisperConfig(), 16000) == 0
 
 
 def test_generation_settings_are_a_copy_the_model_never_sees():

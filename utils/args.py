@@ -10,7 +10,9 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -30,6 +32,7 @@ PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine", "constant")
 # The LoRA flags beside --lora_rank, and their values when LoRA is off.
 LORA_DEFAULTS = {"lora_alpha": None, "lora_dropout": 0.0, "lora_target": "attention", "lora_base_dtype": None}
+LORA_TARGET_NAMES = ("attention", "all-linear")  # --lora_target's named rules (`utils.lora.TARGET_RULES`)
 LAYOUTS = ("dp", "fsdp")
 DROPOUT_GENERATORS = ("auto", "threefry", "rbg", "chip")
 ATTENTION = ("auto", "splash", "xla")
@@ -129,12 +132,18 @@ class ModelArguments:
         if self.lora_rank < 0:
             raise UsageError(f"--lora_rank must be positive (or 0 to train the whole model), got {self.lora_rank}")
         if not self.lora_rank:
+            adapter = _peft_adapter_config(self.model_name_or_path)
+            if adapter is not None:
+                raise UsageError(f"--model_name_or_path {self.model_name_or_path} is a PEFT adapter of rank "
+                                 f"{adapter.get('r')}: continue it with --lora_rank {adapter.get('r')}, or pass its "
+                                 "base model to train the whole model")
             given = [name for name, default in LORA_DEFAULTS.items() if getattr(self, name) != default]
             if given:
                 raise UsageError(f"--{given[0]} applies to LoRA only: pass --lora_rank R (e.g. 8) too, or drop it")
             return
-        if self.lora_alpha is not None and self.lora_alpha <= 0:
-            raise UsageError(f"--lora_alpha must be positive, got {self.lora_alpha}")
+        if self.lora_alpha is not None and not 0 < self.lora_alpha < math.inf:
+            raise UsageError(f"--lora_alpha must be a positive number, got {self.lora_alpha}")
+        self._check_lora_target()
         if not 0 <= self.lora_dropout < 1:
             raise UsageError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.lora_base_dtype is not None and self.lora_base_dtype not in PARAM_DTYPES:
@@ -142,31 +151,74 @@ class ModelArguments:
                              f"{', '.join(PARAM_DTYPES)}")
         self._continue_peft_adapter()
 
+    def _check_lora_target(self):
+        rule, fix = self.lora_target, ("use 'attention', 'all-linear' or a regex searched in module paths such as "
+                                       "encoder/layer/0/attention/self/query")
+        if not rule:
+            raise UsageError(f"--lora_target is empty: {fix}")
+        if rule not in LORA_TARGET_NAMES:
+            try:
+                re.compile(rule)
+            except re.error as error:
+                raise UsageError(f"--lora_target {rule!r} is not a valid regular expression ({error}): {fix}")
+
     def _continue_peft_adapter(self):
         """--model_name_or_path naming a PEFT adapter (adapter_config.json, no model of its own): the run
-        continues that adapter on the base its config names (`utils.lora.load_peft_weights`)."""
+        continues that adapter on the base its config names (`utils.lora.load_peft_weights`, which
+        matches its tensors to the model); its config and the header of its weights are checked now."""
         path = self.model_name_or_path
         self.lora_adapter_dir = None
-        if not (path and os.path.isfile(os.path.join(path, "adapter_config.json"))
-                and not os.path.isfile(os.path.join(path, "config.json"))):
+        config = _peft_adapter_config(path)
+        if config is None:
             return
         config_file = os.path.join(path, "adapter_config.json")
-        try:
-            with open(config_file, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError) as error:
-            raise UsageError(f"{config_file} is not a readable JSON file ({error}): point --model_name_or_path at a "
-                             "PEFT adapter directory or a model")
         if config.get("peft_type") != "LORA" or not config.get("base_model_name_or_path"):
             raise UsageError(f"{config_file} is not a LoRA adapter naming its base model (peft_type LORA, "
                              "base_model_name_or_path): pass the base model as --model_name_or_path instead")
-        if config.get("r") != self.lora_rank:
-            raise UsageError(f"the adapter in {path} has rank {config.get('r')}, this run --lora_rank "
-                             f"{self.lora_rank}: continue it with --lora_rank {config.get('r')}")
+        rank, alpha = config.get("r"), config.get("lora_alpha", 2 * self.lora_rank)
+        if type(rank) is not int or rank < 1 or type(alpha) not in (int, float) or not 0 < alpha < math.inf:
+            raise UsageError(f"{config_file} gives r {rank!r} and lora_alpha {alpha!r}: a LoRA adapter's rank is a "
+                             "positive integer and its alpha a positive number; fix the file or export the adapter "
+                             "again")
+        if rank != self.lora_rank:
+            raise UsageError(f"the adapter in {path} has rank {rank}, this run --lora_rank "
+                             f"{self.lora_rank}: continue it with --lora_rank {rank}")
+        _check_safetensors_header(os.path.join(path, "adapter_model.safetensors"))
         self.lora_adapter_dir = path
         self.model_name_or_path = config["base_model_name_or_path"]
         if self.lora_alpha is None:
-            self.lora_alpha = float(config.get("lora_alpha", 2 * self.lora_rank))
+            self.lora_alpha = float(alpha)
+
+
+def _peft_adapter_config(path):
+    """The adapter_config.json of `path` when it is a PEFT adapter directory (that file, no model's
+    config.json), else None; a UsageError when that file is no JSON object."""
+    config_file = os.path.join(path, "adapter_config.json") if path else ""
+    if not (path and os.path.isfile(config_file) and not os.path.isfile(os.path.join(path, "config.json"))):
+        return None
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{config_file} is not a readable JSON file ({error}): point --model_name_or_path at a "
+                         "PEFT adapter directory or a model")
+    if not isinstance(config, dict):
+        raise UsageError(f"{config_file} holds a JSON {type(config).__name__}, not an adapter's settings: point "
+                         "--model_name_or_path at a PEFT adapter directory or a model")
+    return config
+
+
+def _check_safetensors_header(path):
+    """Read the header of the safetensors file `path` (its tensors' names, shapes and extents, a few
+    kB): a missing, truncated or foreign file is a UsageError now, before any model is built."""
+    import safetensors
+
+    try:
+        with safetensors.safe_open(path, "numpy"):
+            pass
+    except (OSError, safetensors.SafetensorError) as error:
+        raise UsageError(f"cannot read {path} ({error}): export the adapter again, or pass its base model with "
+                         "--model_name_or_path to start a new one")
 
 
 @dataclass

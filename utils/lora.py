@@ -28,6 +28,7 @@ from flax import struct
 from flax.training.train_state import TrainState
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from utils.args import LORA_TARGET_NAMES
 from utils.errors import UsageError
 from utils.layers import intercept_calls
 
@@ -44,7 +45,7 @@ ATTENTION_TARGETS = "|".join((
     r"(^|/)(self_attn|encoder_attn|attention)/(q_proj|k_proj|v_proj|o_proj|out_proj)$",
     r"(^|/)self_attention/(query_key_value|dense)$",  # BLOOM
 ))
-TARGET_RULES = {"attention": ATTENTION_TARGETS, "all-linear": ".*"}
+TARGET_RULES = dict(zip(LORA_TARGET_NAMES, (ATTENTION_TARGETS, ".*")))  # --lora_target attention, all-linear
 # The Auto classes whose head a checkpoint of the base model lacks: it is new, so it trains in full.
 # PEFT's task types, by the end of the Auto class's name (none for the others: masked LM, images).
 PEFT_TASK_TYPES = {"SequenceClassification": "SEQ_CLS", "TokenClassification": "TOKEN_CLS",
@@ -121,11 +122,7 @@ def plan(model, model_args, auto_class_name, added_groups=()):
     top-level parameter groups of a head a task adds beside the model's parameters (outside the stock
     model), trained in full with the model's own heads."""
     rule = model_args.lora_target
-    try:
-        pattern = re.compile(TARGET_RULES.get(rule, rule))
-    except re.error as error:
-        raise UsageError(f"--lora_target {rule!r} is not a valid regular expression ({error}): use 'attention', "
-                         "'all-linear' or a regex searched in module paths such as encoder/layer/0/attention/self/query")
+    pattern = re.compile(TARGET_RULES.get(rule, rule))  # a valid regex: `utils.args.ModelArguments` checked it
     heads = tuple(sorted(set(head_modules(model, auto_class_name)) | set(added_groups)))
     modules = _kernel_modules(model)
     targets = {path: dims for path, dims in modules.items()
