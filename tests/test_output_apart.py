@@ -13,7 +13,9 @@ import os
 import re
 import typing
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 import run_bart_dlm_flax
 import run_clm_flax
@@ -154,6 +156,8 @@ def make_input(tmp_path, flag, kind):
     adapter.mkdir(parents=True)
     (adapter / "adapter_config.json").write_text(
         f'{{"peft_type": "LORA", "base_model_name_or_path": "{base}", "r": 4, "lora_alpha": 8}}')
+    save_file({"base_model.model.layer.lora_A.weight": np.zeros((4, 8), np.float32)},
+              str(adapter / "adapter_model.safetensors"))  # a readable adapter: the arguments check its header
     flags = ["--model_name_or_path", adapter, "--lora_rank", 4]
     if kind == "adapter":
         return flags, adapter, f"--model_name_or_path {adapter} reads its LoRA adapter from"
