@@ -38,6 +38,22 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["FLAXTUNE_TESTS_JAX_CACHE"], ignore_errors=True)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Without `-n`, one pytest-xdist worker per core, at most four: most tests wait on one script process
+    compiling, which keeps a single core busy. Whole files go to one worker, so a file's fixtures are built
+    once. Set here rather than in addopts so that `-p no:xdist` (no `-n` option at all) and `-n 0` run in one
+    process. Runs before xdist's own hook, which turns "auto" into a count."""
+    option = config.option
+    if not hasattr(option, "numprocesses") or hasattr(config, "workerinput"):
+        return  # xdist is off, or this is one of its workers
+    if option.numprocesses is None:
+        option.numprocesses = "auto"
+        option.maxprocesses = option.maxprocesses or 4
+    if option.numprocesses != 0 and option.dist == "no":
+        option.dist = "loadfile"
+
+
 @pytest.fixture
 def hub_online(monkeypatch):
     """Offline mode off (set above) and the probe's finding forgotten, all restored afterwards.
