@@ -251,7 +251,8 @@ def test_csv_and_json_inputs(tmp_path, tokenizer):
 
 def test_check_before_work(tmp_path):
     train = write_txt(tmp_path / "train.txt", ["a line"])
-    model = ModelArguments(model_type="gpt2", tokenizer_name=str(tmp_path))
+    (tmp_path / "tokenizer").mkdir()
+    model = ModelArguments(model_type="gpt2", tokenizer_name=str(tmp_path / "tokenizer"))
     lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(train_file=train), TASK, model)  # held-out part
     with pytest.raises(UsageError, match="--do_predict"):
         lm.check_before_work(training_args(tmp_path, do_predict=True), data_args(train_file=train), TASK, model)

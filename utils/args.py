@@ -440,7 +440,7 @@ class ArgumentParser(HfArgumentParser):
 
     def __init__(self, dataclass_types):
         script = _script_module(dataclass_types)
-        file, doc = getattr(script, "__file__", None), script.__doc__
+        file, doc = getattr(script, "__file__", None), getattr(script, "__doc__", None)
         super().__init__(dataclass_types, allow_abbrev=False, formatter_class=_HelpFormatter,
                          prog=os.path.basename(file) if file else None,
                          usage="%(prog)s [CONFIG.json] [--flag value ...]",
@@ -529,9 +529,12 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _script_module(dataclass_types):
+    """The module of the first of `dataclass_types` not defined here, or __main__; None where that module is
+    in no `sys.modules` (a script run by `runpy.run_path`, as `utils.perf` runs it): its help then has no
+    description."""
     for dtype in dataclass_types:
         if dtype.__module__ != __name__:
-            return sys.modules[dtype.__module__]
+            return sys.modules.get(dtype.__module__)
     return sys.modules["__main__"]
 
 
