@@ -23,6 +23,7 @@ from math import gcd
 
 import numpy as np
 
+from utils import dataset_loading
 from utils.errors import UsageError
 
 WAVE_PCM, WAVE_FLOAT, WAVE_EXTENSIBLE = 1, 3, 0xFFFE
@@ -227,7 +228,7 @@ class AudioSources:
         feature = dataset.features[column]
         if isinstance(feature, datasets.Audio):
             dataset = dataset.cast_column(column, datasets.Audio(decode=False))
-        elif isinstance(feature, datasets.Json):  # paths and other values mixed: name the first row that is no path
+        elif dataset_loading.holds_mixed_values(feature):  # paths mixed with other values: name the first non-path
             row, value = next((row, value) for row, value in enumerate(dataset[column])
                               if not isinstance(value, (str, type(None))))
             raise UsageError(f"row {row} of the {split} data holds {str(value)[:60]} in column {column!r}, not a path "

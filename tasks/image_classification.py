@@ -211,14 +211,13 @@ def check_images_given(dataset, column, split):
     """Every row of `column` gives an image, a path or the image itself: a UsageError names the first
     row without one, or holding something else (a number among paths, which `datasets` keeps as a
     `Json` column); read from the Arrow table, nothing decoded unless the column is such a mix."""
-    import datasets
     import pyarrow.compute as pc
 
     missing = pc.index(pc.is_null(dataset.with_format("arrow")[column]), True).as_py()
     if missing >= 0:
         raise UsageError(f"row {missing} of the {split} data has no image in column {column!r}: give it one (a path "
                          "or the image), or drop the row")
-    if isinstance(dataset.features[column], datasets.Json):
+    if dataset_loading.holds_mixed_values(dataset.features[column]):
         row, value = next((row, value) for row, value in enumerate(dataset[column]) if not isinstance(value, str))
         raise UsageError(f"row {row} of the {split} data holds {str(value)[:60]} in column {column!r}, not a path to "
                          "an image file: fix the row")

@@ -141,10 +141,8 @@ def column_values(dataset, column):
     """The values of a `datasets` column as Python objects, read from its Arrow table; a column whose
     rows hold values of different types (a number among texts) is kept by `datasets` as JSON text (its
     `Json` feature), which is decoded, so each row's own value is checked."""
-    import datasets
-
     feature = dataset.features[column]
-    if isinstance(feature, datasets.Json) or isinstance(getattr(feature, "feature", None), datasets.Json):
+    if any(dataset_loading.holds_mixed_values(f) for f in (feature, getattr(feature, "feature", None))):
         return list(dataset[column])
     return dataset.with_format("arrow")[column].to_pylist()
 

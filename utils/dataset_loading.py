@@ -7,6 +7,15 @@ from utils.errors import UsageError, is_disk_full
 from utils.file_formats import check_file, file_builder
 
 
+def holds_mixed_values(feature):
+    """Whether a `datasets` feature is the JSON text that `datasets` (4.7 on) keeps a column of values of
+    different types as (a number among paths); older versions refuse such a file at load, which
+    `load_splits` names, so there the answer is always no."""
+    import datasets
+
+    return isinstance(feature, getattr(datasets, "Json", ()))
+
+
 def load_splits(data_args, files, cache_dir=None, allowed=("json", "csv", "text"), **builder_kwargs):
     """Load a hub dataset (`data_args.dataset_name`) or local `files` ({split: path}) as a DatasetDict."""
     import datasets
