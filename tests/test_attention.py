@@ -13,11 +13,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from transformers import BertConfig, DistilBertConfig, FlaxBertForMaskedLM, FlaxDistilBertForMaskedLM, \
     FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, FlaxRobertaForMaskedLM, GPT2Config, LlamaConfig, RobertaConfig
 
+from tests.fresh_draws import fresh_model
 from tests.script_runner import read_metrics, run_script
 from utils import attention, compat, dropout_attention, remat, tpu_plan
 from utils.errors import UsageError
 from utils.layout import MESH_AXES
-from utils.models import init_in_one_program
 
 LENGTH = 128  # one kernel block
 compat.apply()  # as every script does: its Llama attention is the one routed
@@ -53,22 +53,16 @@ def test_the_kernel_is_masked_softmax_attention_on_every_real_token():
     np.testing.assert_allclose(no_padding, numpy_attention(q, k, v, np.ones_like(mask)), atol=2e-5)
 
 
-def fresh(model_class, config):
-    """The model with its weights drawn in one program, not op by op (a few compiles, not hundreds)."""
-    with init_in_one_program(model_class):
-        return model_class(config, seed=0)
-
-
 def tiny_gpt2(**overrides):
     config = GPT2Config(**{"vocab_size": 64, "n_positions": LENGTH, "n_embd": 32, "n_layer": 2, "n_head": 2, **overrides})
-    return fresh(FlaxGPT2LMHeadModel, config)
+    return fresh_model(FlaxGPT2LMHeadModel, config)
 
 
 def tiny_llama(**overrides):
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH,
                          rope_theta=500000.0, **overrides)
-    return fresh(FlaxLlamaForCausalLM, config)
+    return fresh_model(FlaxLlamaForCausalLM, config)
 
 
 def tiny_bert(family="bert", **overrides):
@@ -77,7 +71,7 @@ def tiny_bert(family="bert", **overrides):
                                  else (RobertaConfig, FlaxRobertaForMaskedLM))
     config = config_class(**{"vocab_size": 64, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
                              "intermediate_size": 64, "max_position_embeddings": LENGTH + 2, **overrides})
-    return fresh(model_class, config)
+    return fresh_model(model_class, config)
 
 
 def masked_lm_loss_and_grads(model, ids, mask, train=False, **arrays):
