@@ -1,10 +1,19 @@
-"""For models transformers builds only with weights (composed models): their fresh weights drawn in one program."""
+"""Fresh weights drawn in one program: for models transformers builds only with weights (composed models), and
+for the tests' own tiny models, which transformers would draw op by op (hundreds of small compiles)."""
 
 import jax
 import numpy as np
 from flax.traverse_util import flatten_dict
 
 from utils import perf
+from utils.models import init_in_one_program
+
+
+def fresh_model(model_class, config, seed=0, **kwargs):
+    """`model_class(config, seed=seed, **kwargs)`, its weights drawn in one compiled program (the same
+    draws, float32 rounding apart)."""
+    with init_in_one_program(model_class):
+        return model_class(config, seed=seed, **kwargs)
 
 
 def assert_drawn_in_one_program(model_class, config, seed, build):

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from transformers import BertConfig, DistilBertConfig, FlaxBertForMaskedLM, FlaxDistilBertForMaskedLM, \
     FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, FlaxRobertaForMaskedLM, GPT2Config, LlamaConfig, RobertaConfig
 
+from tests.fresh_draws import fresh_model
 from tests.script_runner import read_metrics, run_script
 from utils import attention, compat, dropout_attention, remat, tpu_plan
 from utils.errors import UsageError
@@ -54,14 +55,14 @@ def test_the_kernel_is_masked_softmax_attention_on_every_real_token():
 
 def tiny_gpt2(**overrides):
     config = GPT2Config(**{"vocab_size": 64, "n_positions": LENGTH, "n_embd": 32, "n_layer": 2, "n_head": 2, **overrides})
-    return FlaxGPT2LMHeadModel(config, seed=0)
+    return fresh_model(FlaxGPT2LMHeadModel, config)
 
 
 def tiny_llama(**overrides):
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH,
                          rope_theta=500000.0, **overrides)
-    return FlaxLlamaForCausalLM(config, seed=0)
+    return fresh_model(FlaxLlamaForCausalLM, config)
 
 
 def tiny_bert(family="bert", **overrides):
@@ -70,16 +71,16 @@ def tiny_bert(family="bert", **overrides):
                                  else (RobertaConfig, FlaxRobertaForMaskedLM))
     config = config_class(**{"vocab_size": 64, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
                              "intermediate_size": 64, "max_position_embeddings": LENGTH + 2, **overrides})
-    return model_class(config, seed=0)
+    return fresh_model(model_class, config)
 
 
-def masked_lm_loss_and_grads(model, ids, mask, **call):
-    """Mean cross-entropy of every real token's prediction, and its gradient."""
-    def loss(params):
-        logits = model(ids, attention_mask=mask, params=params, **call).logits
+def masked_lm_loss_and_grads(model, ids, mask, train=False, **arrays):
+    """Mean cross-entropy of every real token's prediction, and its gradient (one compiled program)."""
+    def loss(params, ids, mask, arrays):
+        logits = model(ids, attention_mask=mask, params=params, train=train, **arrays).logits
         picked = jnp.take_along_axis(jax.nn.log_softmax(logits), ids[..., None], -1)[..., 0]
         return -(picked * mask).sum() / mask.sum()
-    return jax.value_and_grad(loss)(model.params)
+    return jax.jit(jax.value_and_grad(loss))(model.params, ids, mask, arrays)
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta"])
@@ -110,14 +111,14 @@ def test_an_encoder_computes_the_same_loss_and_gradients_through_the_bidirection
     assert float(masked_lm_loss_and_grads(model, ids, mask, train=True, dropout_rng=other)[0]) != dropped
 
 
-def loss_and_grads(model, ids, mask, **call):
-    """Mean cross-entropy of the next real token, and its gradient."""
-    def loss(params):
-        logits = model(ids, attention_mask=mask, params=params, **call).logits[:, :-1]
+def loss_and_grads(model, ids, mask, train=False, **arrays):
+    """Mean cross-entropy of the next real token, and its gradient (one compiled program)."""
+    def loss(params, ids, mask, arrays):
+        logits = model(ids, attention_mask=mask, params=params, train=train, **arrays).logits[:, :-1]
         targets, weights = ids[:, 1:], (mask[:, 1:] * mask[:, :-1]).astype(jnp.float32)
         picked = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
         return -(picked * weights).sum() / weights.sum()
-    return jax.value_and_grad(loss)(model.params)
+    return jax.jit(jax.value_and_grad(loss))(model.params, ids, mask, arrays)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
@@ -175,11 +176,11 @@ def from_heads(x):
 def assert_kernel_is(kernel, expected, qkv, d_out, rate):
     """`kernel(q, k, v)` and its three gradients (of sum(out * d_out)) are `expected(q, k, v)`'s (whose
     second output is the kept mask, kept at 1 - `rate`)."""
-    with jax.default_matmul_precision("highest"):
-        want, kept = expected(*qkv)
-        np.testing.assert_allclose(np.asarray(kernel(*qkv)), np.asarray(want), atol=2e-5)
-        grads = jax.grad(lambda *qkv: jnp.sum(kernel(*qkv) * d_out), argnums=(0, 1, 2))(*qkv)
-        expected_grads = jax.grad(lambda *qkv: jnp.sum(expected(*qkv)[0] * d_out), argnums=(0, 1, 2))(*qkv)
+    with jax.default_matmul_precision("highest"):  # each side one compiled program
+        want, kept = jax.jit(expected)(*qkv)
+        np.testing.assert_allclose(np.asarray(jax.jit(kernel)(*qkv)), np.asarray(want), atol=2e-5)
+        grads = jax.jit(jax.grad(lambda *qkv: jnp.sum(kernel(*qkv) * d_out), argnums=(0, 1, 2)))(*qkv)
+        expected_grads = jax.jit(jax.grad(lambda *qkv: jnp.sum(expected(*qkv)[0] * d_out), argnums=(0, 1, 2)))(*qkv)
     for got, want in zip(grads, expected_grads):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
     assert abs(float(kept.mean()) - (1 - rate)) < 0.01

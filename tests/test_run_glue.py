@@ -16,7 +16,7 @@ from scipy.stats import pearsonr
 from sklearn.metrics import matthews_corrcoef
 
 from tasks import classification, text_classification
-from tests.script_runner import ROOT, calls_of_steps_compiled_once, read_json, run_script
+from tests.script_runner import ROOT, calls_of_steps_compiled_once, read_json, run_script, script_env
 from utils.errors import UsageError
 
 SCRIPT = "run_flax_glue.py"
@@ -73,7 +73,7 @@ def trained(tmp_path_factory, cola_files, cache_dir):
         "--output_dir", out, "--overwrite_output_dir", "--max_steps", MAX_STEPS, "--total_train_batch_size", "32",
         "--per_device_eval_batch_size", "8", "--learning_rate", "1e-3", "--warmup_steps", "30",
         "--logging_steps", "50", "--eval_steps", "100", "--save_steps", "1000", "--compilation_cache_dir", cache_dir],
-        steps_report=out + "_steps.json")
+        steps_report=out + "_steps.json", env=script_env(optimized_code=True))  # 200 steps: 12.3 s -> 9.3 s alone
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 

@@ -17,6 +17,7 @@ from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxGemmaForCausalLM,
                           FlaxLlamaForCausalLM, FlaxMistralForCausalLM, GemmaConfig, GPT2Config, LlamaConfig,
                           MistralConfig)
 
+from tests.fresh_draws import fresh_model
 from tests.jaxprs import equations
 from tests.script_runner import read_metrics, run_script
 from utils import attention, compat, layer_scan, lora, remat
@@ -34,14 +35,14 @@ LLAMA_LIKE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidde
 def gpt2(**overrides):
     config = dict(vocab_size=64, n_positions=128, n_embd=32, n_layer=LAYERS, n_head=2, bos_token_id=1,
                   eos_token_id=2, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return FlaxGPT2LMHeadModel(GPT2Config(**{**config, **overrides}), seed=0)
+    return fresh_model(FlaxGPT2LMHeadModel, GPT2Config(**{**config, **overrides}))
 
 
 FAMILIES = {
     "gpt2": gpt2,
-    "llama": lambda: FlaxLlamaForCausalLM(LlamaConfig(**LLAMA_LIKE), seed=0),
-    "mistral": lambda: FlaxMistralForCausalLM(MistralConfig(**LLAMA_LIKE, sliding_window=8), seed=0),
-    "gemma": lambda: FlaxGemmaForCausalLM(GemmaConfig(**LLAMA_LIKE, head_dim=8), seed=0),
+    "llama": lambda: fresh_model(FlaxLlamaForCausalLM, LlamaConfig(**LLAMA_LIKE)),
+    "mistral": lambda: fresh_model(FlaxMistralForCausalLM, MistralConfig(**LLAMA_LIKE, sliding_window=8)),
+    "gemma": lambda: fresh_model(FlaxGemmaForCausalLM, GemmaConfig(**LLAMA_LIKE, head_dim=8)),
 }
 
 
@@ -60,8 +61,11 @@ def loss_fn(model, ids, mask, **call):
     return loss
 
 
-def loss_and_grads(model, ids, mask, params=None, **call):
-    return jax.value_and_grad(loss_fn(model, ids, mask, **call))(model.params if params is None else params)
+def loss_and_grads(model, ids, mask, params=None, train=False, **arrays):
+    """The loss and its gradients, as one compiled program (the tests' models would run op by op)."""
+    def loss(params, arrays):
+        return loss_fn(model, ids, mask, train=train, **arrays)(params)
+    return jax.jit(jax.value_and_grad(loss))(model.params if params is None else params, arrays)
 
 
 def assert_same(got, want, atol=1e-5):
@@ -174,10 +178,10 @@ def test_lora_adapters_are_scanned_with_their_layers(target, scanned):
     def adapter_loss(adapters):  # the gradient of the adapters alone, the base frozen, as the spine takes it
         return loss_fn(model, ids, mask)(lora.join(adapters, frozen))
 
-    stock = jax.value_and_grad(adapter_loss)(adapters)
+    stock = jax.jit(jax.value_and_grad(adapter_loss))(adapters)
     layer_scan.scan_layers(model)
     assert scan_lengths(adapter_loss, adapters) == ([LAYERS] if scanned else [])
-    assert_same(jax.value_and_grad(adapter_loss)(adapters), stock)
+    assert_same(jax.jit(jax.value_and_grad(adapter_loss))(adapters), stock)
 
 
 def dropout_masks(model, ids, mask, rng):
@@ -216,15 +220,22 @@ def test_each_layer_draws_its_own_dropout_masks_from_the_step_key():
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_generation_and_hidden_states_run_the_loop(family):
-    """A generation cache or every layer's hidden states: the stock loop runs, with the stock results."""
+    """A generation cache or every layer's hidden states: the stock loop runs, with the stock results (each
+    call one compiled program, as the scripts run them)."""
     model, stock = FAMILIES[family](), FAMILIES[family]()
     ids, mask = batch(length=8)
     layer_scan.scan_layers(model)
-    generated = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False).sequences
-    np.testing.assert_array_equal(generated, stock.generate(ids, attention_mask=mask, max_new_tokens=4,
-                                                            do_sample=False).sequences)
-    states = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
-    want = stock(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+
+    def generated(model):
+        return jax.jit(lambda ids, mask: model.generate(ids, attention_mask=mask, max_new_tokens=4,
+                                                        do_sample=False).sequences)(ids, mask)
+
+    def hidden_states(model):
+        return jax.jit(lambda ids, mask: model(ids, attention_mask=mask, output_hidden_states=True).hidden_states)(
+            ids, mask)
+
+    np.testing.assert_array_equal(generated(model), generated(stock))
+    states, want = hidden_states(model), hidden_states(stock)
     assert len(states) == LAYERS + 1
     for got, expected in zip(states, want):
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-6)

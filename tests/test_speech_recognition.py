@@ -264,15 +264,20 @@ def test_only_the_decoders_it_can_generate_with_are_joined(tokenizer, waveform_e
 
 def test_the_frame_mask_counts_the_frames_the_encoder_makes_of_each_clip(tokenizer, waveform_extractor, monkeypatch):
     """The convolutions' output lengths computed here in plain Python, the encoder's own output length
-    for a clip alone, and the mask and the encoder's states handed to generation."""
+    for a clip alone, and the mask and the encoder's states handed to generation. The model's weights are
+    drawn and its encoder run as compiled programs (`init_in_one_program`, a jit), not op by op."""
+    import jax
     from transformers import FlaxSpeechEncoderDecoderModel
+
+    from utils.models import init_in_one_program
 
     config = speech.load_speech_config(joined_arguments(), waveform_extractor, tokenizer, True)
     # A smaller encoder than the shipped one (3 convolutions, 1 layer): the same code, compiled faster.
     encoder = config.encoder
     encoder.conv_dim, encoder.conv_kernel, encoder.conv_stride = (16, 16, 16), (10, 4, 3), (5, 3, 2)
     encoder.num_feat_extract_layers, encoder.num_hidden_layers = 3, 1
-    model = FlaxSpeechEncoderDecoderModel(config, input_shape=((1, 1024), (1, 8)), seed=0)
+    with init_in_one_program(FlaxSpeechEncoderDecoderModel):
+        model = FlaxSpeechEncoderDecoderModel(config, input_shape=((1, 1024), (1, 8)), seed=0)
     lengths = [6000, 4321, 1500]
     mask = np.zeros((3, 6000), np.int32)
     for row, n in enumerate(lengths):
@@ -286,24 +291,25 @@ def test_the_frame_mask_counts_the_frames_the_encoder_makes_of_each_clip(tokeniz
     frame_mask = np.asarray(speech.frame_mask(model, mask, frames(6000)))
     assert frame_mask.sum(axis=1).tolist() == [frames(n) for n in lengths] == [199, 143, 49]
     assert (np.diff(frame_mask, axis=1) <= 0).all()  # each clip's frames first
-    assert model.encode(np.ones((1, 4321), np.float32)).last_hidden_state.shape[1] == frames(4321)
+    clip = jax.ShapeDtypeStruct((1, 4321), np.float32)
+    assert jax.eval_shape(lambda clip: model.encode(clip).last_hidden_state, clip).shape[1] == frames(4321)
     # Generation: the encoder's states and this frame mask go to `generate` (which would otherwise hand the
     # cross-attention the sample mask: tests/test_run_speech_encoder_decoder.py generates for real).
     from transformers.generation.flax_utils import FlaxGenerationMixin
 
-    seen = {}
-
-    def generate(model, inputs, **kwargs):
-        seen.update(kwargs)
-        return type("Output", (), {"sequences": None})
+    def generate(model, inputs, **kwargs):  # hands back what it was given
+        given = (kwargs["attention_mask"], kwargs["encoder_outputs"].last_hidden_state, kwargs["decoder_input_ids"])
+        return type("Output", (), {"sequences": given})
 
     monkeypatch.setattr(FlaxGenerationMixin, "generate", generate)
     inputs = np.random.default_rng(3).standard_normal((3, 6000)).astype(np.float32) * mask
-    speech.generate_ids(model, model.params, inputs, speech.prompt_of(tokenizer, config),
-                        speech.generation_settings(model, 8, 1), mask)
-    np.testing.assert_array_equal(seen["attention_mask"], frame_mask)
-    assert seen["encoder_outputs"].last_hidden_state.shape[:2] == (3, frames(6000))
-    np.testing.assert_array_equal(seen["decoder_input_ids"], [[config.decoder_start_token_id]] * 3)
+    prompt, settings = speech.prompt_of(tokenizer, config), speech.generation_settings(model, 8, 1)
+    seen_mask, states, decoder_input_ids = jax.jit(
+        lambda params, inputs, mask: speech.generate_ids(model, params, inputs, prompt, settings, mask))(
+        model.params, inputs, mask)
+    np.testing.assert_array_equal(seen_mask, frame_mask)
+    assert states.shape[:2] == (3, frames(6000))
+    np.testing.assert_array_equal(decoder_input_ids, [[config.decoder_start_token_id]] * 3)
 
 
 def test_a_wav2vec2_pretraining_export_is_the_encoder_it_fine_tunes(tmp_path, tokenizer, waveform_extractor, caplog):

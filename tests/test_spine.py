@@ -7,10 +7,11 @@ import json
 import os
 import shutil
 
+import jax
 import pytest
 
 from layout_runs import PREDICTIONS, SCRIPTS, command
-from script_runner import read_json, read_metrics, run_script, script_env
+from script_runner import ROOT, read_json, read_metrics, run_script
 
 # Each training script on its shipped tiny config, and the layers that config's model recomputes with
 # --gradient_checkpointing: each of its transformer layers (wav2vec2 also its 4 feature-encoder convolutions).
@@ -33,25 +34,37 @@ SCRIPT_CONFIGS = {
 }
 
 
+class _Lowered(Exception):
+    """The first step a run hands the compiler, as JAX lowered it (its StableHLO text)."""
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed")
 @pytest.mark.parametrize("name", SCRIPT_CONFIGS)
-def test_gradient_checkpointing_recomputes_every_layer_of_every_scripts_train_step(tmp_path, name):
-    """The train step's program, as JAX lowers it (`JAX_DUMP_IR_TO`; --compile_only plans that step alone), holds
-    one optimization barrier per recomputed layer: the barrier keeps XLA from merging the backward pass's
-    recomputation back into the forward's activations. Nothing else in a step makes one, so a script whose
-    model never sees the flag (run_flax_glue.py once) holds none. That the recomputation saves memory on
-    the TPU's plan: tests/test_run_glue.py, through the same `make_steps`."""
+def test_gradient_checkpointing_recomputes_every_layer_of_every_scripts_train_step(monkeypatch, tmp_path, name):
+    """The train step's program, as JAX lowers it, holds one optimization barrier per recomputed layer: the
+    barrier keeps XLA from merging the backward pass's recomputation back into the forward's activations.
+    Nothing else in a step makes one, so a script whose model never sees the flag (run_flax_glue.py once)
+    holds none. The script's `main` runs here with --compile_only, which builds the model, layout and batch
+    from shapes alone and hands the compiler the train step first, the only step a train-only plan has; a
+    tripwire on `Lowered.compile` takes that program and stops the run, so the TPU compiler's own minutes
+    are left out (its plans: tests/test_tpu_plan.py, whose clm and summarization runs plan through the same
+    spine, `utils.training.make_steps`). That the recomputation saves memory on the TPU's plan:
+    tests/test_run_glue.py."""
     script, config, layers = SCRIPT_CONFIGS[name]
-    dumps = tmp_path / "lowered"
-    env = script_env()
-    env["JAX_DUMP_IR_TO"] = str(dumps)
-    result = run_script(script, [config, "--output_dir", tmp_path / "plan", "--compile_only", "v3-8",
-                                 "--total_train_batch_size", 16, "--do_eval", "false", "--do_predict", "false",
-                                 "--gradient_checkpointing", "--compilation_cache_dir", "none"], env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (train_step,) = dumps.glob("*jit__fun_compile.mlir")  # the pmapped step's module: the only one planned
-    assert train_step.read_text().count("stablehlo.optimization_barrier") == layers
+
+    def stop(lowered):
+        raise _Lowered(lowered.as_text())
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", stop)
+    monkeypatch.chdir(ROOT)  # the configs name their data relative to the repository
+    argv = [config, "--output_dir", str(tmp_path / "plan"), "--compile_only", "v3-8", "--total_train_batch_size",
+            "16", "--do_eval", "false", "--do_predict", "false", "--gradient_checkpointing", "--compilation_cache_dir",
+            "none"]
+    with pytest.raises(_Lowered) as lowered:
+        importlib.import_module(script.removesuffix(".py")).main(argv)
+    assert lowered.value.args[0].count("stablehlo.optimization_barrier") == layers
+    assert not os.path.exists(tmp_path / "plan" / "all_results.json")  # stopped before the plan
 
 
 def files(output_dir):
