@@ -52,6 +52,8 @@ def pytest_cmdline_main(config):
         option.maxprocesses = option.maxprocesses or 4
     if option.numprocesses != 0 and option.dist == "no":
         option.dist = "loadfile"
+        # Files in the order of pytest_collection_modifyitems below, not xdist's (most tests first).
+        option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
