@@ -212,3 +212,31 @@ def test_classic_timer_times_the_train_step_and_stops_after_the_steps_asked(tmp_
     short = subprocess.run([sys.executable, "benchmarks/classic_timer.py", str(out), "200", "--", str(script)],
                            cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=120)
     assert short.returncode == 1 and "ran only 100 train steps of 200" in short.stderr
+
+
+def test_fingerprints_leave_out_the_machine_and_name_each_file_that_differs(tmp_path):
+    """benchmarks/fingerprints.py: two runs that differ only in timings have the same fingerprint; a changed
+    loss, a changed prediction or a file only one run wrote are each named."""
+    spec = importlib.util.spec_from_file_location("fingerprints", os.path.join(ROOT, "benchmarks", "fingerprints.py"))
+    fingerprints = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fingerprints)
+
+    def run(name, loss, runtime, prediction, extra=False):
+        out = tmp_path / name
+        (out / "checkpoints" / "10").mkdir(parents=True)
+        (out / "checkpoints" / "10" / "state").write_text(f"{runtime}")
+        (out / "events.out.tfevents.1").write_text(f"{runtime}")
+        (out / "all_results.json").write_text(json.dumps({"eval_loss": loss, "train_runtime": runtime,
+                                                          "train_samples_per_second": 1 / runtime}))
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": loss, "step_seconds": runtime}) + "\n")
+        (out / "generated_predictions.txt").write_text(prediction)
+        if extra:
+            (out / "extra.txt").write_text("")
+        return {"summarization_tiny": fingerprints.fingerprint(out)}
+
+    before = run("a", 0.5, 1.0, "a cat\n")
+    assert sorted(before["summarization_tiny"]) == ["all_results.json", "generated_predictions.txt", "metrics.jsonl"]
+    assert fingerprints.compare(before, run("b", 0.5, 2.0, "a cat\n")) == []
+    assert fingerprints.compare(before, run("c", 0.25, 1.0, "a dog\n", extra=True)) == [
+        "summarization_tiny: all_results.json differs", "summarization_tiny: extra.txt only after",
+        "summarization_tiny: generated_predictions.txt differs", "summarization_tiny: metrics.jsonl differs"]
