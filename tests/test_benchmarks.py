@@ -230,13 +230,16 @@ def test_fingerprints_leave_out_the_machine_and_name_each_file_that_differs(tmp_
                                                           "train_samples_per_second": 1 / runtime}))
         (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": loss, "step_seconds": runtime}) + "\n")
         (out / "generated_predictions.txt").write_text(prediction)
+        (out / "README.md").write_text(f"# model\n\n| eval_loss | {loss} |\n| train_runtime | {runtime} |\n")
         if extra:
             (out / "extra.txt").write_text("")
         return {"summarization_tiny": fingerprints.fingerprint(out)}
 
     before = run("a", 0.5, 1.0, "a cat\n")
-    assert sorted(before["summarization_tiny"]) == ["all_results.json", "generated_predictions.txt", "metrics.jsonl"]
+    assert sorted(before["summarization_tiny"]) == ["README.md", "all_results.json", "generated_predictions.txt",
+                                                     "metrics.jsonl"]
     assert fingerprints.compare(before, run("b", 0.5, 2.0, "a cat\n")) == []
     assert fingerprints.compare(before, run("c", 0.25, 1.0, "a dog\n", extra=True)) == [
-        "summarization_tiny: all_results.json differs", "summarization_tiny: extra.txt only after",
+        "summarization_tiny: README.md differs", "summarization_tiny: all_results.json differs",
+        "summarization_tiny: extra.txt only after",
         "summarization_tiny: generated_predictions.txt differs", "summarization_tiny: metrics.jsonl differs"]
