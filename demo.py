@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from utils.errors import UsageError, run_main
+from utils.base.errors import UsageError, run_main
 
 # Streamlit options the demo always runs with: offline, no file watching, no developer menus.
 STREAMLIT_OPTIONS = {
@@ -68,7 +68,7 @@ def page(output_dir):
 
     import tasks
     from tasks.demo import BadInput, escape_markdown, load
-    from utils.logging import hide_notices_in_transformers_handlers
+    from utils.run.logs import hide_notices_in_transformers_handlers
 
     hide_notices_in_transformers_handlers()  # the notices the scripts hide, before a model is loaded
     st.set_page_config(page_title=f"flaxtune: {os.path.basename(output_dir)}")

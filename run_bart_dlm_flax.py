@@ -16,7 +16,7 @@ fsdp`, the model split over all devices); everything mechanical (layouts, schedu
 metrics, logging) lives in `utils/`.
 """
 
-import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.run.perf.seconds_since_start)
 
 import sys
 from dataclasses import dataclass, field
@@ -26,12 +26,13 @@ from transformers import FlaxAutoModelForSeq2SeqLM
 
 from tasks import denoising, lm
 from tasks.denoising import TASK
-from utils.args import ModelArguments, TrainingArguments, parse_args
-from utils.errors import UsageError, run_main
-from utils.layout import make_layout
-from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
-from utils.run import set_up, training_plan
-from utils.training import TrainingRun, make_steps
+from utils.base.arguments import ModelArguments, TrainingArguments
+from utils.base.errors import UsageError, run_main
+from utils.base.parsing import parse_args
+from utils.layout.layouts import make_layout
+from utils.models.loading import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
+from utils.run.setup import set_up, training_plan
+from utils.run.spine import TrainingRun, make_steps
 
 
 @dataclass

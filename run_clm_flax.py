@@ -16,7 +16,7 @@ default; `--sharding fsdp`, the model split over all devices);
 everything mechanical (layouts, schedules, checkpoints, metrics, logging) lives in `utils/`.
 """
 
-import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.run.perf.seconds_since_start)
 
 import sys
 from dataclasses import dataclass, field
@@ -27,14 +27,15 @@ from transformers import FlaxAutoModelForCausalLM
 from tasks import causal_lm, chat, lm
 from tasks.causal_lm import PREDICTIONS_FILE, TASK
 from tasks.summarization import set_generation
-from utils import lm_head
-from utils.args import READS, ModelArguments, TrainingArguments, parse_args
-from utils.errors import UsageError, run_main
-from utils.layout import make_layout
-from utils.loop import InMemoryData
-from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
-from utils.run import set_up, training_plan
-from utils.training import TrainingRun, make_steps
+from utils.base.arguments import ModelArguments, READS, TrainingArguments
+from utils.base.errors import UsageError, run_main
+from utils.base.parsing import parse_args
+from utils.kernels import lm_head
+from utils.layout.layouts import make_layout
+from utils.models.loading import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
+from utils.run.loop import InMemoryData
+from utils.run.setup import set_up, training_plan
+from utils.run.spine import TrainingRun, make_steps
 
 
 @dataclass

@@ -14,7 +14,7 @@ schedules, checkpoints, metrics, logging) lives in `utils/`, the task's data pre
 metrics and prediction file in `tasks/text_classification.py`.
 """
 
-import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.run.perf.seconds_since_start)
 
 import sys
 from dataclasses import dataclass, field
@@ -24,14 +24,17 @@ from transformers import FlaxAutoModelForSequenceClassification
 
 from tasks import classification, text_classification
 from tasks.text_classification import TASK
-from utils import dataset_loading
-from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
-from utils.errors import UsageError, run_main
-from utils.layout import make_layout
-from utils.loop import InMemoryData
-from utils.models import fit_config_to_tokenizer, fit_length, load_config, load_model, load_tokenizer, max_positions
-from utils.run import check_before_work, phase_datasets, set_up, training_plan
-from utils.training import TrainingRun, make_steps
+from utils.base.arguments import BaseDataArguments, ModelArguments, TrainingArguments
+from utils.base.errors import UsageError, run_main
+from utils.base.parsing import parse_args
+from utils.data import loaders
+from utils.layout.layouts import make_layout
+from utils.models.loading import (fit_config_to_tokenizer, fit_length, load_config, load_model, load_tokenizer,
+                                  max_positions)
+from utils.run.loop import InMemoryData
+from utils.run.preflight import check_before_work, phase_datasets
+from utils.run.setup import set_up, training_plan
+from utils.run.spine import TrainingRun, make_steps
 
 
 @dataclass
@@ -96,7 +99,7 @@ def main(argv=None):
     config = fit_config_to_tokenizer(load_config(model_args, task="sequence-classification"), tokenizer, model_args)
     seq_length = fit_length(data_args.max_seq_length or min(512, tokenizer.model_max_length), max_positions(config),
                             "max_seq_length", logger)
-    raw = dataset_loading.load_splits(source, {s: files[s] for s in phase_of if s in files}, model_args.cache_dir,
+    raw = loaders.load_splits(source, {s: files[s] for s in phase_of if s in files}, model_args.cache_dir,
                                       allowed=("json", "csv"))
     raw = phase_datasets(raw, phase_of, source)
     columns = text_classification.resolve_columns(data_args, task, {split: raw[split].column_names for split in raw})

@@ -13,7 +13,7 @@ schedules, checkpoints, metrics, logging) lives in `utils/`, the task's data pre
 metrics and prediction file in `tasks/token_classification.py`.
 """
 
-import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.run.perf.seconds_since_start)
 
 import sys
 from dataclasses import dataclass, field
@@ -23,14 +23,16 @@ from transformers import FlaxAutoModelForTokenClassification
 
 from tasks import classification, token_classification as tagging
 from tasks.token_classification import TASK
-from utils import dataset_loading
-from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
-from utils.errors import UsageError, run_main
-from utils.layout import make_layout
-from utils.loop import InMemoryData
-from utils.models import fit_config_to_tokenizer, fit_length, load_config, load_model, max_positions
-from utils.run import check_before_work, needed_splits, phase_datasets, set_up, training_plan
-from utils.training import TrainingRun, make_steps
+from utils.base.arguments import BaseDataArguments, ModelArguments, TrainingArguments
+from utils.base.errors import UsageError, run_main
+from utils.base.parsing import parse_args
+from utils.data import loaders
+from utils.layout.layouts import make_layout
+from utils.models.loading import fit_config_to_tokenizer, fit_length, load_config, load_model, max_positions
+from utils.run.loop import InMemoryData
+from utils.run.preflight import check_before_work, needed_splits, phase_datasets
+from utils.run.setup import set_up, training_plan
+from utils.run.spine import TrainingRun, make_steps
 
 
 @dataclass
@@ -84,7 +86,7 @@ def main(argv=None):
     config = load_config(model_args, task="token-classification")
     tokenizer = tagging.load_tagging_tokenizer(model_args)
     config = fit_config_to_tokenizer(config, tokenizer, model_args)
-    raw = dataset_loading.load_splits(data_args, {s: files[s] for s in phase_of}, model_args.cache_dir,
+    raw = loaders.load_splits(data_args, {s: files[s] for s in phase_of}, model_args.cache_dir,
                                       allowed=("json", "csv"))
     raw = phase_datasets(raw, phase_of, data_args)
     text_column, label_column = tagging.resolve_columns(data_args, {split: raw[split].column_names for split in raw})

@@ -22,7 +22,7 @@ devices, the default; `--sharding fsdp`, the model split over all devices); ever
 (layouts, schedules, checkpoints, metrics, logging) lives in `utils/`.
 """
 
-import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.run.perf.seconds_since_start)
 
 import dataclasses
 import sys
@@ -31,15 +31,17 @@ from typing import List, Optional
 
 import numpy as np
 
-from tasks import image_classification as images
+from tasks import images
 from tasks import image_text
 from tasks.image_text import TASK
-from utils.args import READS, BaseDataArguments, ModelArguments, TrainingArguments, parse_args
-from utils.errors import UsageError, run_main
-from utils.layout import make_layout
-from utils.models import fit_config_to_tokenizer, fit_length, load_config, load_tokenizer, max_positions
-from utils.run import check_before_work, set_up, training_plan
-from utils.training import TrainingRun, make_steps
+from utils.base.arguments import BaseDataArguments, ModelArguments, READS, TrainingArguments
+from utils.base.errors import UsageError, run_main
+from utils.base.parsing import parse_args
+from utils.layout.layouts import make_layout
+from utils.models.loading import fit_config_to_tokenizer, fit_length, load_config, load_tokenizer, max_positions
+from utils.run.preflight import check_before_work
+from utils.run.setup import set_up, training_plan
+from utils.run.spine import TrainingRun, make_steps
 
 
 @dataclass

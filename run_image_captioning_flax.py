@@ -20,7 +20,7 @@ over the local devices, the default; `--sharding fsdp`, the model split over all
 everything mechanical (layouts, schedules, checkpoints, metrics, logging) lives in `utils/`.
 """
 
-import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.run.perf.seconds_since_start)
 
 import sys
 from dataclasses import dataclass, field
@@ -29,15 +29,17 @@ from typing import Optional
 from transformers import FlaxAutoModel, FlaxAutoModelForCausalLM, FlaxVisionEncoderDecoderModel
 
 from tasks import image_captioning as captioning
-from tasks import image_classification as images
+from tasks import images
 from tasks.image_captioning import TASK
 from tasks.summarization import set_generation
-from utils.args import READS, BaseDataArguments, EncoderDecoderModelArguments, TrainingArguments, parse_args
-from utils.errors import UsageError, run_main
-from utils.layout import make_layout
-from utils.models import load_composed_model, load_tokenizer
-from utils.run import check_before_work, needed_splits, set_up, training_plan
-from utils.training import TrainingRun, make_steps
+from utils.base.arguments import BaseDataArguments, EncoderDecoderModelArguments, READS, TrainingArguments
+from utils.base.errors import UsageError, run_main
+from utils.base.parsing import parse_args
+from utils.layout.layouts import make_layout
+from utils.models.loading import load_composed_model, load_tokenizer
+from utils.run.preflight import check_before_work, needed_splits
+from utils.run.setup import set_up, training_plan
+from utils.run.spine import TrainingRun, make_steps
 
 
 @dataclass

@@ -19,7 +19,7 @@ devices, the default; `--sharding fsdp`, the model split over all devices); ever
 (layouts, schedules, checkpoints, metrics, logging) lives in `utils/`.
 """
 
-import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.run.perf.seconds_since_start)
 
 import sys
 from dataclasses import dataclass, field
@@ -27,14 +27,16 @@ from typing import Optional
 
 from transformers import FlaxAutoModelForImageClassification
 
-from tasks import image_classification as images
+from tasks import image_classification, images
 from tasks.image_classification import TASK
-from utils.args import READS, BaseDataArguments, ModelArguments, TrainingArguments, parse_args
-from utils.errors import UsageError, run_main
-from utils.layout import make_layout
-from utils.models import load_config, load_model
-from utils.run import check_before_work, sample_limit, set_up, training_plan
-from utils.training import TrainingRun, make_steps
+from utils.base.arguments import BaseDataArguments, ModelArguments, READS, TrainingArguments
+from utils.base.errors import UsageError, run_main
+from utils.base.parsing import parse_args
+from utils.layout.layouts import make_layout
+from utils.models.loading import load_config, load_model
+from utils.run.preflight import check_before_work, sample_limit
+from utils.run.setup import set_up, training_plan
+from utils.run.spine import TrainingRun, make_steps
 
 
 @dataclass
@@ -89,11 +91,11 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ImageModelArguments, ImageDataArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    images.check_data_given(training_args, data_args)
+    image_classification.check_data_given(training_args, data_args)
     # `check_before_work` checks the data files (and the rest), `check_folders` the folders.
     preflight = check_before_work(training_args, data_args, TASK, images.data_files(data_args),
-                                  allowed=images.FILE_FORMATS, model_args=model_args)
-    images.check_folders(training_args, data_args)
+                                  allowed=image_classification.FILE_FORMATS, model_args=model_args)
+    image_classification.check_folders(training_args, data_args)
     logger, is_main = set_up(training_args)
     layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
 
@@ -103,16 +105,16 @@ def main(argv=None):
     pretrained = bool(model_args.model_name_or_path)
     config = load_config(model_args, task="image-classification")
     # --max_*_samples images drawn at random (seeded): a folder's first images are all of one class.
-    splits = {split: images.take_subset(found, sample_limit(data_args, split), training_args.seed)
-              for split, found in images.load_splits(data_args, training_args, model_args.cache_dir).items()}
+    splits = {split: image_classification.take_subset(found, sample_limit(data_args, split), training_args.seed)
+              for split, found in image_classification.load_splits(data_args, training_args, model_args.cache_dir).items()}
     workers = data_args.preprocessing_num_workers or images.default_workers()
     for split, found in splits.items():
         images.check_readable(found.sources, workers, names=found.shown)  # a corrupt image stops the run here, named
         logger.info("%s: %d images", split, len(found.sources))
-    names = images.choose_labels(splits, config, pretrained, training_args.do_train)
-    labels = {split: images.label_ids(split, found.label_names, names) for split, found in splits.items()
+    names = image_classification.choose_labels(splits, config, pretrained, training_args.do_train)
+    labels = {split: image_classification.label_ids(split, found.label_names, names) for split, found in splits.items()
               if found.label_names is not None}
-    images.set_labels(config, names)
+    image_classification.set_labels(config, names)
     processor = images.load_image_processor(model_args)
     image_size = images.fit_image_size(data_args, config, processor, pretrained)
     if processor is None:  # from scratch: one that does what the eval transform does, saved with the model
@@ -122,7 +124,7 @@ def main(argv=None):
     train_data = None
     if training_args.do_train:
         train_data = images.ImageData(splits["train"].sources, labels["train"], transforms, workers)
-    eval_arrays = images.eval_columns(splits, labels, transforms, workers)
+    eval_arrays = image_classification.eval_columns(splits, labels, transforms, workers)
     plan = training_plan(training_args, train_data.size if train_data else None)
 
     # ------------------------------------------------------------------------------------------
@@ -135,11 +137,11 @@ def main(argv=None):
     # ------------------------------------------------------------------------------------------
     # Loss, then the optimizer, state and steps built from it (placed and compiled by the layout)
     # ------------------------------------------------------------------------------------------
-    top_k = images.top_k_for(len(names))
-    logits_of = images.logits_fn(model)
+    top_k = image_classification.top_k_for(len(names))
+    logits_of = image_classification.logits_fn(model)
 
     def loss_fn(params, batch, dropout_rng, train, label_smoothing):
-        return images.classification_sums(logits_of(params, batch, dropout_rng, train), batch["labels"],
+        return image_classification.classification_sums(logits_of(params, batch, dropout_rng, train), batch["labels"],
                                           batch.get("example_weight"), label_smoothing, top_k)
 
     state, steps = make_steps(loss_fn, model, params, layout, training_args, plan, train_data)
@@ -148,7 +150,7 @@ def main(argv=None):
     def evaluate(params, split):
         """Mean loss, accuracy (and top-5 accuracy) over every image of `split` (padded rows left out)."""
         means, _ = steps.evaluate(params, eval_arrays[split], len(splits[split].sources))
-        return images.eval_metrics(means)
+        return image_classification.eval_metrics(means)
 
     def predict(params, split):
         """The predicted class id of each image of `split`, in its order."""
@@ -187,7 +189,7 @@ def main(argv=None):
     if run.final_eval_due():
         run.report("eval", evaluate(state.params, "validation"))
     if training_args.do_predict:
-        lines = images.prediction_lines(splits["test"].shown, predict(state.params, "test"), names)
+        lines = image_classification.prediction_lines(splits["test"].shown, predict(state.params, "test"), names)
         run.write_text("predict_results.txt", lines, collapse_whitespace=False)
         run.dir.add_results(predict_samples=len(splits["test"].sources))
     run.finish()

@@ -20,7 +20,7 @@ One train / eval loop, each step defined once for both layouts (`--sharding dp` 
 everything mechanical lives in `utils/`.
 """
 
-import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.run.perf.seconds_since_start)
 
 import sys
 from dataclasses import dataclass, field
@@ -32,13 +32,15 @@ from transformers import FlaxAutoModelForQuestionAnswering
 
 from tasks import long_qa
 from tasks import question_answering as qa
-from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
-from utils.errors import UsageError, run_main
-from utils.layout import make_layout
-from utils.loop import InMemoryData
-from utils.models import fit_config_to_tokenizer, load_config, load_model
-from utils.run import check_before_work, needed_splits, phase_datasets, set_up, training_plan
-from utils.training import TrainingRun, make_steps
+from utils.base.arguments import BaseDataArguments, ModelArguments, TrainingArguments
+from utils.base.errors import UsageError, run_main
+from utils.base.parsing import parse_args
+from utils.layout.layouts import make_layout
+from utils.models.loading import fit_config_to_tokenizer, load_config, load_model
+from utils.run.loop import InMemoryData
+from utils.run.preflight import check_before_work, needed_splits, phase_datasets
+from utils.run.setup import set_up, training_plan
+from utils.run.spine import TrainingRun, make_steps
 
 
 @dataclass

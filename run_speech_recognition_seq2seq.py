@@ -28,7 +28,7 @@ layouts (`--sharding dp`, jax.pmap over the local devices, the default; `--shard
 model split over all devices); everything mechanical lives in `utils/`.
 """
 
-import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.run.perf.seconds_since_start)
 
 import sys
 from dataclasses import dataclass, field
@@ -39,13 +39,15 @@ from transformers import FlaxAutoModel, FlaxAutoModelForCausalLM, FlaxAutoModelF
 
 from tasks import speech_recognition as speech
 from tasks.speech_recognition import TASK
-from utils.args import READS, BaseDataArguments, EncoderDecoderModelArguments, TrainingArguments, parse_args
-from utils.errors import UsageError, run_main
-from utils.layout import make_layout
-from utils.loop import host_means
-from utils.models import arguments_of, load_composed_model, load_model, load_tokenizer, pretrained_part
-from utils.run import check_before_work, needed_splits, set_up, training_plan
-from utils.training import TrainingRun, make_steps
+from utils.base.arguments import BaseDataArguments, EncoderDecoderModelArguments, READS, TrainingArguments
+from utils.base.errors import UsageError, run_main
+from utils.base.parsing import parse_args
+from utils.layout.layouts import make_layout
+from utils.models.loading import arguments_of, load_composed_model, load_model, load_tokenizer, pretrained_part
+from utils.run.loop import host_means
+from utils.run.preflight import check_before_work, needed_splits
+from utils.run.setup import set_up, training_plan
+from utils.run.spine import TrainingRun, make_steps
 
 
 @dataclass

@@ -9,7 +9,7 @@ over the local devices, the default; `--sharding fsdp`, the model split over all
 everything mechanical (layouts, schedules, checkpoints, metrics, logging) lives in `utils/`.
 """
 
-import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.run.perf.seconds_since_start)
 
 import sys
 from dataclasses import dataclass, field
@@ -19,14 +19,16 @@ from transformers import FlaxAutoModelForSeq2SeqLM
 
 from tasks import summarization
 from tasks.summarization import TASK
-from utils import dataset_loading
-from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
-from utils.errors import UsageError, run_main
-from utils.layout import make_layout
-from utils.loop import InMemoryData, host_means
-from utils.models import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
-from utils.run import check_before_work, needed_splits, phase_datasets, set_up, training_plan
-from utils.training import TrainingRun, make_steps
+from utils.base.arguments import BaseDataArguments, ModelArguments, TrainingArguments
+from utils.base.errors import UsageError, run_main
+from utils.base.parsing import parse_args
+from utils.data import loaders
+from utils.layout.layouts import make_layout
+from utils.models.loading import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
+from utils.run.loop import InMemoryData, host_means
+from utils.run.preflight import check_before_work, needed_splits, phase_datasets
+from utils.run.setup import set_up, training_plan
+from utils.run.spine import TrainingRun, make_steps
 
 
 @dataclass
@@ -80,7 +82,7 @@ def main(argv=None):
     config = fit_config_to_tokenizer(load_config(model_args, task="seq2seq"), tokenizer, model_args)
     summarization.check_config(config)
     lengths = summarization.fit_lengths(data_args, config)
-    raw = dataset_loading.load_splits(data_args, {split: files[split] for split in splits}, model_args.cache_dir,
+    raw = loaders.load_splits(data_args, {split: files[split] for split in splits}, model_args.cache_dir,
                                       allowed=summarization.FILE_FORMATS)
     raw = phase_datasets(raw, {split: split for split in splits}, data_args)
     columns = summarization.resolve_columns(data_args, {split: raw[split].column_names for split in splits})

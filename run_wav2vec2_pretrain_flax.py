@@ -18,7 +18,7 @@ lives in `utils/`. The export (`FlaxWav2Vec2ForPreTraining` and its feature extr
 `--model_name_or_path` for later fine-tuning.
 """
 
-import utils  # noqa: F401  first of all: start-up is timed from here (utils.perf.seconds_since_start)
+import utils  # noqa: F401  first of all: start-up is timed from here (utils.run.perf.seconds_since_start)
 
 import math
 import sys
@@ -28,13 +28,15 @@ from typing import Optional
 from tasks import speech_recognition as speech
 from tasks import wav2vec2_pretraining as w2v
 from tasks.wav2vec2_pretraining import TASK
-from utils.args import READS, BaseDataArguments, ModelArguments, TrainingArguments, parse_args
-from utils.errors import UsageError, run_main
-from utils.layout import make_layout
-from utils.loop import host_means
-from utils.models import load_config, load_model
-from utils.run import check_before_work, needed_splits, set_up, training_plan
-from utils.training import TrainingRun, make_steps
+from utils.base.arguments import BaseDataArguments, ModelArguments, READS, TrainingArguments
+from utils.base.errors import UsageError, run_main
+from utils.base.parsing import parse_args
+from utils.layout.layouts import make_layout
+from utils.models.loading import load_config, load_model
+from utils.run.loop import host_means
+from utils.run.preflight import check_before_work, needed_splits
+from utils.run.setup import set_up, training_plan
+from utils.run.spine import TrainingRun, make_steps
 
 
 @dataclass

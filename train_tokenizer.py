@@ -32,8 +32,8 @@ import sentencepiece as spm
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from utils import file_formats
-from utils.errors import UsageError  # a problem with the user's arguments or files: one line, exit code 2
+from utils.base.errors import UsageError  # a problem with the user's arguments or files: one line, exit code 2
+from utils.data import file_formats
 
 KINDS = ("bpe", "wordpiece", "unigram")
 SENTINEL = "<extra_id_{}>"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """One GPT-2-small layer's causal attention, forward and backward, on a TPU: the stock attention, JAX's
-splash kernel and utils/dropout_attention's flash kernel at each tile size, with and without dropout.
+splash kernel and utils/kernels/flash_attention's flash kernel at each tile size, with and without dropout.
 
     python benchmarks/attention_tpu.py      # ~1 min on one v5e chip
 
@@ -56,17 +56,17 @@ def variants():
     import jax
     import jax.numpy as jnp
 
-    from utils import attention, dropout_attention
+    from utils.kernels import flash_attention, model_attention
 
     segments = jnp.ones((BATCH, LENGTH), jnp.int32)
 
     def flash(rate):
         def run(qkv, rng):
-            return dropout_attention.packed_dropout_attention(qkv, segments, dropout_attention.seed_of(rng), rate,
+            return flash_attention.packed_dropout_attention(qkv, segments, flash_attention.seed_of(rng), rate,
                                                               HEADS)
         return run
 
-    splash = attention._kernel(HEADS, LENGTH, False)
+    splash = model_attention._kernel(HEADS, LENGTH, False)
     yield "stock", lambda qkv, rng: stock(qkv, rng, 0.0), None
     yield f"stock, dropout {RATE}", lambda qkv, rng: stock(qkv, rng, RATE), None
     yield "splash (512)", lambda qkv, rng: heads_merged(jax.vmap(splash)(*heads_first(qkv))), None
@@ -89,18 +89,18 @@ def main():
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     qkv = jax.random.normal(keys[0], (BATCH, LENGTH, 3 * HEADS * HEAD_DIM), jnp.bfloat16)
     d_out = jax.random.normal(keys[1], (BATCH, LENGTH, HEADS * HEAD_DIM), jnp.bfloat16)
-    from utils import dropout_attention
+    from utils.kernels import flash_attention
 
-    default_tile = dropout_attention.block_size
+    default_tile = flash_attention.block_size
     rows = []
     for name, attend, tile in variants():
         step = jax.jit(jax.grad(lambda qkv, rng: jnp.sum((attend(qkv, rng) * d_out).astype(jnp.float32))))
         # The tile is fixed when the forward and backward kernels are traced: in the first call.
-        dropout_attention.block_size = default_tile if tile is None else (lambda length, tile=tile: tile)
+        flash_attention.block_size = default_tile if tile is None else (lambda length, tile=tile: tile)
         try:
             jax.block_until_ready(step(qkv, keys[2]))
         finally:
-            dropout_attention.block_size = default_tile
+            flash_attention.block_size = default_tile
         times = []
         for _ in range(20):
             started = time.perf_counter()

@@ -12,7 +12,7 @@ the median after compiling as the classic's steady state.
 The classic scripts (transformers' examples/flax of late 2022) import a name transformers 4.57 no
 longer has, pass datasets 5 an argument it no longer takes (`use_auth_token`), and summarization
 loads ROUGE from the network at start: stand-ins are given for those, none of which the train step
-touches. Flax T5 gets the project's JAX-version shims (`utils.compat`), without which it cannot run.
+touches. Flax T5 gets the project's JAX-version shims (`utils.models.compat`), without which it cannot run.
 """
 
 import json
@@ -29,7 +29,7 @@ import transformers.utils
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from utils import compat  # noqa: E402
+from utils.models import compat  # noqa: E402
 
 
 class Enough(Exception):

@@ -17,7 +17,7 @@ memory   per size, in a fresh process: a synthetic token cache (`--block` tokens
          its peak; the old loop (the epoch's permutation recomputed every step) for contrast.
          Target: per-step time within 2x from 10^4 to 10^7, memory growing only by the order's
          indices (8 bytes per block).
-stream   tokens/s of `utils.stream` alone: data/lm/train.txt repeated to `--stream_megabytes`,
+stream   tokens/s of `utils.data.stream` alone: data/lm/train.txt repeated to `--stream_megabytes`,
          read, tokenized (data/lm's tokenizer), grouped into 256-token blocks, shuffled (10,000-block
          pool) into host batches of 32 (the medium clm benchmark's), with 1 (the default) and 2
          tokenizer threads; against the 4,479 tokens/s the medium clm step consumes here (README).
@@ -87,7 +87,7 @@ def run_child(*args):
 def timed_steps(arrays, blocks, batch, steps):
     """(median seconds per step, minor page faults per step, peak anonymous bytes) of steps 1..steps - 1
     of `loop.host_train_batches` (step 0, which computes the epoch's order, is timed by the caller)."""
-    from utils import loop
+    from utils.run import loop
 
     batches = loop.host_train_batches(arrays, blocks, batch, 0, blocks // batch, 0, steps)
     next(batches)
@@ -105,7 +105,8 @@ def memory_child(path, blocks, batch, steps, old_steps, mode):
     import datasets
     import numpy as np
 
-    from utils import arrow_columns, batch_order, loop
+    from utils.data import arrow_columns, batch_order
+    from utils.run import loop
 
     start = memory_status()
     dataset = datasets.Dataset.from_file(path)
@@ -192,10 +193,10 @@ def make_stream(path, workers=1, state=None):
     from transformers import AutoTokenizer
 
     from tasks import lm
-    from utils import stream, stream_sources
+    from utils.data import stream, text_sources
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "data", "lm", "tokenizer"))
-    return stream.Stream(stream_sources.FileSource(path), lm.Blocks(tokenizer, STREAM_BLOCK), STREAM_BATCH,
+    return stream.Stream(text_sources.FileSource(path), lm.Blocks(tokenizer, STREAM_BLOCK), STREAM_BATCH,
                          shuffle_buffer_size=STREAM_POOL, seed=0, workers=workers, state=state)
 
 
@@ -203,7 +204,7 @@ def stream_child(path, workers):
     import transformers  # noqa: F401  (imported before the first reading: their memory is not the stream's)
 
     from tasks import lm  # noqa: F401
-    from utils import stream, stream_sources  # noqa: F401
+    from utils.data import stream, text_sources  # noqa: F401
 
     start = memory_status()["anon"]
     clock = time.perf_counter()

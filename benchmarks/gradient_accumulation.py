@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Gradient accumulation: `lax.scan` over micro-batches (utils/steps.py) vs `optax.MultiSteps`.
+"""Gradient accumulation: `lax.scan` over micro-batches (utils/layout/gradients.py) vs `optax.MultiSteps`.
 
     python benchmarks/gradient_accumulation.py scan|multisteps|big   # one variant per process
 
@@ -25,9 +25,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from transformers import AutoConfig, FlaxAutoModelForSeq2SeqLM  # noqa: E402
 
-from utils import compat  # noqa: E402
-from utils.layout import AXIS, DataParallel  # noqa: E402
-from utils.steps import cross_entropy_sums, token_weighted_grads  # noqa: E402
+from utils.layout.gradients import token_weighted_grads  # noqa: E402
+from utils.layout.layouts import AXIS, DataParallel  # noqa: E402
+from utils.models import compat  # noqa: E402
+from utils.scoring.losses import cross_entropy_sums  # noqa: E402
 
 ACCUMULATION, MICRO_ROWS, SOURCE, TARGET, VOCAB = 4, 8, 96, 16, 512
 

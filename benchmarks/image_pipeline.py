@@ -32,7 +32,7 @@ if ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from tasks import image_classification as images  # noqa: E402
+from tasks import images  # noqa: E402
 
 
 def photo_folder(root, count):

@@ -4,7 +4,7 @@
     python benchmarks/measure.py --repeats 10 OUT.json -- run_clm_flax.py config.json [flags...]
     python benchmarks/measure.py --profile DIR OUT.json -- ...   # also where the train step's time goes
 
-The script runs as usual (its `main`, in this process) with `utils.perf.StepRecorder` watching
+The script runs as usual (its `main`, in this process) with `utils.run.perf.StepRecorder` watching
 every step its layout builds. Afterwards each recorded step is called again, `--repeats` times, on the
 last device batches the script fed it (already sharded, already on the devices): nothing but the
 compiled program runs between calls, so that is the speed limit the script's loop is measured
@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 
-from utils import perf  # noqa: E402
+from utils.run import perf  # noqa: E402
 
 
 def batch_size(batch):

@@ -6,13 +6,13 @@
     python benchmarks/memory.py --parts largest --families llama --layouts fsdp --remat on
 
 Nothing here runs a big model: each train step is compiled (the scripts' own step, through
-`utils.layout`) for a state that has shapes but no values, and the compiler's memory analysis gives
+`utils.layout.layouts`) for a state that has shapes but no values, and the compiler's memory analysis gives
 the bytes per device (arguments + outputs + temporaries - what donated outputs reuse). Float32
 master weights, bfloat16 compute, AdamW (T5 also with Adafactor), per-device batch 1 x 512 tokens
 (T5: 512 source, 128 target).
 
 - `--plan tpu` (default): compiled by the TPU compiler for a v3-8's 8 compile-only cores (libtpu,
-  requirements-tpu.txt; `utils.tpu_plan`), the plan the TPU runs; 16 GiB per core.
+  requirements-tpu.txt; `utils.layout.tpu_plan`), the plan the TPU runs; 16 GiB per core.
 - `--plan cpu`: XLA's plan for 8 virtual CPU devices, what a CPU run needs. It keeps gathered
   weights and gradients whole, so it overstates what fsdp needs on a TPU.
 
@@ -23,7 +23,7 @@ master weights, bfloat16 compute, AdamW (T5 also with Adafactor), per-device bat
   setting asked for (target: fsdp + checkpointing >= 4B parameters for a decoder).
 - speed: tokens/s of the tiny clm config trained by the real script under each layout (CPU only).
 
-`--lora_rank R` measures LoRA instead of full fine-tuning (`utils.lora`: the default attention
+`--lora_rank R` measures LoRA instead of full fine-tuning (`utils.models.lora`: the default attention
 targets, a bfloat16 frozen base, float32 adapters with AdamW, nothing kept for the base), into
 benchmarks/memory_{plan}_lora.json; its Llama ladder goes on to 33B-, 52B- and 78B-class rungs.
 
@@ -57,11 +57,13 @@ from flax.training.train_state import TrainState  # noqa: E402
 from transformers import (FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, FlaxT5ForConditionalGeneration,  # noqa: E402
                           GPT2Config, LlamaConfig, T5Config)
 
-from utils import compat, lora, tpu_plan  # noqa: E402
-from utils.args import ModelArguments  # noqa: E402
-from utils.layout import DataParallel, FullySharded  # noqa: E402
-from utils.models import cast_floats, enable_gradient_checkpointing  # noqa: E402
-from utils.steps import cross_entropy_sums, token_weighted_grads  # noqa: E402
+from utils.base.arguments import ModelArguments  # noqa: E402
+from utils.layout import tpu_plan  # noqa: E402
+from utils.layout.gradients import token_weighted_grads  # noqa: E402
+from utils.layout.layouts import DataParallel, FullySharded  # noqa: E402
+from utils.models import compat, lora  # noqa: E402
+from utils.models.loading import cast_floats, enable_gradient_checkpointing  # noqa: E402
+from utils.scoring.losses import cross_entropy_sums  # noqa: E402
 
 GIB = 2**30
 SEQUENCE, TARGET = 512, 128
@@ -130,7 +132,7 @@ def train_step_memory(model, layout, optimizer="adamw"):
     tx = optax.adafactor(1e-3) if optimizer == "adafactor" else optax.adamw(1e-4)
     params = jax.eval_shape(lambda: cast_floats(model.init_weights(jax.random.PRNGKey(0), (1, 8)), jnp.float32))
     create = TrainState.create
-    if LORA_RANK[0]:  # as utils.models.load_model and utils.training.make_steps make a LoRA run's state
+    if LORA_RANK[0]:  # as utils.models.loading.load_model and utils.run.spine.make_steps make a LoRA run's state
         adapters = lora.plan(model, ModelArguments(lora_rank=LORA_RANK[0], lora_base_dtype="bfloat16"),
                              "FlaxAutoModelForSeq2SeqLM" if seq2seq else "FlaxAutoModelForCausalLM")
         lora.attach(model, adapters)

@@ -8,8 +8,8 @@ A run is ROW:SETTING. The settings: `threefry` / `rbg` (--dropout_rng: what draw
 `xla` / `splash` (--attention: the stock attention or Pallas' splash kernel; the model without dropout, as
 Llama trains), `splash_checkpointing` (splash with --gradient_checkpointing), `splash_checkpointing_kernels` (and
 --gradient_checkpointing_policy kernels: each layer keeps its kernels' outputs), `dropout_kernel` (--attention
-splash with the model's dropouts: its attention dropout drawn inside utils/dropout_attention's kernel, the
-others by rbg), `chip_dropout` (that, and every other dropout's mask drawn inside utils/chip_dropout's
+splash with the model's dropouts: its attention dropout drawn inside utils/kernels/flash_attention's kernel, the
+others by rbg), `chip_dropout` (that, and every other dropout's mask drawn inside utils/kernels/chip_dropout's
 kernel: --dropout_rng chip), `rbg_masks` / `chip_masks` (--dropout_rng rbg / chip beside the row's default
 --attention: for the rows whose attention the kernels do not take, t5's), `fsdp_splash` / `fsdp_xla` (--sharding
 fsdp with the kernels, run on each device's rows, or the stock attention; the row's dropouts). Each run trains from scratch in bf16

@@ -23,8 +23,8 @@ from math import gcd
 
 import numpy as np
 
-from utils import dataset_loading
-from utils.errors import UsageError
+from utils.base.errors import UsageError
+from utils.data import loaders
 
 WAVE_PCM, WAVE_FLOAT, WAVE_EXTENSIBLE = 1, 3, 0xFFFE
 PCM_SCALE = {1: 128.0, 2: 32768.0, 3: 8388608.0, 4: 2147483648.0}  # 2 ** (bits - 1) per sample width
@@ -228,7 +228,7 @@ class AudioSources:
         feature = dataset.features[column]
         if isinstance(feature, datasets.Audio):
             dataset = dataset.cast_column(column, datasets.Audio(decode=False))
-        elif dataset_loading.holds_mixed_values(feature):  # paths mixed with other values: name the first non-path
+        elif loaders.holds_mixed_values(feature):  # paths mixed with other values: name the first non-path
             row, value = next((row, value) for row, value in enumerate(dataset[column])
                               if not isinstance(value, (str, type(None))))
             raise UsageError(f"row {row} of the {split} data holds {str(value)[:60]} in column {column!r}, not a path "

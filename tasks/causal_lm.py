@@ -16,9 +16,11 @@ from transformers.generation.flax_logits_process import (FlaxLogitsProcessor, Fl
 from tasks import Task, chat, lm
 from tasks.demo import (Answer, BadInput, Predictor, bucket_for, buckets, escape_markdown, require_text,
                         show_answer)
-from utils import dataset_loading, devices, lm_head
-from utils.errors import UsageError
-from utils.run import needed_splits, phase_datasets
+from utils.base.errors import UsageError
+from utils.data import loaders
+from utils.kernels import lm_head
+from utils.layout import devices
+from utils.run.preflight import needed_splits, phase_datasets
 
 PREDICTIONS_FILE = "generated_predictions.txt"
 TASK = Task("causal-lm", "text-generation", outputs=(PREDICTIONS_FILE,), widget="prompt")
@@ -75,7 +77,7 @@ def load_row_splits(data_args, training_args, cache_dir):
     wanted = {split: files[split] for split in splits}
     if "validation" in wanted and not wanted["validation"] and not data_args.dataset_name:
         wanted["train"] = data_args.train_file
-    raw = dataset_loading.load_splits(data_args, wanted, cache_dir, allowed=ROW_FILE_FORMATS)
+    raw = loaders.load_splits(data_args, wanted, cache_dir, allowed=ROW_FILE_FORMATS)
     if "validation" in splits and "validation" not in raw and "train" in raw:
         raw["train"], raw["validation"] = lm.split_off_validation(raw["train"], data_args.validation_split_percentage)
     return phase_datasets(raw, {split: split for split in splits}, data_args)
@@ -113,7 +115,7 @@ def next_token_loss(logits, input_ids, example_weight=None, label_smoothing=0.0,
     The labels are the inputs shifted by one: position t predicts token t + 1, the last position
     nothing, so a block of n tokens scores n - 1. With `answer_mask` (chat and instruction rows)
     only the answers' tokens are scored. `example_weight` (eval: 0 for padded rows) scales a row's
-    tokens. `logits` may be the LM head's `utils.lm_head.HeadInputs` (--chunked_loss).
+    tokens. `logits` may be the LM head's `utils.kernels.lm_head.HeadInputs` (--chunked_loss).
     """
     weights = None if answer_mask is None else answer_mask[:, 1:].astype(jnp.float32)
     scored = (lm_head.without_last_position(logits) if isinstance(logits, lm_head.HeadInputs)

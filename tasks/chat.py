@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tasks.demo import bucket_for, buckets
-from utils.errors import UsageError
+from utils.base.errors import UsageError
 
 MESSAGES = "messages"
 PROMPT, COMPLETION = "prompt", "completion"

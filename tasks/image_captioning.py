@@ -4,7 +4,7 @@ caption tokens, generation, ROUGE and BLEU, the generated captions, and the demo
 
 - model: built from a vision encoder (ViT, BEiT, DINOv2) and a decoder that takes cross-attention
   (GPT-2, BART's decoder, XGLM: `DECODER_TYPES`), each pretrained (any checkpoint
-  format, `utils.models.load_composed_model`) or from its config; or a saved captioning model.
+  format, `utils.models.loading.load_composed_model`) or from its config; or a saved captioning model.
 - data: rows of an image (a path relative to the data file, or the image itself) and its captions
   (one caption or a list of them). Rows of the same image are one image with several captions (a csv
   with one row per caption). Training takes every (image, caption) pair; evaluation scores the loss
@@ -23,20 +23,18 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from tasks import Task
-from tasks import image_classification as images
+from tasks import Task, images
 from tasks.demo import Answer, Predictor, show_answer
-from tasks.image_text import captions_of, column_values
 from tasks.lm import token_sums
-from tasks.summarization import decode_texts
-from utils import dataset_loading, file_formats
-from utils.errors import UsageError
-from utils.metrics import bleu, rouge
-# The joining of the encoder and the decoder is shared with speech recognition (`utils.models`).
-from utils.models import (arguments_of, check_joined_arguments, decoder_input_ids, fit_length,  # noqa: F401
-                          join_configs, max_positions, pretrained_part, special_tokens)
-from utils.rundir import one_line
-from utils.run import needed_splits, phase_datasets
+from utils.base.errors import UsageError
+from utils.data import file_formats, loaders
+# The joining of the encoder and the decoder is shared with speech recognition (`utils.models.loading`).
+from utils.models.loading import (arguments_of, check_joined_arguments, decoder_input_ids, fit_length, join_configs,
+                                  max_positions, pretrained_part, special_tokens)
+from utils.run.preflight import needed_splits, phase_datasets
+from utils.run.run_directory import one_line
+from utils.run.threaded_feed import ThreadedData
+from utils.scoring.metrics import bleu, rouge
 
 PREDICTIONS_FILE = "generated_predictions.txt"
 TASK = Task("image-captioning", "image-to-text", outputs=(PREDICTIONS_FILE,))
@@ -129,7 +127,7 @@ def captioned_images(dataset, columns, split, file):
     # A path names its image; an image stored in the row is its own.
     stored = isinstance(dataset.features[image_column], datasets.Image)
     keys = range(len(dataset)) if stored else list(dataset[image_column])
-    texts = column_values(dataset, caption_column) if caption_column in dataset.column_names else None
+    texts = loaders.column_values(dataset, caption_column) if caption_column in dataset.column_names else None
     first_rows, captions, image_of = [], [], {}
     for row, key in enumerate(keys):
         if key not in image_of:
@@ -137,18 +135,18 @@ def captioned_images(dataset, columns, split, file):
             first_rows.append(row)
             captions.append([])
         if texts is not None:
-            captions[image_of[key]].extend(captions_of(texts[row], row, caption_column, split))
+            captions[image_of[key]].extend(images.captions_of(texts[row], row, caption_column, split))
     kept = sources.select(first_rows) if len(first_rows) < len(sources) else sources
     return CaptionedImages(kept, captions if texts is not None else None, [kept.name(i) for i in range(len(kept))])
 
 
 def load_splits(data_args, training_args, files, cache_dir, workers):
     """({split: CaptionedImages} of the phases asked for, (image column, caption column)); every image
-    is decoded once here (`tasks.image_classification.check_readable`): a missing or broken one stops
+    is decoded once here (`tasks.images.check_readable`): a missing or broken one stops
     the run, named, before anything is written."""
     splits = needed_splits(training_args)
     hub_options = {"data_dir": data_args.data_dir} if data_args.data_dir and data_args.dataset_name else {}
-    raw = dataset_loading.load_splits(data_args, {split: files[split] for split in splits}, cache_dir,
+    raw = loaders.load_splits(data_args, {split: files[split] for split in splits}, cache_dir,
                                       allowed=FILE_FORMATS, **hub_options)
     raw = phase_datasets(raw, {split: split for split in splits}, data_args)
     columns = resolve_columns(data_args, {split: raw[split].column_names for split in splits})
@@ -206,15 +204,13 @@ class PairImages:
         return self.sources[int(self.image_of[int(i)])]
 
 
-class CaptionData(images.ImageData):
-    """The training pairs of a run (`tasks.image_classification.ImageData` with captions for labels):
-    each step's images decoded and transformed ahead of the step by a pool of threads, in the seeded
-    order of `utils.batch_order.TrainOrder`, so a batch is a pure function of (seed, step)."""
+class CaptionData(ThreadedData):
+    """The training pairs of a run (an image and one of its captions), batched by `utils.run.threaded_feed`'s
+    threads: each step's images decoded and transformed ahead of the step."""
 
     def __init__(self, found, pairs, transforms, workers=None):
+        super().__init__(len(pairs.image_of), workers or images.default_workers())
         self.sources, self.tokens, self.transforms = PairImages(found.sources, pairs.image_of), pairs.tokens, transforms
-        self.size = len(pairs.image_of)
-        self.workers = workers or images.default_workers()
 
     def host_batch(self, indices, seed, epoch):
         """{"pixel_values", "labels", "decoder_input_ids", "decoder_attention_mask"} of pairs `indices`."""
@@ -225,7 +221,7 @@ class CaptionData(images.ImageData):
 
 def eval_columns(found, pairs, transforms, workers=None):
     """(the columns of every pair, for the loss: "pixel_values" and the caption's tokens; the column of
-    every image once, for generation): what `utils.loop.eval_batches` reads; no pairs without captions."""
+    every image once, for generation): what `utils.run.loop.eval_batches` reads; no pairs without captions."""
     image_column = {"pixel_values": images.ImageColumn(found.sources, transforms, workers)}
     if pairs is None:
         return None, image_column
@@ -253,7 +249,7 @@ def caption_metrics(tokenizer, predictions, references, pad_token_id):
     """(ROUGE and BLEU of the generated captions against each image's captions (all of them), and
     "gen_len", the mean generated tokens after the start token; the generated texts, one per line of
     `PREDICTIONS_FILE`)."""
-    texts = [one_line(text) for text in decode_texts(tokenizer, predictions)]
+    texts = [one_line(text) for text in tokenizer.batch_decode(predictions, skip_special_tokens=True)]
     metrics = {}
     if references is not None:
         metrics = {**rouge(texts, references), "bleu": bleu(texts, references)}
@@ -294,7 +290,7 @@ class Captioner(Predictor):
     def predict(self, image_bytes):
         pixels = images.uploaded_pixels(self.transforms, image_bytes)
         ids = self._generate(self.params, pixels[None])
-        return Answer(text=one_line(decode_texts(self.tokenizer, np.asarray(ids))[0]))
+        return Answer(text=one_line(self.tokenizer.batch_decode(np.asarray(ids), skip_special_tokens=True)[0]))
 
     def warm_up(self):
         side = self.transforms.size

@@ -35,14 +35,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from PIL import Image, UnidentifiedImageError
 
-from tasks import Task
+from tasks import Task, images
 from tasks.demo import Answer, BadInput, Predictor, escape_markdown, require_text, show_answer
-from tasks import image_classification as images
-from utils import dataset_loading, devices, hub_access
-from utils.errors import UsageError
-from utils.rundir import one_line
-from utils.run import SPLIT_FLAGS, check_splits, needed_splits
+from utils.base import hub_probe
+from utils.base.errors import UsageError
+from utils.data import loaders
+from utils.layout import devices
+from utils.run.preflight import SPLIT_FLAGS, check_splits, needed_splits
+from utils.run.run_directory import one_line
+from utils.run.threaded_feed import ThreadedData
 
 IMAGE_TO_TEXT_FILE, TEXT_TO_IMAGE_FILE = "image_to_text_predictions.txt", "text_to_image_predictions.txt"
 TASK = Task("image-text", "zero-shot-image-classification", outputs=(IMAGE_TO_TEXT_FILE, TEXT_TO_IMAGE_FILE))
@@ -123,30 +126,6 @@ def _image_keys(dataset, column):
     return [key if key is not None else ("row", row) for row, key in enumerate(values.to_pylist())]
 
 
-def captions_of(value, row, column, split):
-    """The captions of a row's `column` value: one caption or a list of them, each text; blank ones
-    are dropped, and a row left with none, or holding anything but text, is a UsageError."""
-    captions = [] if value is None else [value] if isinstance(value, str) else value
-    if not isinstance(captions, list) or not all(isinstance(c, str) for c in captions):
-        raise UsageError(f"row {row} of the {split} data holds {one_line(repr(value))[:60]} in column {column!r}, not "
-                         "a caption or a list of captions: fix the row")
-    captions = [c.strip() for c in captions if c.strip()]
-    if not captions:
-        raise UsageError(f"row {row} of the {split} data has no caption in column {column!r}: give it one, or drop "
-                         "the row")
-    return captions
-
-
-def column_values(dataset, column):
-    """The values of a `datasets` column as Python objects, read from its Arrow table; a column whose
-    rows hold values of different types (a number among texts) is kept by `datasets` as JSON text (its
-    `Json` feature), which is decoded, so each row's own value is checked."""
-    feature = dataset.features[column]
-    if any(dataset_loading.holds_mixed_values(f) for f in (feature, getattr(feature, "feature", None))):
-        return list(dataset[column])
-    return dataset.with_format("arrow")[column].to_pylist()
-
-
 def dataset_split(data_args, dataset, split, base):
     """The `ImageTextSplit` of a `datasets` split; image paths relative to `base` (None: as they are)."""
     columns = dataset.column_names
@@ -154,11 +133,11 @@ def dataset_split(data_args, dataset, split, base):
     caption_column = _pick(data_args, "caption_column", CAPTION_COLUMNS, columns, split)
     label_column = _pick(data_args, "label_column", LABEL_COLUMNS, columns, split, required=False)
     images.check_images_given(dataset, image_column, split)
-    raw_captions = column_values(dataset, caption_column)
-    raw_labels = column_values(dataset, label_column) if label_column else None
+    raw_captions = loaders.column_values(dataset, caption_column)
+    raw_labels = loaders.column_values(dataset, label_column) if label_column else None
     image_of, first_rows, captions, labels = {}, [], [], []  # image key -> its index; each image's first row
     for row, key in enumerate(_image_keys(dataset, image_column)):
-        found = captions_of(raw_captions[row], row, caption_column, split)
+        found = images.captions_of(raw_captions[row], row, caption_column, split)
         if key in image_of:  # another row of the same image: its captions join the image's
             captions[image_of[key]].extend(found)
             continue
@@ -195,7 +174,7 @@ def load_splits(data_args, training_args, cache_dir):
     from_files = [split for split in splits if split in files]
     raw = {}
     if from_files:
-        raw = dataset_loading.load_splits(data_args, {s: files[s] for s in from_files}, cache_dir,
+        raw = loaders.load_splits(data_args, {s: files[s] for s in from_files}, cache_dir,
                                           allowed=FILE_FORMATS)
     loaded = {}
     for split in splits:
@@ -251,17 +230,16 @@ class Captions(NamedTuple):
         return {key: value[self.starts[:-1]] for key, value in self.tokens.items()}
 
 
-class ImageTextData(images.ImageData):
-    """The training pairs of a run: each image with one of its captions, for `utils.training`.
-
-    The threads, batch order and crops are `image_classification.ImageData`'s; the caption an image
-    gets in an epoch is drawn by `caption_choice` (seed, epoch, image): a batch is a pure function of
-    (seed, step), so a checkpoint needs only the step.
+class ImageTextData(ThreadedData):
+    """The training pairs of a run: each image with one of its captions, for `utils.run.spine`, batched by
+    `utils.run.threaded_feed`'s threads. Images are cropped as `tasks.images.Transforms` does it; the caption
+    an image gets in an epoch is drawn by `caption_choice` (seed, epoch, image): a batch is a pure function
+    of (seed, step), so a checkpoint needs only the step.
     """
 
     def __init__(self, sources, captions, transforms, workers=None):
-        super().__init__(sources, np.zeros(len(sources), np.int32), transforms, workers)  # no class labels
-        self.captions = captions
+        super().__init__(len(sources), workers or images.default_workers())
+        self.sources, self.captions, self.transforms = sources, captions, transforms
 
     def host_batch(self, indices, seed, epoch):
         """{"pixel_values", "input_ids", "attention_mask"} of the images `indices` in epoch `epoch`."""
@@ -324,7 +302,7 @@ def check_model_args(model_args):
         if name and kind:
             raise UsageError(f"--{side}_model_name_or_path and --{side}_model_type both give the {side} encoder: "
                              "pass one")
-        if name and hub_access.looks_like_path(name) and not os.path.exists(name):
+        if name and hub_probe.looks_like_path(name) and not os.path.exists(name):
             raise UsageError(f"--{side}_model_name_or_path {name} not found: check the path")
 
 
@@ -341,7 +319,7 @@ def tower_config(model_args, side):
     """The config of the text or vision encoder (a CLIP checkpoint's own tower, for a CLIP name)."""
     from transformers.models.auto import modeling_flax_auto
 
-    from utils.models import load_config
+    from utils.models.loading import load_config
 
     allowed = modeling_flax_auto.FLAX_MODEL_MAPPING_NAMES
     config = load_config(tower_args(model_args, side), task=None, model_types=tuple(allowed))
@@ -363,12 +341,12 @@ def load_dual_encoder(model_args, config, seed, layout):
     or transformers' `FlaxVisionTextDualEncoderModel` of `config` with the pretrained encoders'
     weights where --text_model_name_or_path / --vision_model_name_or_path name them (any checkpoint
     format); the projections and the temperature start fresh. With --lora_rank, adapters on both
-    towers' attention; the projections and the temperature train in full (`utils.lora.head_modules`)."""
+    towers' attention; the projections and the temperature train in full (`utils.models.lora.head_modules`)."""
     from transformers import FlaxAutoModel, FlaxVisionTextDualEncoderModel
 
-    from utils import weights
-    from utils.models import (init_in_one_program, load_model, plan_adapters, pretrained_params, storage_cast,
-                              with_adapters)
+    from utils.models import weights
+    from utils.models.loading import (init_in_one_program, load_model, plan_adapters, pretrained_params, storage_cast,
+                                      with_adapters)
 
     if model_args.model_name_or_path:
         return load_model(FlaxAutoModel, model_args, config, seed, layout)
@@ -608,9 +586,9 @@ class ImageSearch(Predictor):
     def _read(self, image_bytes):
         try:
             return self.transforms.eval(bytes(image_bytes))
-        except images.Image.DecompressionBombError as e:
+        except Image.DecompressionBombError as e:
             raise BadInput(f"an image is too large to decode ({e}): upload a smaller one") from e
-        except (images.UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
             raise BadInput(f"a file is not an image that can be read ({type(e).__name__}): upload PNG, JPEG, GIF, "
                            "BMP, WebP or TIFF files") from e
 

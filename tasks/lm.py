@@ -18,14 +18,15 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from utils import arrow_columns, dataset_loading, file_formats, run
-from utils.args import BaseDataArguments
-from utils.errors import UsageError
-from utils.loop import InMemoryData
-from utils.metrics import perplexity
-from utils.models import fit_length, max_positions
-from utils.steps import cross_entropy_sums
-from utils.streamed_data import StreamedData
+from utils.base.arguments import BaseDataArguments
+from utils.base.errors import UsageError
+from utils.data import arrow_columns, file_formats, loaders
+from utils.models.loading import fit_length, max_positions
+from utils.run import preflight, setup
+from utils.run.loop import InMemoryData
+from utils.run.stream_feed import StreamedData
+from utils.scoring.losses import cross_entropy_sums
+from utils.scoring.metrics import perplexity
 
 FILE_FORMATS = ("json", "csv", "text")
 logger = logging.getLogger(__name__)
@@ -98,11 +99,11 @@ def check_before_work(training_args, data_args, task, model_args, test_file=None
         files["validation"] = data_args.validation_file
     if test_file:
         files["test"] = test_file
-    preflight = run.check_before_work(training_args, data_args, task, files, allowed=FILE_FORMATS,
-                                      model_args=model_args)
+    checked = preflight.check_before_work(training_args, data_args, task, files, allowed=FILE_FORMATS,
+                                          model_args=model_args)
     if data_args.text_column and not data_args.dataset_name:
-        file_formats.require_columns(preflight.columns, (("text_column", data_args.text_column),))
-    return preflight
+        file_formats.require_columns(checked.columns, (("text_column", data_args.text_column),))
+    return checked
 
 
 def load_splits(data_args, do_train, do_eval, cache_dir=None):
@@ -114,7 +115,7 @@ def load_splits(data_args, do_train, do_eval, cache_dir=None):
         files["validation"] = data_args.validation_file
     # `keep_linebreaks` configures the local text builder only; a hub dataset would reject it.
     kwargs = {} if data_args.dataset_name else {"keep_linebreaks": data_args.keep_linebreaks}
-    raw = dataset_loading.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS, **kwargs)
+    raw = loaders.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS, **kwargs)
     if "validation" not in raw and not data_args.validation_file and "train" in raw:
         raw["train"], raw["validation"] = split_off_validation(raw["train"], data_args.validation_split_percentage)
     for split, phase in (("train", do_train), ("validation", do_eval)):
@@ -231,7 +232,7 @@ def tokenize_lines(dataset, tokenizer, text_column, max_length, data_args):
     return _map(dataset, tokenize, data_args, "tokenizing lines", remove_columns=dataset.column_names)
 
 
-# The streamed path's encoders (`utils.stream`): texts -> the rows the in-memory path makes of them. Each
+# The streamed path's encoders (`utils.data.stream`): texts -> the rows the in-memory path makes of them. Each
 # group of `GROUP_ROWS` non-blank texts is encoded on its own, as a `datasets.map` batch is: on one process
 # and without shuffling, a stream's blocks equal `tokenize_and_group`'s (with `--preprocessing_num_workers`
 # the in-memory path groups each worker's part alone: its rows then differ at the parts' borders).
@@ -296,7 +297,7 @@ def read_into_memory(data_args, do_train, do_eval, cache_dir, make_examples, col
     text_column = resolve_text_column(data_args.text_column, raw[splits[0]])
     arrays = {}
     for split in splits:
-        examples = dataset_loading.take(make_examples(raw[split], text_column), run.sample_limit(data_args, split))
+        examples = loaders.take(make_examples(raw[split], text_column), preflight.sample_limit(data_args, split))
         if len(examples) == 0:
             raise UsageError(no_examples(split))
         arrays[split] = arrow_columns.to_arrays(examples, columns)
@@ -309,7 +310,7 @@ def read_examples(data_args, training_args, encoder, make_examples, columns, no_
     """(train data, validation arrays or None) of an LM task's run: streamed through the task's
     `encoder` (`Blocks`, `Lines`) with --streaming, else read into memory (`read_into_memory`)."""
     if data_args.streaming:
-        train_data = StreamedData(data_args, encoder, run.train_batch_size(training_args), training_args.do_train,
+        train_data = StreamedData(data_args, encoder, setup.train_batch_size(training_args), training_args.do_train,
                                   training_args.do_eval, cache_dir)
         return train_data, train_data.eval_arrays
     return read_into_memory(data_args, training_args.do_train, training_args.do_eval, cache_dir, make_examples,

@@ -38,16 +38,20 @@ from tasks import question_answering as qa
 from tasks.demo import Answer, escape_markdown, show_answer
 # By name: `datasets` hashes the map functions, and a module object among their globals cannot be hashed.
 from tasks.question_answering import answer_tokens, cut_questions, cut_windows
-from utils import arrow_columns, weights
-from utils.errors import UsageError
-from utils.layout import finished
-from utils.models import cast_floats
-from utils.steps import cross_entropy_sums
+from utils.base.errors import UsageError
+from utils.data import arrow_columns
+from utils.layout.layouts import finished
+from utils.models import weights
+from utils.models.loading import cast_floats
+from utils.scoring.losses import cross_entropy_sums
 
 logger = logging.getLogger(__name__)
 
 # Its own task name: a saved run is served by `LongAnswerer`; the files are those of run_qa.py's runs.
 TASK = Task("long-question-answering", "question-answering", outputs=qa.TASK.outputs)
+# The other task modules this one is built on (tests/test_architecture.py holds tasks apart otherwise): long
+# documents are windowed, their windows scored and their answers written as extractive QA does it.
+BUILDS_ON = ("question_answering",)
 
 CATEGORIES = ("null", "short", "long", "yes", "no")  # the research project's order (its CATEGORY_MAPPING)
 SPAN_CATEGORIES = ("short", "long")

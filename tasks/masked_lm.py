@@ -8,8 +8,8 @@ import numpy as np
 from tasks import Task, lm
 from tasks.demo import (Answer, BadInput, Predictor, bucket_for, buckets, escape_markdown, require_text, show_answer,
                         shown_token, truncation_note)
-from utils import batch_order
-from utils.errors import UsageError
+from utils.base.errors import UsageError
+from utils.data import batch_order
 
 TOP_K = 10  # the fill-mask table shows at most this many tokens per mask (one compiled top-k)
 

@@ -2,7 +2,7 @@
 the SQuAD scores and the prediction files.
 
 What run_qa.py does with a split, in order: `load_splits` reads it (SQuAD documents here, other
-files and hub datasets through `utils.dataset_loading`), `check_columns` checks its columns,
+files and hub datasets through `utils.data.loaders`), `check_columns` checks its columns,
 `prepare_split` reads its examples (`read_examples`, answers checked against their contexts) and cuts each context into
 overlapping windows (features, `cut_windows`: what the model trains and predicts on, and what the
 demo feeds it), labelled with the answer's first and last tokens (`span_loss` trains on them).
@@ -29,9 +29,10 @@ import numpy as np
 from tasks import Task
 from tasks.demo import (Answer, BadInput, Predictor, bucket_for, buckets, escape_markdown, require_text,
                         show_answer)
-from utils import arrow_columns, dataset_loading, file_formats, models
-from utils.errors import UsageError
-from utils.steps import cross_entropy_sums
+from utils.base.errors import UsageError
+from utils.data import arrow_columns, file_formats, loaders
+from utils.models import loading
+from utils.scoring.losses import cross_entropy_sums
 
 TASK = Task("question-answering", "question-answering",
             outputs=("*_predictions.json", "*_nbest_predictions.json", "*_null_odds.json"))
@@ -95,10 +96,10 @@ def load_splits(data_args, files, cache_dir):
     import datasets
 
     if data_args.dataset_name:
-        return dataset_loading.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS)
+        return loaders.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS)
     documents = {split: path for split, path in files.items() if path and is_squad_document(path)}
     others = {split: path for split, path in files.items() if path and split not in documents}
-    loaded = dict(dataset_loading.load_splits(data_args, others, cache_dir, allowed=FILE_FORMATS)) if others else {}
+    loaded = dict(loaders.load_splits(data_args, others, cache_dir, allowed=FILE_FORMATS)) if others else {}
     for split, path in documents.items():
         loaded[split] = datasets.Dataset.from_list(read_squad_document(path))
     return loaded
@@ -210,7 +211,7 @@ def read_examples(dataset, split, data_args, tokenizer, has_answers):
 
 def load_tokenizer(model_args):
     """The tokenizer of the run, which must be a fast one (it gives the character offsets)."""
-    tokenizer = models.load_tokenizer(model_args)
+    tokenizer = loading.load_tokenizer(model_args)
     if not tokenizer.is_fast:
         raise UsageError(f"{type(tokenizer).__name__} is not a fast tokenizer: question answering maps tokens back "
                          "to the context by character offsets, which only fast tokenizers give; use a tokenizer "
@@ -225,7 +226,7 @@ def window_length(max_seq_length, doc_stride, tokenizer, config, logger):
         logger.warning("--max_seq_length %d is more than the tokenizer's %d: using %d", max_seq_length,
                        tokenizer.model_max_length, tokenizer.model_max_length)
         max_seq_length = tokenizer.model_max_length
-    seq_length = models.fit_length(max_seq_length, models.max_positions(config), "max_seq_length", logger)
+    seq_length = loading.fit_length(max_seq_length, loading.max_positions(config), "max_seq_length", logger)
     if doc_stride >= seq_length:
         raise UsageError(f"--doc_stride {doc_stride} must be less than the window of {seq_length} tokens "
                          "(--max_seq_length, lowered to the model's positions)")
@@ -337,7 +338,7 @@ def make_windows(examples, tokenizer, seq_length, doc_stride, data_args):
 
 class Features(NamedTuple):
     """A split ready for the steps: `examples` as `read_examples` gives them; `arrays` the windows'
-    model inputs and start / end positions (`utils.arrow_columns.to_arrays`), `size` windows; for evaluation
+    model inputs and start / end positions (`utils.data.arrow_columns.to_arrays`), `size` windows; for evaluation
     and prediction `windows`, what post-processing reads of them on the host (example_index, offsets
     [windows, tokens, 2], null_index), and `references` ({id: answer texts}, None without answers)."""
     examples: object

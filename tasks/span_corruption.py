@@ -29,9 +29,9 @@ import numpy as np
 
 from tasks import Task, lm
 from tasks.demo import Answer, BadInput, Predictor, bucket_for, buckets, require_text, show_answer, truncation_note
-from utils import batch_order
-from utils.errors import UsageError
-from utils.models import fit_length, max_positions
+from utils.base.errors import UsageError
+from utils.data import batch_order
+from utils.models.loading import fit_length, max_positions
 
 TASK = Task("span-corruption", "text2text-generation", widget="sentinel")
 # The families with sentinel-token pretraining and a Flax class in transformers 4.57 (UMT5 has none).

@@ -5,7 +5,7 @@ and CER offline, the generated lines.
 
 - model: Whisper (pretrained, a saved run, or from its config), or a `FlaxSpeechEncoderDecoderModel`:
   a wav2vec2 encoder and a decoder with cross-attention (`DECODER_TYPES`) joined here
-  (`utils.models.join_configs`, the captioning script's flags and code), or a saved one. Whisper
+  (`utils.models.loading.join_configs`, the captioning script's flags and code), or a saved one. Whisper
   hears log-mel features of a fixed chunk; wav2vec2 the normalised waveform itself, padded to
   --max_duration_in_seconds, with an attention mask (`Features`, `AudioMask`).
 
@@ -49,13 +49,13 @@ import numpy as np
 
 from tasks import Task, audio
 from tasks.demo import Answer, BadInput, Predictor, show_answer
-from tasks.image_classification import ImageData
 from tasks.lm import token_sums
-from utils import dataset_loading, file_formats
-from utils.errors import UsageError
-from utils.models import (check_joined_arguments, fit_config_to_tokenizer, fit_length, join_configs, joins_parts,
-                          load_config, max_positions)
-from utils.run import needed_splits, phase_datasets
+from utils.base.errors import UsageError
+from utils.data import file_formats, loaders
+from utils.models.loading import (check_joined_arguments, fit_config_to_tokenizer, fit_length, join_configs,
+                                  joins_parts, load_config, max_positions)
+from utils.run.preflight import needed_splits, phase_datasets
+from utils.run.threaded_feed import ThreadedData
 
 PREDICTIONS_FILE = "generated_predictions.txt"
 # Whisper tokenizers also save their English spelling normaliser beside the vocabulary.
@@ -268,7 +268,7 @@ def load_clips(data_args, training_args, extractor, cache_dir, workers, transcri
     `transcribed` (wav2vec2 pretraining): no text column is read, and `Clips.texts` is None."""
     splits = needed_splits(training_args)
     files = {split: getattr(data_args, SPLIT_FILES[split]) for split in splits}
-    raw = dataset_loading.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS)
+    raw = loaders.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS)
     raw = phase_datasets(raw, {split: split for split in splits}, data_args)
     audio_column, text_column = resolve_columns(data_args, {split: raw[split].column_names for split in splits},
                                                 transcribed)
@@ -426,7 +426,7 @@ class AudioMask:
 
 class FeatureColumn:
     """A column of input features: `column[indices]` computes those clips' features (on a pool of
-    `workers` threads) into float32 [len(indices), *features.shape]. What `utils.batch_order.gather` reads.
+    `workers` threads) into float32 [len(indices), *features.shape]. What `utils.data.batch_order.gather` reads.
     Features that give several arrays per clip (a dict: wav2vec2 pretraining's samples and their attention
     mask) make one column each (`parts`), which share one computation per batch."""
 
@@ -483,15 +483,13 @@ def stack_features(rows, input_name):
     return {input_name: np.stack(rows)}
 
 
-class SpeechData(ImageData):
-    """The training clips of a run, for `utils.training`: `ImageData`'s seeded epoch order and its
-    pool of threads preparing batches ahead of the step, with each batch's features computed from
-    its clips and its labels taken from the encoded transcripts."""
+class SpeechData(ThreadedData):
+    """The training clips of a run, for `utils.run.spine`, batched by `utils.run.threaded_feed`'s threads:
+    each batch's features computed from its clips, its labels taken from the encoded transcripts."""
 
     def __init__(self, sources, labels, features, workers=None):
+        super().__init__(len(sources), workers or audio.default_workers())
         self.sources, self.labels, self.features = sources, labels, features
-        self.size = len(sources)
-        self.workers = workers or audio.default_workers()
 
     def host_batch(self, indices, seed, epoch):
         indices = np.asarray(indices, np.int64)

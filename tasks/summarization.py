@@ -16,11 +16,11 @@ import numpy as np
 from tasks import Task
 from tasks.demo import Answer, Predictor, require_text, show_answer, truncation_note
 from tasks.lm import token_sums
-from utils import arrow_columns, file_formats
-from utils.errors import UsageError
-from utils.metrics import rouge
-from utils.models import decoder_input_ids, fit_length, max_positions
-from utils.rundir import one_line
+from utils.base.errors import UsageError
+from utils.data import arrow_columns, file_formats
+from utils.models.loading import decoder_input_ids, fit_length, max_positions
+from utils.run.run_directory import one_line
+from utils.scoring.metrics import rouge
 
 PREDICTIONS_FILE = "generated_predictions.txt"
 TASK = Task("summarization", "summarization", outputs=(PREDICTIONS_FILE,), widget="text")

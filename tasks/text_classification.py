@@ -13,9 +13,9 @@ import numpy as np
 from tasks import Task
 from tasks import classification
 from tasks.demo import Answer, Predictor, require_text, show_answer, truncation_note
-from utils import arrow_columns, file_formats
-from utils.errors import UsageError
-from utils.steps import cross_entropy_sums
+from utils.base.errors import UsageError
+from utils.data import arrow_columns, file_formats
+from utils.scoring.losses import cross_entropy_sums
 
 GLUE_DATASET = "nyu-mll/glue"
 
@@ -233,7 +233,7 @@ def regression_loss(logits, labels, example_weight=None):
 
 
 def step_fns(model, input_names, is_regression):
-    """(`loss_fn(params, batch, dropout_rng, train, label_smoothing)` for `utils.training.make_steps`,
+    """(`loss_fn(params, batch, dropout_rng, train, label_smoothing)` for `utils.run.spine.make_steps`,
     `predict_fn(params, batch)`: each row's score (regression) or class id)."""
     logits_of = classification.logits_fn(model, input_names)
 

@@ -16,10 +16,10 @@ from tasks import Task
 from tasks import classification
 from tasks.classification import IGNORE_INDEX
 from tasks.demo import Answer, Predictor, escape_markdown, require_text, show_answer
-from utils import arrow_columns, file_formats
-from utils.errors import UsageError
-from utils.models import load_tokenizer
-from utils.steps import cross_entropy_sums
+from utils.base.errors import UsageError
+from utils.data import arrow_columns, file_formats
+from utils.models.loading import load_tokenizer
+from utils.scoring.losses import cross_entropy_sums
 
 TASK = Task("token-classification", "token-classification", outputs=("predictions.txt",), widget="text")
 
@@ -224,7 +224,7 @@ def tagging_loss(logits, labels, example_weight=None, label_smoothing=0.0):
 
 
 def step_fns(model, input_names):
-    """(`loss_fn(params, batch, dropout_rng, train, label_smoothing)` for `utils.training.make_steps`,
+    """(`loss_fn(params, batch, dropout_rng, train, label_smoothing)` for `utils.run.spine.make_steps`,
     `predict_fn(params, batch)`: each token's tag id)."""
     logits_of = classification.logits_fn(model, input_names)
 

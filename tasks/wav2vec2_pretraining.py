@@ -14,7 +14,7 @@ codevector perplexity, and the demo's page.
   PyTorch pretraining's). A row's draw is a pure function of (seed, step, its row in the global
   batch): a resumed run masks exactly as the uninterrupted one; evaluation draws by example, the
   same at every evaluation.
-- keys and temperature: `step_keys` folds the step's key (of the seed and the step, `utils.layout`)
+- keys and temperature: `step_keys` folds the step's key (of the seed and the step, `utils.layout.layouts`)
   into two: one for dropout, one for the Gumbel noise (the classic script gave both the same key);
   `gumbel_temperature` is max(max * decay ** step, min), carried in the batch.
 - loss: `pretraining_loss` sums the contrastive loss (cosine similarity / the config's
@@ -44,10 +44,10 @@ logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------
-# The model as `utils.models.load_model` builds one
+# The model as `utils.models.loading.load_model` builds one
 # ----------------------------------------------------------------------------------------------
 class PretrainingModel:
-    """`FlaxWav2Vec2ForPreTraining` with the two constructors `utils.models.load_model` calls on an
+    """`FlaxWav2Vec2ForPreTraining` with the two constructors `utils.models.loading.load_model` calls on an
     auto class (transformers has no auto class for it, and the class itself no `from_config`)."""
 
     @staticmethod
@@ -142,7 +142,7 @@ def gumbel_temperature(step, max_temperature, min_temperature, decay):
 
 
 class Masking:
-    """The host transform of every batch (`transform(batch, step, row_ids)` of `utils.loop`): adds
+    """The host transform of every batch (`transform(batch, step, row_ids)` of `utils.run.loop`): adds
     "mask_time_indices" (bool [rows, frames]) and "negatives" (int32 [rows, frames, K]), each row's a
     pure function of (seed, step, row); in training (`temperatures`: (max, min, decay)) also the
     step's "gumbel_temperature" (float32 [rows], one value)."""
@@ -210,7 +210,7 @@ def scored_mask(batch):
 
 
 def pretraining_loss(projected, quantized, perplexity, mask, negatives, config, diversity_weight, temperature=None):
-    """(loss sum, sums) for the spine (`utils.steps`): the contrastive loss summed over the masked
+    """(loss sum, sums) for the spine (`utils.layout.gradients`): the contrastive loss summed over the masked
     frames plus `diversity_weight` x the diversity loss per masked frame; "tokens" counts the masked
     frames, so the spine's division makes the mean contrastive loss over the global batch's masked
     frames plus the weighted diversity loss. "contrastive_loss", "diversity_loss",

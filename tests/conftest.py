@@ -75,7 +75,7 @@ def hub_online(monkeypatch):
     import transformers.utils.hub
     from huggingface_hub import constants
 
-    from utils import hub_access
+    from utils.base import hub_probe
 
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(name, raising=False)
@@ -83,7 +83,7 @@ def hub_online(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
     monkeypatch.setattr(transformers.utils.hub, "_is_offline_mode", False)
-    monkeypatch.setattr(hub_access, "_unreachable", None)
+    monkeypatch.setattr(hub_probe, "_unreachable", None)
     return lambda url: monkeypatch.setattr(constants, "ENDPOINT", url)
 
 

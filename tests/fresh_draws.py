@@ -5,8 +5,8 @@ import jax
 import numpy as np
 from flax.traverse_util import flatten_dict
 
-from utils import perf
-from utils.models import init_in_one_program
+from utils.models.loading import init_in_one_program
+from utils.run import perf
 
 
 def fresh_model(model_class, config, seed=0, **kwargs):

@@ -23,7 +23,8 @@ def main():
     mode, step, script, *args = sys.argv[1:]
     step = int(step)
     sys.path.insert(0, ROOT)
-    from utils import checkpoint, loop
+    from utils.checkpoints import store
+    from utils.run import loop
 
     if mode == "sigterm-after-step":
         after_step = loop.TrainLoop.after_step
@@ -35,7 +36,7 @@ def main():
 
         loop.TrainLoop.after_step = after_step_then_sigterm
     elif mode == "sigkill-during-save":
-        save = checkpoint.Checkpointer.save
+        save = store.Checkpointer.save
 
         def save_then_sigkill(self, current, *rest, **kwargs):
             saved = save(self, current, *rest, **kwargs)
@@ -45,7 +46,7 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
             return saved
 
-        checkpoint.Checkpointer.save = save_then_sigkill
+        store.Checkpointer.save = save_then_sigkill
     else:
         raise SystemExit(f"unknown mode {mode}")
     sys.argv = [script, *args]

@@ -37,7 +37,7 @@ SCRIPTS = {
         "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
         "--train_file", "data/lm/train.txt", "--validation_file", "data/lm/validation.txt", "--max_seq_length", 32,
         "--max_train_samples", 640, "--max_eval_samples", 40]),
-    # d_model 128: the 405-token shared embedding is then large enough to split (utils/layout.py).
+    # d_model 128: the 405-token shared embedding is then large enough to split (utils/layout/layouts.py).
     "t5 mlm": ("run_t5_mlm_flax.py", [
         "--model_type", "t5", "--tokenizer_name", "data/lm/t5_tokenizer", "--config_overrides",
         "d_model=128,d_ff=32,num_layers=1,num_decoder_layers=1,num_heads=2,d_kv=16,dropout_rate=0.0",

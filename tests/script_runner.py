@@ -52,10 +52,10 @@ def script_env(devices=8, optimized_code=False, **extra):
 def run_script(script, args, timeout=600, env=None, cwd=ROOT, steps_report=None):
     """Run `python script *args`; returns the CompletedProcess (stdout/stderr as text).
 
-    With `steps_report`, the script runs under `python -m utils.perf`, which writes there which calls
-    of each pmap'd step compiled (`utils.perf.step_report`).
+    With `steps_report`, the script runs under `python -m utils.run.perf`, which writes there which calls
+    of each pmap'd step compiled (`utils.run.perf.step_report`).
     """
-    recorder = ["-m", "utils.perf", str(steps_report)] if steps_report else []
+    recorder = ["-m", "utils.run.perf", str(steps_report)] if steps_report else []
     return script_launcher.run([sys.executable, *recorder, os.path.join(ROOT, script), *map(str, args)],
                                cwd=cwd, env=env or script_env(), timeout=timeout)
 

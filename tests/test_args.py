@@ -1,4 +1,5 @@
-"""utils/args.py: JSON + CLI parsing, validation, secret-free saving, output-dir and phase checks."""
+"""utils/base/arguments.py and parsing.py: JSON + CLI parsing, validation, secret-free saving, output-dir and phase
+checks."""
 
 import json
 from dataclasses import dataclass, field
@@ -6,9 +7,10 @@ from typing import Optional
 
 import pytest
 
-from utils.args import (BaseDataArguments, ModelArguments, TrainingArguments, check_output_dir, check_phases,
-                        parse_args, public_args, save_args)
-from utils.errors import UsageError
+from utils.base.arguments import (BaseDataArguments, ModelArguments, TrainingArguments, check_output_dir, check_phases,
+                                  public_args, save_args)
+from utils.base.errors import UsageError
+from utils.base.parsing import parse_args
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The attention kernels' route (utils/attention.py, utils/dropout_attention.py), run by Pallas'
+"""The attention kernels' route (utils/kernels/model_attention.py, utils/kernels/flash_attention.py), run by Pallas'
 interpreter on the CPU: the kernels against softmax attention written here, and GPT-2 / Llama models
 with and without the route."""
 
@@ -15,9 +15,11 @@ from transformers import BertConfig, DistilBertConfig, FlaxBertForMaskedLM, Flax
 
 from tests.fresh_draws import fresh_model
 from tests.script_runner import read_metrics, run_script
-from utils import attention, compat, dropout_attention, remat, tpu_plan
-from utils.errors import UsageError
-from utils.layout import MESH_AXES
+from utils.base.errors import UsageError
+from utils.kernels import flash_attention, model_attention
+from utils.layout import tpu_plan
+from utils.layout.layouts import MESH_AXES
+from utils.models import compat, remat
 
 LENGTH = 128  # one kernel block
 compat.apply()  # as every script does: its Llama attention is the one routed
@@ -44,11 +46,11 @@ def test_the_kernel_is_masked_softmax_attention_on_every_real_token():
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(3, LENGTH, 2, 16)).astype(np.float32) for _ in range(3))
     mask = padding_mask()
-    out = np.asarray(attention.causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask),
+    out = np.asarray(model_attention.causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask),
                                                 interpret=True))
     real = mask > 0
     np.testing.assert_allclose(out[real], numpy_attention(q, k, v, mask)[real], atol=2e-5)
-    no_padding = np.asarray(attention.causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None,
+    no_padding = np.asarray(model_attention.causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None,
                                                        interpret=True))
     np.testing.assert_allclose(no_padding, numpy_attention(q, k, v, np.ones_like(mask)), atol=2e-5)
 
@@ -92,7 +94,7 @@ def test_an_encoder_computes_the_same_loss_and_gradients_through_the_bidirection
     mask = jnp.asarray(padding_mask())
     stock = masked_lm_loss_and_grads(model, ids, mask)
     stock_with_head_mask = masked_lm_loss_and_grads(model, ids, mask, head_mask=jnp.asarray([[1.0, 0.0], [0.5, 1.0]]))
-    attention.use_attention_kernels(model, interpret=True)
+    model_attention.use_attention_kernels(model, interpret=True)
     routed = masked_lm_loss_and_grads(model, ids, mask)
     np.testing.assert_allclose(float(routed[0]), float(stock[0]), rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(routed[1]), jax.tree_util.tree_leaves(stock[1])):
@@ -104,7 +106,7 @@ def test_an_encoder_computes_the_same_loss_and_gradients_through_the_bidirection
     model = tiny_bert(family, hidden_dropout_prob=0.0)
     rng, other = jax.random.PRNGKey(3), jax.random.PRNGKey(4)
     stock_dropped = float(masked_lm_loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0])
-    attention.use_attention_kernels(model, interpret=True)
+    model_attention.use_attention_kernels(model, interpret=True)
     dropped = float(masked_lm_loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0])
     assert np.isfinite(dropped) and dropped not in (float(stock[0]), stock_dropped)
     assert float(masked_lm_loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0]) == dropped
@@ -133,7 +135,7 @@ def test_a_model_computes_the_same_loss_and_gradients_through_the_kernel(make_mo
     stock = loss_and_grads(model, ids, mask)
     if checkpointing:
         remat.remat_layers(model)
-    attention.use_attention_kernels(model, interpret=True)
+    model_attention.use_attention_kernels(model, interpret=True)
     routed = loss_and_grads(model, ids, mask)
     np.testing.assert_allclose(float(routed[0]), float(stock[0]), rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(routed[1]), jax.tree_util.tree_leaves(stock[1])):
@@ -148,16 +150,16 @@ def dropped_attention(q, k, v, segments, seed, rate, key_segments=None, causal=T
     differentiated."""
     batch, heads, length, _ = q.shape
     positions = jnp.arange(length)
-    block = dropout_attention.block_size(length)
+    block = flash_attention.block_size(length)
     key_segments = segments if key_segments is None else key_segments
     allowed = ((positions[None, :] <= positions[:, None] if causal else True)
                & (segments[:, None, :, None] == key_segments[:, None, None, :]))
     scores = jnp.where(allowed, jnp.einsum("bhqd,bhkd->bhqk", q, k), -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1)
     rows, columns = positions[:, None], positions[None, :]
-    tiles = dropout_attention.tile_number(jnp.arange(batch)[:, None, None, None], jnp.arange(heads)[None, :, None, None],
+    tiles = flash_attention.tile_number(jnp.arange(batch)[:, None, None, None], jnp.arange(heads)[None, :, None, None],
                                           rows // block, columns // block, heads, length // block)
-    bits = dropout_attention.hashed_bits(seed, tiles, rows % block, columns % block)
+    bits = flash_attention.hashed_bits(seed, tiles, rows % block, columns % block)
     kept = bits >= int(rate * 2**31)
     return jnp.einsum("bhqk,bhkd->bhqd", jnp.where(kept, weights / (1 - rate), 0.0), v), kept
 
@@ -203,8 +205,8 @@ def test_the_dropout_kernel_is_dropped_softmax_attention_with_its_gradients(rate
     def kernel(q, k, v):
         if packed:
             qkv = jnp.concatenate([q, k, v], axis=-1)
-            return dropout_attention.packed_dropout_attention(qkv, segments, seed, rate, heads, interpret=True)
-        return dropout_attention.dropout_attention(q, k, v, segments, seed, rate, heads, interpret=True)
+            return flash_attention.packed_dropout_attention(qkv, segments, seed, rate, heads, interpret=True)
+        return flash_attention.dropout_attention(q, k, v, segments, seed, rate, heads, interpret=True)
 
     def expected(q, k, v):
         scaled = to_heads(q, heads) * head_dim ** -0.5
@@ -227,7 +229,7 @@ def test_the_bidirectional_kernel_sees_every_real_key_with_its_gradients(rate):
     key_mask, seed = jnp.asarray(key_mask), jnp.asarray([9], jnp.int32)
 
     def kernel(q, k, v):
-        return dropout_attention.bidirectional_dropout_attention(q, k, v, key_mask, seed, rate, heads, interpret=True)
+        return flash_attention.bidirectional_dropout_attention(q, k, v, key_mask, seed, rate, heads, interpret=True)
 
     def expected(q, k, v):
         scaled = to_heads(q, heads) * head_dim ** -0.5
@@ -247,7 +249,7 @@ def test_the_forward_and_backward_kernels_drop_the_same_weights():
     segments, seed = jnp.ones((batch, length), jnp.int32), jnp.asarray([5], jnp.int32)
     zeros = jnp.zeros((batch, heads, length, length), jnp.float32)
     identity = jnp.broadcast_to(jnp.eye(length, dtype=jnp.float32), zeros.shape)
-    shown = to_heads(dropout_attention.dropout_attention(from_heads(zeros), from_heads(zeros), from_heads(identity),
+    shown = to_heads(flash_attention.dropout_attention(from_heads(zeros), from_heads(zeros), from_heads(identity),
                                                          segments, seed, rate, heads, interpret), heads)
     kept = np.asarray(shown) * np.arange(1, length + 1)[:, None] * (1 - rate) > 0.5
     causal = np.tril(np.ones((length, length), bool))
@@ -263,10 +265,10 @@ def test_the_forward_and_backward_kernels_drop_the_same_weights():
     rng = np.random.default_rng(6)
     q, k, v, d_out = (jnp.asarray(rng.normal(size=(batch, length, heads * length)), jnp.float32) for _ in range(4))
     with jax.default_matmul_precision("highest"):
-        out = dropout_attention.dropout_attention(q, k, v, segments, seed, rate, heads, interpret)
+        out = flash_attention.dropout_attention(q, k, v, segments, seed, rate, heads, interpret)
         want = np.asarray(masked(q, k, v))  # tolerances: 2% of the largest value (a TPU's float32 products)
         np.testing.assert_allclose(np.asarray(out), want, atol=0.02 * np.abs(want).max())
-        grads = jax.grad(lambda *qkv: jnp.sum(dropout_attention.dropout_attention(*qkv, segments, seed, rate, heads,
+        grads = jax.grad(lambda *qkv: jnp.sum(flash_attention.dropout_attention(*qkv, segments, seed, rate, heads,
                                                                                   interpret) * d_out), (0, 1, 2))(q, k, v)
         expected = jax.grad(lambda *qkv: jnp.sum(masked(*qkv) * d_out), (0, 1, 2))(q, k, v)
     for got, want in zip(grads, expected):
@@ -282,15 +284,15 @@ def test_the_dropout_kernels_compile_for_a_tpu(length, head_dim, call):
     64 to a block read in place beside the keys and values, and without the causal mask; and the longest
     sequence `fits` promises keeps the backward kernel's dq within a v5e's VMEM."""
     heads = 4
-    assert dropout_attention.fits(length, heads, head_dim)
+    assert flash_attention.fits(length, heads, head_dim)
     device = tpu_plan.load("v5e-4").devices[0]
     placed = lambda shape, dtype: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
     packed = call == "packed"
     sources = [placed((1, length, heads * head_dim * (3 if packed else 1)), jnp.bfloat16)] * (1 if packed else 3)
     segments, seed = placed((1, length), jnp.int32), placed((1,), jnp.int32)
-    attend = {"packed": dropout_attention.packed_dropout_attention, "causal": dropout_attention.dropout_attention,
-              "bidirectional": dropout_attention.bidirectional_dropout_attention}[call]
+    attend = {"packed": flash_attention.packed_dropout_attention, "causal": flash_attention.dropout_attention,
+              "bidirectional": flash_attention.bidirectional_dropout_attention}[call]
 
     def loss(segments, seed, *sources):
         return jnp.sum(attend(*sources, segments, seed, 0.1, heads).astype(jnp.float32))
@@ -308,10 +310,10 @@ def test_under_fsdp_the_kernels_compile_for_a_tpu_slice():
         shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(MESH_AXES)))
     qkv, segments = rows((4, 2 * LENGTH, 3 * 128), jnp.bfloat16), rows((4, 2 * LENGTH), jnp.int32)
     seed = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
-    flash = partial(dropout_attention.packed_dropout_attention, rate=0.1, heads=2)
+    flash = partial(flash_attention.packed_dropout_attention, rate=0.1, heads=2)
 
     def loss(qkv, segments, seed):
-        return jnp.sum(attention.on_each_device(mesh, flash, [qkv, segments], seed).astype(jnp.float32))
+        return jnp.sum(model_attention.on_each_device(mesh, flash, [qkv, segments], seed).astype(jnp.float32))
 
     compiled = jax.jit(jax.grad(loss)).lower(qkv, segments, seed).compile()
     text = compiled.as_text()
@@ -321,11 +323,11 @@ def test_under_fsdp_the_kernels_compile_for_a_tpu_slice():
 
 def test_the_interpreters_dropout_bits_are_uniform_and_change_with_seed_and_tile():
     positions = jnp.arange(512)
-    bits = np.asarray(dropout_attention.hashed_bits(jnp.int32(1), jnp.int32(0), positions[:, None], positions[None, :]))
+    bits = np.asarray(flash_attention.hashed_bits(jnp.int32(1), jnp.int32(0), positions[:, None], positions[None, :]))
     assert bits.min() >= 0 and abs(bits.mean() / 2**31 - 0.5) < 0.005
-    assert abs((bits >= dropout_attention.keep_threshold(0.1)).mean() - 0.9) < 0.005
+    assert abs((bits >= flash_attention.keep_threshold(0.1)).mean() - 0.9) < 0.005
     for changed in [(2, 0), (1, 1)]:
-        other = np.asarray(dropout_attention.hashed_bits(*(jnp.int32(x) for x in changed), positions[:, None],
+        other = np.asarray(flash_attention.hashed_bits(*(jnp.int32(x) for x in changed), positions[:, None],
                                                          positions[None, :]))
         assert (other == bits).mean() < 0.001, changed
     assert (bits[1:] == bits[:-1]).mean() < 0.001 and (bits[:, 1:] == bits[:, :-1]).mean() < 0.001
@@ -343,7 +345,7 @@ def test_a_training_call_with_attention_dropout_runs_the_dropout_kernel(make_mod
     mask = jnp.asarray(padding_mask()[:2])
     rng, other = jax.random.PRNGKey(3), jax.random.PRNGKey(4)
     stock = float(loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0])
-    attention.use_attention_kernels(model, interpret=True)
+    model_attention.use_attention_kernels(model, interpret=True)
     routed, grads = loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)
     assert float(routed) != stock and np.isfinite(float(routed))
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree_util.tree_leaves(grads))
@@ -358,9 +360,9 @@ def test_attention_dropout_over_more_tokens_than_the_kernel_holds_runs_the_stock
     mask, rng = jnp.asarray(padding_mask()[:2]), jax.random.PRNGKey(3)
     stock = float(loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0])
     heads = model.config.n_head
-    width = dropout_attention.group_width(heads, model.config.n_embd // heads)
-    monkeypatch.setattr(dropout_attention, "MAX_DQ_ELEMENTS", LENGTH * width - 1)
-    attention.use_attention_kernels(model, interpret=True)
+    width = flash_attention.group_width(heads, model.config.n_embd // heads)
+    monkeypatch.setattr(flash_attention, "MAX_DQ_ELEMENTS", LENGTH * width - 1)
+    model_attention.use_attention_kernels(model, interpret=True)
     assert float(loss_and_grads(model, ids, mask, train=True, dropout_rng=rng)[0]) == stock
 
 
@@ -385,7 +387,7 @@ def test_under_fsdp_each_device_runs_the_kernel_on_its_rows(make_model):
     mask = jnp.asarray(np.concatenate([padding_mask(), np.ones((5, LENGTH), np.int32)]))
     objective = masked_lm_loss_and_grads if make_model is tiny_bert else loss_and_grads
     stock = objective(model, ids, mask)
-    attention.use_attention_kernels(model, interpret=True, mesh=mesh)
+    model_attention.use_attention_kernels(model, interpret=True, mesh=mesh)
     routed = jax.jit(partial(objective, model))(*split_rows(mesh, ids, mask))
     np.testing.assert_allclose(float(routed[0]), float(stock[0]), rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(routed[1]), jax.tree_util.tree_leaves(stock[1])):
@@ -402,7 +404,7 @@ def test_under_fsdp_no_two_devices_drop_the_same_weights(make_model):
         {"attention_probs_dropout_prob": 0.5}
     model, mesh = make_model(**dropout), fsdp_mesh()
     ids = jnp.asarray(np.tile(np.random.default_rng(2).integers(3, 64, size=(1, LENGTH)), (8, 1)), jnp.int32)
-    attention.use_attention_kernels(model, interpret=True, mesh=mesh)
+    model_attention.use_attention_kernels(model, interpret=True, mesh=mesh)
 
     @jax.jit
     def logits(ids, mask, key):
@@ -417,22 +419,22 @@ def test_under_fsdp_no_two_devices_drop_the_same_weights(make_model):
 
 def test_choose_routes_only_where_the_kernel_runs_and_names_why_not():
     gpt2 = tiny_gpt2()
-    assert attention.choose("auto", gpt2, "tpu", "dp")
-    assert not attention.choose("auto", gpt2, "cpu", "dp")
-    assert attention.choose("auto", gpt2, "tpu", "fsdp")
-    assert not attention.choose("auto", gpt2, "cpu", "fsdp")
-    assert not attention.choose("xla", gpt2, "tpu", "dp")
-    assert attention.choose("splash", gpt2, "cpu", "dp")
-    assert attention.choose("splash", gpt2, "tpu", "fsdp")
+    assert model_attention.choose("auto", gpt2, "tpu", "dp")
+    assert not model_attention.choose("auto", gpt2, "cpu", "dp")
+    assert model_attention.choose("auto", gpt2, "tpu", "fsdp")
+    assert not model_attention.choose("auto", gpt2, "cpu", "fsdp")
+    assert not model_attention.choose("xla", gpt2, "tpu", "dp")
+    assert model_attention.choose("splash", gpt2, "cpu", "dp")
+    assert model_attention.choose("splash", gpt2, "tpu", "fsdp")
     bert = tiny_bert()
-    assert attention.choose("auto", bert, "tpu", "dp")
-    assert not attention.choose("auto", bert, "cpu", "dp")
-    assert attention.choose("splash", bert, "tpu", "dp")
+    assert model_attention.choose("auto", bert, "tpu", "dp")
+    assert not model_attention.choose("auto", bert, "cpu", "dp")
+    assert model_attention.choose("splash", bert, "tpu", "dp")
     distilbert = FlaxDistilBertForMaskedLM(DistilBertConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2,
                                                             hidden_dim=16), seed=0)
-    assert not attention.choose("auto", distilbert, "tpu", "dp")
+    assert not model_attention.choose("auto", distilbert, "tpu", "dp")
     with pytest.raises(UsageError, match="not distilbert's"):
-        attention.choose("splash", distilbert, "tpu", "dp")
+        model_attention.choose("splash", distilbert, "tpu", "dp")
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tasks import audio
-from utils.errors import UsageError
+from utils.base.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(ROOT, "data", "speech")

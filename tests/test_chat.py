@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from tasks import chat
 from tasks.causal_lm import next_token_loss
 from tests.script_runner import ROOT
-from utils.errors import UsageError
+from utils.base.errors import UsageError
 
 DATA = os.path.join(ROOT, "data", "chat")
 # data/chat's template with the answers' generation blocks starting at their first word: transformers
@@ -262,7 +262,7 @@ def chat_model_dir(tmp_path_factory, tokenizer):
     """A tiny untrained Llama with data/chat's tokenizer, saved as a run exports it."""
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
-    from utils import compat
+    from utils.models import compat
 
     compat.apply()
     out = tmp_path_factory.mktemp("chat_model")
@@ -436,7 +436,7 @@ def tiny_llama(tokenizer):
     import jax
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
-    from utils import compat
+    from utils.models import compat
 
     compat.apply()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -489,7 +489,7 @@ def test_sampled_answers_are_the_seeds_own_row_by_row_in_any_layout(tokenizer, t
     import jax
 
     from tasks.causal_lm import Decoding, generate_answers, generation_inputs
-    from utils.layout import DataParallel
+    from utils.layout.layouts import DataParallel
 
     model, params = tiny_llama
     decoding = Decoding((tokenizer.eos_token_id,), True, 1.5)

@@ -1,6 +1,6 @@
 """Checkpoint save/restore of a train state as global arrays, and finding checkpoints on disk.
 
-The states here are "dp" ones (utils/layout.py: replicated over the 8 devices); tests/test_layout.py
+The states here are "dp" ones (utils/layout/layouts.py: replicated over the 8 devices); tests/test_layout.py
 restores them under "fsdp" and back.
 """
 
@@ -17,12 +17,11 @@ import pytest
 from flax import linen as nn
 from flax.training.train_state import TrainState
 
-from utils import perf
-from utils.checkpoint import (
-    WRITES_HOST_ARRAYS_IN_PLACE, Checkpointer, all_finite, checkpoint_steps, find_checkpoint_dir, locate_checkpoint,
-)
-from utils.errors import UsageError
-from utils.layout import DataParallel
+from utils.base.errors import UsageError
+from utils.checkpoints.store import (Checkpointer, WRITES_HOST_ARRAYS_IN_PLACE, all_finite, checkpoint_steps,
+                                     find_checkpoint_dir, locate_checkpoint)
+from utils.layout.layouts import DataParallel
+from utils.run import perf
 
 N_DEVICES = 8
 META = {"epoch": 1, "step_in_epoch": 3, "fingerprint": "abc123"}

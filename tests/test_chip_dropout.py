@@ -1,4 +1,4 @@
-"""utils/chip_dropout.py: dropout with its mask drawn inside a Pallas kernel (Pallas' interpreter on CPUs,
+"""utils/kernels/chip_dropout.py: dropout with its mask drawn inside a Pallas kernel (Pallas' interpreter on CPUs,
 whose bits `hashed_bits` gives; the chip's generator on a TPU)."""
 
 import importlib.util
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
-from utils import chip_dropout, dropout_attention, tpu_plan
+from utils.kernels import chip_dropout, flash_attention
+from utils.layout import tpu_plan
 
 ON_TPU = jax.devices()[0].platform == "tpu"
 
@@ -20,7 +21,7 @@ def hashed_mask(shape, seed, rate, itemsize):
     rows, width = shape
     block = chip_dropout.block_rows(rows, width, itemsize)
     row, column = np.arange(rows)[:, None], np.arange(width)[None, :]
-    bits = dropout_attention.hashed_bits(jnp.int32(seed), jnp.asarray(row // block), jnp.asarray(row % block),
+    bits = flash_attention.hashed_bits(jnp.int32(seed), jnp.asarray(row // block), jnp.asarray(row % block),
                                          jnp.asarray(column))
     return np.asarray(bits) >= int(round(rate * 2**31))
 

@@ -19,7 +19,7 @@ from seqeval.metrics import classification_report as seqeval_report
 from transformers import AutoTokenizer
 
 from tasks import classification as cls
-from utils.errors import UsageError
+from utils.base.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NER = os.path.join(ROOT, "data", "ner")

@@ -1,4 +1,4 @@
-"""utils/compat.py: the `jnp.clip(a_min=, a_max=)` shim and a Flax T5 forward on current JAX, and the
+"""utils/models/compat.py: the `jnp.clip(a_min=, a_max=)` shim and a Flax T5 forward on current JAX, and the
 encoder-decoder's `encode`."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 from transformers import (BertConfig, EncoderDecoderConfig, FlaxEncoderDecoderModel, FlaxT5ForConditionalGeneration,
                           GPT2Config, T5Config)
 
-from utils import compat
+from utils.models import compat
 
 
 def test_clip_old_keywords_match_new():

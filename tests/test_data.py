@@ -1,4 +1,4 @@
-"""utils/file_formats.py, dataset_loading.py, arrow_columns.py, batch_order.py: local files, loading, memory-mapped
+"""utils/data/file_formats.py, dataset_loading.py, arrow_columns.py, batch_order.py: local files, loading, memory-mapped
 columns, seeded per-process training batches, eval ranges."""
 
 import bz2
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from utils import arrow_columns, batch_order, dataset_loading, file_formats
-from utils.errors import UsageError
+from utils.base.errors import UsageError
+from utils.data import arrow_columns, batch_order, file_formats, loaders
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,19 +151,19 @@ def test_load_splits_json_and_csv(tmp_path):
     (tmp_path / "train.json").write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "valid.json").write_text("\n".join(json.dumps(r) for r in rows[:2]))
     files = {"train": str(tmp_path / "train.json"), "validation": str(tmp_path / "valid.json"), "test": None}
-    splits = dataset_loading.load_splits(NO_HUB, files, cache_dir=str(tmp_path / "cache"))
+    splits = loaders.load_splits(NO_HUB, files, cache_dir=str(tmp_path / "cache"))
     assert sorted(splits) == ["train", "validation"]
     assert len(splits["train"]) == 5 and splits["validation"][1] == rows[1]
 
     (tmp_path / "train.csv").write_text("document,summary\n" + "".join(f"d{i},s{i}\n" for i in range(3)))
-    csv = dataset_loading.load_splits(NO_HUB, {"train": str(tmp_path / "train.csv")}, cache_dir=str(tmp_path / "cache"))
+    csv = loaders.load_splits(NO_HUB, {"train": str(tmp_path / "train.csv")}, cache_dir=str(tmp_path / "cache"))
     assert csv["train"].column_names == ["document", "summary"] and csv["train"][2] == {"document": "d2",
                                                                                       "summary": "s2"}
 
 
 def test_load_splits_text(tmp_path):
     (tmp_path / "train.txt").write_text("first line\nsecond line\nthird\n")
-    splits = dataset_loading.load_splits(NO_HUB, {"train": str(tmp_path / "train.txt")}, cache_dir=str(tmp_path / "cache"))
+    splits = loaders.load_splits(NO_HUB, {"train": str(tmp_path / "train.txt")}, cache_dir=str(tmp_path / "cache"))
     assert list(splits["train"]["text"]) == ["first line", "second line", "third"]
 
 
@@ -172,9 +172,9 @@ def test_load_splits_compressed_and_mixed_with_plain(tmp_path):
     lines = "".join(json.dumps(r) + "\n" for r in rows)
     files = {"train": write(tmp_path / "train.jsonl", lines, ".gz"),
              "validation": write(tmp_path / "valid.jsonl", lines)}
-    splits = dataset_loading.load_splits(NO_HUB, files, cache_dir=str(tmp_path / "cache"))  # one format: json
+    splits = loaders.load_splits(NO_HUB, files, cache_dir=str(tmp_path / "cache"))  # one format: json
     assert list(splits["train"]) == rows and list(splits["validation"]) == rows
-    text = dataset_loading.load_splits(NO_HUB, {"train": write(tmp_path / "train.txt", "first\nsecond\n", ".xz")},
+    text = loaders.load_splits(NO_HUB, {"train": write(tmp_path / "train.txt", "first\nsecond\n", ".xz")},
                             cache_dir=str(tmp_path / "cache"))
     assert list(text["train"]["text"]) == ["first", "second"]
 
@@ -184,29 +184,29 @@ def test_load_splits_csv_with_a_byte_order_mark(tmp_path, compression):
     """An Excel export ("CSV UTF-8") starts with a BOM: it must not become part of the first column's name."""
     path = write(tmp_path / "excel.csv", "\ufeffdocument,summary\nd0,s0\n", compression)
     assert file_formats.check_file(path) == ["document", "summary"]
-    splits = dataset_loading.load_splits(NO_HUB, {"train": path}, cache_dir=str(tmp_path / "cache"))
+    splits = loaders.load_splits(NO_HUB, {"train": path}, cache_dir=str(tmp_path / "cache"))
     assert list(splits["train"]) == [{"document": "d0", "summary": "s0"}]
 
 
 def test_load_splits_errors(tmp_path):
     with pytest.raises(UsageError, match="no data"):
-        dataset_loading.load_splits(NO_HUB, {"train": None})
+        loaders.load_splits(NO_HUB, {"train": None})
     (tmp_path / "a.json").write_text("{}")
     (tmp_path / "b.csv").write_text("a\n1\n")
     with pytest.raises(UsageError, match="share one format, got csv, json"):
-        dataset_loading.load_splits(NO_HUB, {"train": str(tmp_path / "a.json"), "validation": str(tmp_path / "b.csv")})
+        loaders.load_splits(NO_HUB, {"train": str(tmp_path / "a.json"), "validation": str(tmp_path / "b.csv")})
     (tmp_path / "c.txt").write_text("x\n")
     with pytest.raises(UsageError, match="unsupported extension"):
-        dataset_loading.load_splits(NO_HUB, {"train": str(tmp_path / "c.txt")}, allowed=("json", "csv"))
+        loaders.load_splits(NO_HUB, {"train": str(tmp_path / "c.txt")}, allowed=("json", "csv"))
 
 
 def test_take_and_to_arrays():
     import datasets
 
     ds = datasets.Dataset.from_dict({"ids": [[i, i + 1] for i in range(10)], "label": list(range(10))})
-    assert len(dataset_loading.take(ds, 3)) == 3 and dataset_loading.take(ds, 3)["label"][:] == [0, 1, 2]
-    assert dataset_loading.take(ds, None) is ds and dataset_loading.take(ds, 50) is ds
-    arrays = arrow_columns.to_arrays(dataset_loading.take(ds, 4), ["ids", "label"])
+    assert len(loaders.take(ds, 3)) == 3 and loaders.take(ds, 3)["label"][:] == [0, 1, 2]
+    assert loaders.take(ds, None) is ds and loaders.take(ds, 50) is ds
+    arrays = arrow_columns.to_arrays(loaders.take(ds, 4), ["ids", "label"])
     assert arrays["ids"].shape == (4, 2) and arrays["ids"].dtype.kind == "i"
     np.testing.assert_array_equal(arrays["label"], [0, 1, 2, 3])
     np.testing.assert_array_equal(batch_order.gather(arrays, np.array([3, 0]))["ids"], [[3, 4], [0, 1]])
@@ -379,14 +379,14 @@ def test_load_splits_error_past_the_pre_read_names_file_and_line(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text('{"x": "a"}\n' * 3 + '{"x": "a",}\n')
     with pytest.raises(UsageError, match=r"train\.jsonl:4 is not valid JSON"):
-        dataset_loading.load_splits(NO_HUB, {"train": str(path)}, cache_dir=str(tmp_path / "cache"))
+        loaders.load_splits(NO_HUB, {"train": str(path)}, cache_dir=str(tmp_path / "cache"))
 
 
 def test_load_splits_unusable_dataset(tmp_path):
     (tmp_path / "no_data").mkdir()
     args = SimpleNamespace(dataset_name=str(tmp_path / "no_data"), dataset_config_name=None)
     with pytest.raises(UsageError, match=r"could not load dataset .*no_data': .*check --dataset_name"):
-        dataset_loading.load_splits(args, {}, cache_dir=str(tmp_path / "cache"))
+        loaders.load_splits(args, {}, cache_dir=str(tmp_path / "cache"))
     args.dataset_name = "no-such/dataset"  # conftest: offline
     with pytest.raises(UsageError, match=r"'no-such/dataset': it is not in the local cache and offline mode is on"):
-        dataset_loading.load_splits(args, {}, cache_dir=str(tmp_path / "cache"))
+        loaders.load_splits(args, {}, cache_dir=str(tmp_path / "cache"))

@@ -1,4 +1,4 @@
-"""utils/decoder_positions.py: the rotary decoders (Llama, Mistral, Gemma) compute the positions their
+"""utils/models/decoder_positions.py: the rotary decoders (Llama, Mistral, Gemma) compute the positions their
 configs define. Their rotary angles against plain numpy formulas written here, their logits and
 greedy continuations against numbers PyTorch transformers produced (tests/references/), and a
 config with a setting they cannot compute stops with one line."""
@@ -15,8 +15,8 @@ from transformers import AutoConfig, FlaxAutoModelForCausalLM, GemmaConfig, Llam
 
 from tests.references.decoder_cases import CASES, config_settings, numpy_weights
 from tests.script_runner import ROOT, run_script
-from utils import compat, decoder_positions, weights
-from utils.errors import UsageError
+from utils.base.errors import UsageError
+from utils.models import compat, decoder_positions, weights
 
 with open(os.path.join(ROOT, "tests", "references", "decoder_logits.json"), encoding="utf-8") as f:
     REFERENCE = json.load(f)["cases"]

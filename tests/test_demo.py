@@ -265,7 +265,7 @@ def test_output_dir_without_a_model_is_one_clear_error(tmp_path):
 
 def test_output_dir_checks_name_what_is_missing(tmp_path):
     from tasks.demo import check_output_dir
-    from utils.errors import UsageError
+    from utils.base.errors import UsageError
 
     with pytest.raises(UsageError, match="is not a directory"):
         check_output_dir(str(tmp_path / "nowhere"))

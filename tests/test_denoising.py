@@ -14,9 +14,9 @@ from transformers import AutoTokenizer
 
 from tasks import denoising as dn
 from tasks import lm
-from utils import arrow_columns
-from utils.errors import UsageError
-from utils.metrics import split_sentences
+from utils.base.errors import UsageError
+from utils.data import arrow_columns
+from utils.scoring.metrics import split_sentences
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MASK, SEPARATOR = 1, 2

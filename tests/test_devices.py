@@ -1,4 +1,4 @@
-"""utils/devices.py: processes and devices: multi-host start-up, the busy-TPU check, process slices, padding."""
+"""utils/layout/devices.py: processes and devices: multi-host start-up, the busy-TPU check, process slices, padding."""
 
 import http.server
 import importlib.util
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from utils import devices
-from utils.errors import RunError, UsageError
+from utils.base.errors import RunError, UsageError
+from utils.layout import devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -237,7 +237,7 @@ LIBTPU_NOISE = ("TPU_WORKER_HOSTNAMES", "could not determine TPU accelerator typ
 def devices_seen_by_a_fresh_process(leave_absent_tpu_alone):
     """(stdout, stderr) of a process that opens JAX's backends as a script does, JAX_PLATFORMS unset."""
     environ = {name: value for name, value in os.environ.items() if name not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    code = ("from utils import devices\n"
+    code = ("from utils.layout import devices\n"
             + ("devices.leave_absent_tpu_alone()\n" if leave_absent_tpu_alone else "")
             + "import jax\nprint(jax.default_backend())")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environ, capture_output=True, text=True,

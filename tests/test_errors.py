@@ -1,4 +1,4 @@
-"""utils/errors.py: exit codes and the one-line, traceback-free error report."""
+"""utils/base/errors.py: exit codes and the one-line, traceback-free error report."""
 
 import errno
 import logging
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from tqdm.auto import tqdm
 
-from utils.errors import (RunError, Stopped, UsageError, at_exit, debug_enabled, is_disk_full, name_data_files,
-                          run_main)
+from utils.base.errors import (RunError, Stopped, UsageError, at_exit, debug_enabled, is_disk_full, name_data_files,
+                               run_main)
 
 
 def raising(error):

@@ -31,13 +31,14 @@ import run_t5_mlm_flax as t5_mlm
 import run_bart_dlm_flax as bart_dlm
 from script_runner import ROOT, directory_state, run_script, script_env
 from tasks.summarization import TASK
-from utils import flax_msgpack, hub_access
-from utils.args import TrainingArguments
-from utils.checkpoint import Checkpointer
-from utils.errors import RunError, run_main
-from utils.loop import InMemoryData
-from utils.rundir import RunDirectory
-from utils.saving import Saver
+from utils.base import hub_probe
+from utils.base.arguments import TrainingArguments
+from utils.base.errors import RunError, run_main
+from utils.checkpoints.saving import Saver
+from utils.checkpoints.store import Checkpointer
+from utils.models import flax_msgpack
+from utils.run.loop import InMemoryData
+from utils.run.run_directory import RunDirectory
 
 DATA = os.path.join(ROOT, "data", "summarization")
 TOKENIZER = os.path.join(DATA, "tokenizer")
@@ -282,14 +283,15 @@ def test_resume_from_an_output_dir_killed_before_its_first_checkpoint(fails, fil
 
 
 def test_push_to_hub_without_token(fails, files, monkeypatch):
-    monkeypatch.setattr("utils.run.get_token", lambda: None)  # no saved login either
+    monkeypatch.setattr("utils.run.preflight.get_token", lambda: None)  # no saved login either
     fails(scratch(files, "--push_to_hub"), r"--push_to_hub needs --hub_token")
 
 
 def test_busy_tpu_stops_the_run_before_anything_is_written(fails, files, monkeypatch, jax_platforms):
     """A Cloud TPU VM whose TPU another process holds: JAX opened the CPU (as it does here)."""
-    monkeypatch.setattr("utils.devices._on_cloud_tpu_vm", lambda: True)
-    monkeypatch.setattr("utils.devices._huge_pages_always", lambda: True)  # no staging buffer size set in os.environ
+    monkeypatch.setattr("utils.layout.devices._on_cloud_tpu_vm", lambda: True)
+    # no staging buffer size set in os.environ
+    monkeypatch.setattr("utils.layout.devices._huge_pages_always", lambda: True)
     monkeypatch.setattr("jax.distributed.initialize", lambda **settings: None)  # one VM: nothing to join
     jax_platforms(None)
     fails(scratch(files), r"this is a Cloud TPU VM, but JAX opened the CPU instead of the TPU.*: another process "
@@ -351,7 +353,7 @@ def test_push_to_hub_with_a_rejected_token(fails, files, hub_online, fake_hub):
     hub_online(fake_hub)
     fails(scratch(files, "--push_to_hub", "--hub_token", "hf_bad"),
           r"the hub at http://127\.0\.0\.1:\d+ does not accept the token for --push_to_hub: Invalid user token")
-    assert hub_access.offline_reason() is None and not constants.HF_HUB_OFFLINE  # a reachable hub stays online
+    assert hub_probe.offline_reason() is None and not constants.HF_HUB_OFFLINE  # a reachable hub stays online
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,7 +584,7 @@ DISK_FULL = ValueError("RESOURCE_EXHAUSTED: Error writing \"params\": No space l
 
 
 class FakeModel:
-    """What the export asks of a Flax model (`utils.flax_msgpack.save_pretrained`)."""
+    """What the export asks of a Flax model (`utils.models.flax_msgpack.save_pretrained`)."""
 
     config = PretrainedConfig()
     _auto_class = None
@@ -594,9 +596,10 @@ class FakeModel:
 @pytest.fixture
 def saver(tmp_path, monkeypatch):
     from test_checkpoint import DP, fresh_state
-    from utils import rundir, saving
+    from utils.checkpoints import saving
+    from utils.run import run_directory
 
-    for module in (rundir, saving):  # run_main's list, which nothing here drains
+    for module in (run_directory, saving):  # run_main's list, which nothing here drains
         monkeypatch.setattr(module, "at_exit", lambda callback: None)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
     run_dir = RunDirectory(args, (args,), TASK, FakeModel(), None, is_main=True, total_steps=10)
@@ -623,7 +626,7 @@ def test_a_failed_run_names_the_checkpoints_it_keeps(saver, tmp_path):
 
 def test_a_run_failing_before_its_first_checkpoint_says_there_is_none(tmp_path, monkeypatch):
     from test_checkpoint import DP
-    from utils import saving
+    from utils.checkpoints import saving
 
     monkeypatch.setattr(saving, "at_exit", lambda callback: None)
     saver = Saver(str(tmp_path / "out"), 2, None, DP, InMemoryData({}, 640), {}, steps_per_epoch=10, total_steps=10,

@@ -368,8 +368,8 @@ def test_any_error_of_a_reader_names_the_files(monkeypatch, tmp_path, error):
     UsageError naming the files, never the library's bare exception."""
     import datasets
 
-    from utils import dataset_loading
-    from utils.errors import UsageError
+    from utils.data import loaders
+    from utils.base.errors import UsageError
 
     def load_dataset(*args, **kwargs):
         raise error
@@ -378,7 +378,7 @@ def test_any_error_of_a_reader_names_the_files(monkeypatch, tmp_path, error):
     train = glue_train(tmp_path, ["pos", "neg"] * 5)
     with pytest.raises(UsageError, match=rf"could not read the data files \({train}\): {type(error).__name__}: "
                                          r".*check that each is a valid csv file"):
-        dataset_loading.load_splits(glue.DataTrainingArguments(), {"train": train})
+        loaders.load_splits(glue.DataTrainingArguments(), {"train": train})
 
 
 def test_a_batch_of_missing_or_blank_texts_encodes_to_nothing():

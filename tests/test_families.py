@@ -9,8 +9,8 @@ from transformers import (AutoTokenizer, BertConfig, EncoderDecoderConfig, FlaxA
                           FlaxEncoderDecoderModel, GPT2Config)
 
 from script_runner import ROOT, read_json, read_metrics, run_script
-from utils import compat
-from utils.models import TASK_MODEL_TYPES, init_in_one_program
+from utils.models import compat
+from utils.models.loading import TASK_MODEL_TYPES, init_in_one_program
 
 DATA = os.path.join(ROOT, "data", "summarization")
 SENTENCEPIECE_STYLE = os.path.join(DATA, "tokenizer")  # pad 0, eos 1, no bos

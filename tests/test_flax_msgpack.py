@@ -1,4 +1,4 @@
-"""utils/flax_msgpack.py: the export's files are transformers' own, byte for byte, written without building them
+"""utils/models/flax_msgpack.py: the export's files are transformers' own, byte for byte, written without building them
 in memory."""
 
 import io
@@ -12,7 +12,7 @@ import pytest
 from flax import serialization
 from transformers import BertConfig, FlaxBertForSequenceClassification, FlaxGPT2LMHeadModel, GPT2Config
 
-from utils import flax_msgpack
+from utils.models import flax_msgpack
 
 
 def streamed(tree):

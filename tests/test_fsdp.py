@@ -16,8 +16,8 @@ import pytest
 import run_clm_flax as clm
 from layout_runs import PREDICTIONS, SCRIPTS, command
 from script_runner import directory_state, read_json, read_metrics, run_script
-from utils import memory
-from utils.errors import run_main
+from utils.base.errors import run_main
+from utils.layout import memory
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def test_the_train_step_memory_is_written(layout_runs, name):
         assert written == memory[0]["train_step_device_bytes"] > 0
         assert {"train_step_device_bytes_arguments", "train_step_device_bytes_temporaries"} <= set(memory[0])
     dp, fsdp = (read_metrics(layout_runs[(name, sharding)], "memory")[0] for sharding in ("dp", "fsdp"))
-    # Tiny models: most leaves are below the size worth splitting (utils/layout.py), yet the state shrinks.
+    # Tiny models: most leaves are below the size worth splitting (utils/layout/layouts.py), yet the state shrinks.
     assert fsdp["train_step_device_bytes_arguments"] < 0.7 * dp["train_step_device_bytes_arguments"]
 
 

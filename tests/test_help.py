@@ -24,8 +24,8 @@ import run_speech_recognition_seq2seq
 import run_summarization_flax
 import run_t5_mlm_flax
 import run_wav2vec2_pretrain_flax
-from utils import args
-from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, parse_args
+from utils.base.arguments import BaseDataArguments, ModelArguments, TrainingArguments
+from utils.base.parsing import ArgumentParser, parse_args
 
 SCRIPTS = {module.__name__: module for module in (
     run_bart_dlm_flax, run_clm_flax, run_flax_glue, run_flax_ner, run_hybrid_clip, run_image_captioning_flax,
@@ -189,4 +189,4 @@ def test_a_field_without_a_section_is_refused():
         knob: int = field(default=3, metadata={"help": "A knob."})
 
     with pytest.raises(ValueError, match="Loose.knob has no --help section"):
-        args.ArgumentParser((ModelArguments, Loose, TrainingArguments))
+        ArgumentParser((ModelArguments, Loose, TrainingArguments))

@@ -1,5 +1,5 @@
-"""utils/hub_access.py: one short probe of the hub, offline mode when it does not answer, nothing otherwise;
-utils/hub.py: pushes."""
+"""utils/base/hub_probe.py: one short probe of the hub, offline mode when it does not answer, nothing otherwise;
+utils/run/hub_push.py: pushes."""
 
 import concurrent.futures
 import http.server
@@ -12,7 +12,8 @@ import urllib.request
 import pytest
 from huggingface_hub import constants
 
-from utils import hub, hub_access
+from utils.base import hub_probe
+from utils.run import hub_push
 
 
 class _Status(http.server.BaseHTTPRequestHandler):
@@ -33,9 +34,9 @@ def server():
 
 
 def test_any_answer_counts_as_reachable(server):
-    assert hub_access.unreachable_reason(server) is None
-    assert hub_access.unreachable_reason(server + "/404") is None
-    assert "refused" in hub_access.unreachable_reason("http://127.0.0.1:9")
+    assert hub_probe.unreachable_reason(server) is None
+    assert hub_probe.unreachable_reason(server + "/404") is None
+    assert "refused" in hub_probe.unreachable_reason("http://127.0.0.1:9")
 
 
 def test_probe_is_bounded_even_if_the_lookup_hangs(monkeypatch):
@@ -48,15 +49,15 @@ def test_probe_is_bounded_even_if_the_lookup_hangs(monkeypatch):
     monkeypatch.setattr(urllib.request, "urlopen", hanging)
     start = time.time()
     try:
-        assert hub_access.unreachable_reason("http://hub.example", timeout=0.5) == "no answer within 0.5 s"
+        assert hub_probe.unreachable_reason("http://hub.example", timeout=0.5) == "no answer within 0.5 s"
     finally:
         release.set()  # let the abandoned probe thread end now, not in a later test
     assert time.time() - start < 5
 
 
 def test_local_names_never_probe(hub_online, monkeypatch, tmp_path):
-    monkeypatch.setattr(hub_access, "unreachable_reason", lambda url: pytest.fail("probed the hub"))
-    assert hub_access.check_access([str(tmp_path), None]) is None
+    monkeypatch.setattr(hub_probe, "unreachable_reason", lambda url: pytest.fail("probed the hub"))
+    assert hub_probe.check_access([str(tmp_path), None]) is None
 
 
 def test_unreachable_hub_turns_offline_mode_on(hub_online, monkeypatch):
@@ -64,35 +65,35 @@ def test_unreachable_hub_turns_offline_mode_on(hub_online, monkeypatch):
     import transformers.utils.hub
 
     hub_online("http://127.0.0.1:9")
-    reason = hub_access.check_access(["t5-small"])
+    reason = hub_probe.check_access(["t5-small"])
     assert reason.startswith("the hub at http://127.0.0.1:9 is unreachable (")
-    assert hub_access.offline_reason() == hub_access.offline_reason(datasets=True) == reason
+    assert hub_probe.offline_reason() == hub_probe.offline_reason(datasets=True) == reason
     assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE and transformers.utils.hub._is_offline_mode
     assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"  # for worker processes
 
 
 def test_reachable_hub_is_left_alone(hub_online, server):
     hub_online(server)
-    assert hub_access.check_access(["t5-small"], need_hub=True) is None
+    assert hub_probe.check_access(["t5-small"], need_hub=True) is None
     assert not constants.HF_HUB_OFFLINE and "HF_HUB_OFFLINE" not in os.environ
 
 
 def test_offline_flags_skip_the_probe(hub_online, monkeypatch):
-    monkeypatch.setattr(hub_access, "unreachable_reason", lambda url: pytest.fail("probed the hub"))
+    monkeypatch.setattr(hub_probe, "unreachable_reason", lambda url: pytest.fail("probed the hub"))
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    assert hub_access.check_access(["t5-small"]) == "offline mode is on (TRANSFORMERS_OFFLINE=1)"
+    assert hub_probe.check_access(["t5-small"]) == "offline mode is on (TRANSFORMERS_OFFLINE=1)"
 
 
 def test_datasets_offline_flag_only_concerns_datasets(hub_online, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "yes")
-    assert hub_access.offline_reason() is None
-    assert hub_access.offline_reason(datasets=True) == "offline mode is on (HF_DATASETS_OFFLINE=yes)"
+    assert hub_probe.offline_reason() is None
+    assert hub_probe.offline_reason(datasets=True) == "offline mode is on (HF_DATASETS_OFFLINE=yes)"
 
 
 @pytest.mark.parametrize("name, path", [("t5-small", False), ("google/flan-t5-small", False), ("/models/t5", True),
                                         ("./t5", True), ("~/t5", True), ("runs/t5/final", True)])
 def test_looks_like_path(name, path):
-    assert hub_access.looks_like_path(name) is path
+    assert hub_probe.looks_like_path(name) is path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +127,7 @@ def test_hub_pusher_with_fake_api(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeHfApi)
     caplog.set_level(logging.DEBUG)
 
-    pusher = hub.HubPusher("me/tiny-t5", token, str(tmp_path), private=True)
+    pusher = hub_push.HubPusher("me/tiny-t5", token, str(tmp_path), private=True)
     api = FakeHfApi.instances[0]
     assert api.token == token
     assert api.calls == [("create_repo", "me/tiny-t5", {"private": True, "exist_ok": True})]
@@ -157,7 +158,7 @@ def test_hub_pusher_wait_reraises_upload_errors(tmp_path, monkeypatch):
             return future
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FailingApi)
-    pusher = hub.HubPusher("me/tiny-t5", "hf_x", str(tmp_path))
+    pusher = hub_push.HubPusher("me/tiny-t5", "hf_x", str(tmp_path))
     pusher.push("Step 1")
     with pytest.raises(RuntimeError, match="403"):
         pusher.wait()

@@ -13,8 +13,8 @@ from flax.traverse_util import flatten_dict
 
 from script_runner import ROOT, directory_state, read_json, run_script
 from tasks import image_captioning as captioning
-from utils.errors import UsageError
-from utils.metrics import bleu, rouge
+from utils.base.errors import UsageError
+from utils.scoring.metrics import bleu, rouge
 
 SCRIPT = "run_image_captioning_flax.py"
 DATA = os.path.join(ROOT, "data", "image_text")
@@ -59,7 +59,7 @@ def test_rouge_of_several_references_takes_the_best_one():
 # Captions as tokens
 # ----------------------------------------------------------------------------------------------
 class DecoderConfig:
-    """What `utils.models.decoder_input_ids` reads of a captioning config."""
+    """What `utils.models.loading.decoder_input_ids` reads of a captioning config."""
     model_type = "vision-encoder-decoder"
 
 
@@ -154,9 +154,9 @@ def test_pretrained_parts_keep_their_weights_and_the_cross_attention_is_new(tmp_
     from transformers import (FlaxAutoModel, FlaxAutoModelForCausalLM, FlaxGPT2LMHeadModel,
                               FlaxViTForImageClassification, FlaxVisionEncoderDecoderModel, GPT2Config, ViTConfig)
 
-    from utils.args import ModelArguments
-    from utils.layout import make_layout
-    from utils.models import load_composed_model
+    from utils.base.arguments import ModelArguments
+    from utils.layout.layouts import make_layout
+    from utils.models.loading import load_composed_model
 
     vit = FlaxViTForImageClassification(ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1,
                                                   num_attention_heads=2, intermediate_size=32, num_labels=3), seed=1)
@@ -189,9 +189,9 @@ def test_fresh_composed_weights_are_transformers_own_draws_from_one_program():
     from transformers import FlaxVisionEncoderDecoderModel, GPT2Config, VisionEncoderDecoderConfig, ViTConfig
 
     from fresh_draws import assert_drawn_in_one_program
-    from utils.args import ModelArguments
-    from utils.layout import make_layout
-    from utils.models import load_composed_model
+    from utils.base.arguments import ModelArguments
+    from utils.layout.layouts import make_layout
+    from utils.models.loading import load_composed_model
 
     config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(
         ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,

@@ -15,8 +15,8 @@ import optax
 import pytest
 
 from tasks import image_text
-from utils.layout import AXIS, DataParallel, FullySharded
-from utils.steps import token_weighted_grads
+from utils.layout.gradients import token_weighted_grads
+from utils.layout.layouts import AXIS, DataParallel, FullySharded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data", "image_text")
@@ -270,7 +270,7 @@ def test_a_fresh_dual_encoder_draws_transformers_weights_in_one_program():
 
     from fresh_draws import assert_drawn_in_one_program
     from run_hybrid_clip import DualEncoderModelArguments
-    from utils.layout import make_layout
+    from utils.layout.layouts import make_layout
 
     config = VisionTextDualEncoderConfig.from_vision_text_configs(
         ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,

@@ -1,5 +1,5 @@
-"""tasks/image_classification.py on its own: folders, splits and subsets, labels, decoding, transforms,
-normalisation, batches, the step's sums.
+"""tasks/images.py and tasks/image_classification.py on their own: folders, splits and subsets, labels, decoding,
+transforms, normalisation, batches, the step's sums.
 
 References are independent: Pillow's own conversions, transformers' image processors, plain NumPy.
 """
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks import image_classification as images
-from utils.errors import UsageError
+from tasks import image_classification, images
+from utils.base.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = os.path.join(ROOT, "data", "images")
@@ -244,7 +244,7 @@ def test_resumed_batches_are_the_uninterrupted_ones(tmp_path):
         np.testing.assert_array_equal(a["pixel_values"], b["pixel_values"])
         np.testing.assert_array_equal(a["labels"], b["labels"])
     # Each row is its example's own transform: the example found by its label and epoch-3 crop.
-    from utils.batch_order import TrainOrder
+    from utils.data.batch_order import TrainOrder
 
     order = TrainOrder(10, 3, 7, 3)
     for step in (0, 4, 8):
@@ -313,15 +313,15 @@ def test_subset_is_a_seeded_draw_in_order_with_each_image_its_label():
     """--max_*_samples images drawn at random by the seed (not a folder's first class), kept in
     their order, each still with its own class and name; all of them when the limit is not below."""
     paths = [f"{cls}/{i}.png" for cls in ("a", "b", "c") for i in range(10)]
-    split = images.ImageSplit(paths, [path.split("/")[0] for path in paths], [f"shown {path}" for path in paths])
-    subset = images.take_subset(split, 8, seed=3)
+    split = image_classification.ImageSplit(paths, [path.split("/")[0] for path in paths], [f"shown {path}" for path in paths])
+    subset = image_classification.take_subset(split, 8, seed=3)
     assert len(subset.sources) == 8 and subset.sources == sorted(subset.sources, key=paths.index)
     assert len({path.split("/")[0] for path in subset.sources}) > 1
     assert subset.label_names == [path.split("/")[0] for path in subset.sources]
     assert subset.shown == [f"shown {path}" for path in subset.sources]
-    assert images.take_subset(split, 8, seed=3) == subset and images.take_subset(split, 8, seed=4) != subset
-    assert images.take_subset(split, 30, seed=3) is split and images.take_subset(split, None, seed=3) is split
-    assert images.take_subset(images.ImageSplit(paths, None, paths), 8, 3).label_names is None
+    assert image_classification.take_subset(split, 8, seed=3) == subset and image_classification.take_subset(split, 8, seed=4) != subset
+    assert image_classification.take_subset(split, 30, seed=3) is split and image_classification.take_subset(split, None, seed=3) is split
+    assert image_classification.take_subset(image_classification.ImageSplit(paths, None, paths), 8, 3).label_names is None
 
 
 def test_labels_in_class_order_or_the_checkpoints():
@@ -329,18 +329,18 @@ def test_labels_in_class_order_or_the_checkpoints():
     when it names exactly those; without training the checkpoint must name them."""
     from types import SimpleNamespace
 
-    train = {"train": images.ImageSplit(None, ["10", "2", "b", "a", "2"], None)}
+    train = {"train": image_classification.ImageSplit(None, ["10", "2", "b", "a", "2"], None)}
     placeholder = SimpleNamespace(id2label={0: "LABEL_0", 1: "LABEL_1"}, num_labels=2)
-    assert images.choose_labels(train, placeholder, True, True) == ["2", "10", "a", "b"]
+    assert image_classification.choose_labels(train, placeholder, True, True) == ["2", "10", "a", "b"]
     named = SimpleNamespace(id2label={0: "b", 1: "10", 2: "a", 3: "2"}, num_labels=4)
-    assert images.choose_labels(train, named, True, True) == ["b", "10", "a", "2"]
-    assert images.choose_labels(train, named, False, True) == ["2", "10", "a", "b"]  # from scratch: no checkpoint
-    assert images.choose_labels({}, named, True, False) == ["b", "10", "a", "2"]
+    assert image_classification.choose_labels(train, named, True, True) == ["b", "10", "a", "2"]
+    assert image_classification.choose_labels(train, named, False, True) == ["2", "10", "a", "b"]  # from scratch: no checkpoint
+    assert image_classification.choose_labels({}, named, True, False) == ["b", "10", "a", "2"]
     with pytest.raises(UsageError, match="evaluation or prediction alone needs the label names"):
-        images.choose_labels({}, placeholder, True, False)
-    assert images.label_ids("validation", ["a", "2"], ["2", "10", "a", "b"]).tolist() == [2, 0]
+        image_classification.choose_labels({}, placeholder, True, False)
+    assert image_classification.label_ids("validation", ["a", "2"], ["2", "10", "a", "b"]).tolist() == [2, 0]
     with pytest.raises(UsageError, match=r"the validation images have classes the model does not know: 'z'"):
-        images.label_ids("validation", ["a", "z"], ["2", "10", "a", "b"])
+        image_classification.label_ids("validation", ["a", "z"], ["2", "10", "a", "b"])
 
 
 def test_a_dataset_without_the_phase_split_names_the_folder_flag(tmp_path):
@@ -355,8 +355,8 @@ def test_a_dataset_without_the_phase_split_names_the_folder_flag(tmp_path):
     phases = SimpleNamespace(do_train=True, do_eval=True, do_predict=False)
     with pytest.raises(UsageError, match=r"--do_eval needs a 'validation' split, but dataset .*set' has only train: "
                                          r"pass --validation_dir$"):
-        images.load_splits(data_args, phases, str(tmp_path / "cache"))
-    loaded = images.load_splits(data_args, SimpleNamespace(do_train=True, do_eval=False, do_predict=False),
+        image_classification.load_splits(data_args, phases, str(tmp_path / "cache"))
+    loaded = image_classification.load_splits(data_args, SimpleNamespace(do_train=True, do_eval=False, do_predict=False),
                                 str(tmp_path / "cache"))
     assert list(loaded) == ["train"] and loaded["train"].label_names == ["a"] and loaded["train"].shown == ["0.png"]
 
@@ -373,7 +373,7 @@ def test_step_sums_weigh_out_padded_rows():
     logits = rng.normal(size=(12, 10)).astype(np.float32)
     labels = rng.integers(0, 10, 12).astype(np.int32)
     weights = np.array([1.0] * 9 + [0.0] * 3, np.float32)
-    _, sums = images.classification_sums(logits, labels, weights, top_k=5)
+    _, sums = image_classification.classification_sums(logits, labels, weights, top_k=5)
     real = slice(0, 9)
     log_probs = logits[real] - np.log(np.exp(logits[real]).sum(-1, keepdims=True))
     expected_loss = -log_probs[np.arange(9), labels[real]].sum()
@@ -386,5 +386,5 @@ def test_step_sums_weigh_out_padded_rows():
 
 
 def test_prediction_lines_name_each_image_and_its_class():
-    assert images.prediction_lines(["a/0.png", "b/1.png"], [1, 0], ["cat", "dog"]) == [
+    assert image_classification.prediction_lines(["a/0.png", "b/1.png"], [1, 0], ["cat", "dog"]) == [
         "image\tprediction", "a/0.png\tdog", "b/1.png\tcat"]

@@ -1,6 +1,6 @@
-"""utils/layout.py: the two layouts on 8 virtual devices: placing the state and batches, the sharding
+"""utils/layout/layouts.py: the two layouts on 8 virtual devices: placing the state and batches, the sharding
 rule, one step definition giving the same numbers in both, the dropout keys, checkpoints that move
-between them, and the train step's memory known (utils/memory.py: and checked) before it runs."""
+between them, and the train step's memory known (utils/layout/memory.py: and checked) before it runs."""
 
 import contextlib
 
@@ -12,12 +12,12 @@ import pytest
 from flax import linen as nn
 from jax.sharding import PartitionSpec
 
-from utils import layout as layouts
-from utils import memory
-from utils.checkpoint import Checkpointer
-from utils.errors import UsageError
-from utils.layout import DataParallel, FullySharded, leaf_spec, make_layout
-from utils.steps import cross_entropy_sums, token_weighted_grads
+from utils.base.errors import UsageError
+from utils.checkpoints.store import Checkpointer
+from utils.layout import layouts, memory
+from utils.layout.gradients import token_weighted_grads
+from utils.layout.layouts import DataParallel, FullySharded, leaf_spec, make_layout
+from utils.scoring.losses import cross_entropy_sums
 
 N = 8
 
@@ -168,7 +168,7 @@ def test_dp_replicates_the_state(trained):
 def test_dp_sums_the_batch_with_an_all_reduce_only_over_several_devices(devices):
     """On one device in all the sum is the device's own: no all-reduce in its program (a single-device one
     halted a v5e chip at XLA's lower optimization levels). The layout as planned for `devices` devices."""
-    from utils.tpu_plan import Topology
+    from utils.layout.tpu_plan import Topology
 
     layout = DataParallel(Topology("test", jax.devices()[:devices], 2**30))
     values = np.arange(devices * 3, dtype=np.float32).reshape(devices, 3)
@@ -218,7 +218,7 @@ def test_a_step_that_cannot_fit_stops_before_training(monkeypatch):
 
 def test_no_recompile_after_the_first_step():
     """Each layout's step outputs carry the placement of its inputs: step 2 runs step 1's program."""
-    from utils import perf
+    from utils.run import perf
 
     for layout in (DataParallel(), FullySharded(8)):
         recorder = perf.StepRecorder()
@@ -428,7 +428,7 @@ def test_fsdp_splits_each_layers_gradients_as_it_finishes_and_they_stay_exact(mo
     gradients are those of the plain backward pass, with gradient checkpointing too."""
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
-    from utils.models import enable_gradient_checkpointing
+    from utils.models.loading import enable_gradient_checkpointing
 
     model = FlaxGPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=16))
     if checkpointing:

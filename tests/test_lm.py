@@ -14,10 +14,10 @@ from transformers import AutoConfig, AutoTokenizer
 
 from tasks import lm, masked_lm
 from tasks.causal_lm import TASK
-from utils.args import ModelArguments, TrainingArguments
-from utils.errors import UsageError
-from utils.layout import AXIS
-from utils.steps import cross_entropy_sums
+from utils.base.arguments import ModelArguments, TrainingArguments
+from utils.base.errors import UsageError
+from utils.layout.layouts import AXIS
+from utils.scoring.losses import cross_entropy_sums
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "data", "lm", "tokenizer")

@@ -1,4 +1,4 @@
-"""--chunked_loss (utils/lm_head.py): the next-token loss and its gradients from the LM head's inputs,
+"""--chunked_loss (utils/kernels/lm_head.py): the next-token loss and its gradients from the LM head's inputs,
 chunk by chunk, against the loss of the whole logits (numpy's log-softmax, optax's cross-entropy), and
 the memory the compiled step plans."""
 
@@ -11,8 +11,9 @@ from transformers import (BertConfig, FlaxGemmaForCausalLM, FlaxGPT2LMHeadModel,
 
 from tasks.causal_lm import next_token_loss
 from tests.script_runner import read_json, read_metrics, run_script
-from utils import compat, lm_head
-from utils.errors import UsageError
+from utils.base.errors import UsageError
+from utils.kernels import lm_head
+from utils.models import compat
 
 compat.apply()
 VOCAB, LENGTH = 96, 24

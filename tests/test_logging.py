@@ -1,4 +1,4 @@
-"""Tests for utils/logging.py: event files, metrics.jsonl, progress bar, throughput/MFU, FLOP counts."""
+"""Tests for utils/run/logs.py: event files, metrics.jsonl, progress bar, throughput/MFU, FLOP counts."""
 
 import io
 import json
@@ -16,16 +16,8 @@ import pytest
 import transformers
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from utils.logging import (
-    MetricsLogger,
-    Throughput,
-    _QUIET_LIBRARIES,
-    _TqdmHandler,
-    flops_per_token,
-    hide_notices_in_transformers_handlers,
-    peak_flops_per_device,
-    setup_logging,
-)
+from utils.run.logs import (MetricsLogger, Throughput, _QUIET_LIBRARIES, _TqdmHandler, flops_per_token,
+                            hide_notices_in_transformers_handlers, peak_flops_per_device, setup_logging)
 
 
 def read_jsonl(path):

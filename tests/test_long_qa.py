@@ -26,8 +26,8 @@ from transformers import AutoTokenizer, BigBirdConfig, FlaxBigBirdForQuestionAns
 from script_runner import ROOT, directory_state
 from tasks import long_qa
 from tasks import question_answering as qa
-from utils import compat
-from utils.errors import UsageError
+from utils.base.errors import UsageError
+from utils.models import compat
 
 LONG_QA_TOKENIZER = os.path.join(ROOT, "data", "long_qa", "tokenizer")
 TINY_BIG_BIRD = ("hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,"

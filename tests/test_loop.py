@@ -1,4 +1,4 @@
-"""utils/loop.py: when to evaluate / save, token-weighted host means, non-finite loss, eval batches."""
+"""utils/run/loop.py: when to evaluate / save, token-weighted host means, non-finite loss, eval batches."""
 
 
 from types import SimpleNamespace
@@ -7,12 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from utils.layout import DataParallel
-from utils.errors import RunError
-from utils.logging import Throughput
-from utils.loop import TrainLoop, eval_batches, host_means, train_batches
-from utils.optim import learning_rate_schedule
-from utils.saving import SavePolicy
+from utils.base.errors import RunError
+from utils.checkpoints.saving import SavePolicy
+from utils.layout.layouts import DataParallel
+from utils.run.logs import Throughput
+from utils.run.loop import TrainLoop, eval_batches, host_means, train_batches
+from utils.run.optim import learning_rate_schedule
 
 N = 8
 DP = DataParallel()
@@ -77,7 +77,7 @@ def test_save_reason():
 
 
 def test_save_reason_on_a_stop_request(monkeypatch):
-    from utils import preemption
+    from utils.checkpoints import preemption
 
     loop = make_loop(save_steps=100)
     monkeypatch.setattr(preemption, "stop_due", lambda step: step == 5)
@@ -206,7 +206,7 @@ def test_train_batches_transform_sees_the_step_and_this_process_rows(monkeypatch
 
 
 def test_train_batches_follow_seeded_order_and_resume():
-    from utils import batch_order
+    from utils.data import batch_order
 
     arrays = {"x": np.arange(40)}
     run = [DP.rows_to_host(b["x"]) for b in train_batches(arrays, 40, 16, seed=1, steps_per_epoch=2, start_step=0,
@@ -223,7 +223,8 @@ def test_host_train_batches_read_dataset_columns_by_the_seeded_order():
     each batch of the seeded order, transformed with their step, and a resumed run's batches are the rest."""
     import datasets
 
-    from utils import arrow_columns, batch_order, loop
+    from utils.data import arrow_columns, batch_order
+    from utils.run import loop
 
     ds = datasets.Dataset.from_dict({"input_ids": [[i, -i] for i in range(40)]})
     arrays = arrow_columns.to_arrays(ds, ["input_ids"])

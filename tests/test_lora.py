@@ -1,4 +1,4 @@
-"""utils/lora.py and LoRA through the spine (`--lora_rank`): the layers the default rule adapts in each
+"""utils/models/lora.py and LoRA through the spine (`--lora_rank`): the layers the default rule adapts in each
 family, the adapted layer against a numpy merge, a frozen base (only adapters and heads move, the
 optimizer keeps state for them alone) in both layouts, with accumulation and checkpointing, the PEFT
 export against a listing made with PEFT itself, bad inputs; and a GLUE run end to end (checkpoints of
@@ -18,16 +18,17 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 import script_launcher
 from script_runner import ROOT, read_json, script_env
-from utils import compat, lora, rundir
-from utils.args import ModelArguments, TrainingArguments
-from utils.checkpoint import Checkpointer, checkpoint_steps
-from utils.errors import UsageError
-from utils.layout import DataParallel, FullySharded
-from utils.loop import InMemoryData
-from utils.models import load_composed_model, load_model
-from utils.run import training_plan
-from utils.steps import cross_entropy_sums
-from utils.training import make_steps
+from utils.base.arguments import ModelArguments, TrainingArguments
+from utils.base.errors import UsageError
+from utils.checkpoints.store import Checkpointer, checkpoint_steps
+from utils.layout.layouts import DataParallel, FullySharded
+from utils.models import compat, lora
+from utils.models.loading import load_composed_model, load_model
+from utils.run import run_directory
+from utils.run.loop import InMemoryData
+from utils.run.setup import training_plan
+from utils.run.spine import make_steps
+from utils.scoring.losses import cross_entropy_sums
 
 REFERENCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "references")
 sys.path.insert(0, REFERENCES)
@@ -453,7 +454,7 @@ def test_a_lora_run_killed_during_a_save_resumes_exactly(glue_lora, tmp_path):
     resumed = run_command(glue_command(out, cache, *TRAIN, "--resume_from_checkpoint", "latest"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from the checkpoint of step 4" in resumed.stderr
-    for name in ("flax_model.msgpack", rundir.PEFT_WEIGHTS):
+    for name in ("flax_model.msgpack", run_directory.PEFT_WEIGHTS):
         with open(os.path.join(out, name), "rb") as a, open(os.path.join(reference, name), "rb") as b:
             assert a.read() == b.read(), name
 
@@ -465,7 +466,7 @@ def test_the_merged_export_loads_as_a_plain_model_and_evaluates_as_the_adapted_o
     result = run_command(glue_command(out, cache, "--do_eval", "--model_name_or_path", trained))
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_json(os.path.join(out, "eval_results.json")) == read_json(os.path.join(trained, "eval_results.json"))
-    with open(os.path.join(trained, rundir.PEFT_CONFIG), encoding="utf-8") as f:
+    with open(os.path.join(trained, run_directory.PEFT_CONFIG), encoding="utf-8") as f:
         assert json.load(f)["r"] == 4
     params = flatten_dict(transformers.FlaxAutoModelForSequenceClassification.from_pretrained(trained).params)
     assert not any(path[-1] in lora.ADAPTER_LEAVES for path in params)
@@ -482,10 +483,10 @@ def peft_adapter(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("base"))
     model.save_pretrained(base, params=lora.split(params, lora.trainable_paths(params, adapters))[1])
     directory = str(tmp_path_factory.mktemp("adapter"))
-    rundir.write_peft_adapter(directory, params, adapters)
-    with open(os.path.join(directory, rundir.PEFT_CONFIG), encoding="utf-8") as f:
+    run_directory.write_peft_adapter(directory, params, adapters)
+    with open(os.path.join(directory, run_directory.PEFT_CONFIG), encoding="utf-8") as f:
         config = json.load(f)
-    with open(os.path.join(directory, rundir.PEFT_CONFIG), "w", encoding="utf-8") as f:
+    with open(os.path.join(directory, run_directory.PEFT_CONFIG), "w", encoding="utf-8") as f:
         json.dump({**config, "base_model_name_or_path": base}, f)
     return directory, lora.peft_files(params, adapters)[1]
 
@@ -537,7 +538,7 @@ def test_the_cpu_table_is_lora_cpu_json():
 
 
 def test_a_resume_with_other_lora_settings_is_named():
-    from utils.resume import fingerprint_difference, run_fingerprint
+    from utils.checkpoints.resume import fingerprint_difference, run_fingerprint
 
     _, adapters, _ = tiny_model("gpt2")
     config = transformers.AutoConfig.for_model("gpt2", **CASES["gpt2"][1])

@@ -1,4 +1,4 @@
-"""Tests for utils/metrics.py: offline sentence splitting, evaluate-identical ROUGE, reductions."""
+"""Tests for utils/scoring/metrics.py: offline sentence splitting, evaluate-identical ROUGE, reductions."""
 
 import math
 
@@ -9,16 +9,9 @@ import pytest
 from nltk.tokenize.punkt import PunktTokenizer
 from rouge_score import rouge_scorer, scoring
 
-from utils import metrics
-from utils.metrics import (
-    ROUGE_BOOTSTRAP_SEED,
-    _punkt_params_from_package,
-    perplexity,
-    rouge,
-    rouge_text,
-    split_sentences,
-    token_weighted_means,
-)
+from utils.scoring import metrics
+from utils.scoring.metrics import (ROUGE_BOOTSTRAP_SEED, _punkt_params_from_package, perplexity, rouge, rouge_text,
+                                   split_sentences, token_weighted_means)
 
 TYPES = ["rouge1", "rouge2", "rougeL", "rougeLsum"]
 

@@ -1,4 +1,4 @@
-"""The model card (README.md) every training run writes beside its export (`utils.model_card`)."""
+"""The model card (README.md) every training run writes beside its export (`utils.run.model_card`)."""
 
 import dataclasses
 import json
@@ -15,8 +15,8 @@ import run_summarization_flax
 import run_t5_mlm_flax
 from script_runner import ROOT
 import tasks
-from utils import model_card
-from utils.args import ModelArguments, TrainingArguments
+from utils.base.arguments import ModelArguments, TrainingArguments
+from utils.run import model_card
 
 # (script, the class its tiny config trains, the Hub's pipeline tag for it: huggingface.co/tasks).
 SCRIPTS = [

@@ -1,4 +1,4 @@
-"""utils/models.py: configs from model_type (+ overrides), task checks, vocab fitting, offline failures."""
+"""utils/models/loading.py: configs from model_type (+ overrides), task checks, vocab fitting, offline failures."""
 
 import importlib
 import inspect
@@ -15,12 +15,12 @@ from transformers import (BertConfig, EncoderDecoderConfig, FlaxAutoModelForSeq2
                           PreTrainedTokenizerFast, T5Config)
 
 from tests.jaxprs import equations
-from utils import compat
-from utils.args import ModelArguments
-from utils.errors import UsageError
-from utils.layout import DataParallel, FullySharded, finished
-from utils.models import (DECODER_START_TOKENS, TASK_MODEL_TYPES, decoder_input_ids, fit_config_to_tokenizer,
-                          fit_length, load_config, load_model, load_tokenizer, max_positions)
+from utils.base.arguments import ModelArguments
+from utils.base.errors import UsageError
+from utils.layout.layouts import DataParallel, FullySharded, finished
+from utils.models import compat
+from utils.models.loading import (DECODER_START_TOKENS, TASK_MODEL_TYPES, decoder_input_ids, fit_config_to_tokenizer,
+                                  fit_length, load_config, load_model, load_tokenizer, max_positions)
 
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
 
@@ -372,7 +372,7 @@ def test_fresh_encoder_decoder(tokenizer):
 def test_gradient_checkpointing_where_the_family_has_it(tokenizer):
     from transformers import T5Config
 
-    from utils.models import enable_gradient_checkpointing
+    from utils.models.loading import enable_gradient_checkpointing
 
     compat.apply()  # the T5 clip shim
     t5 = FlaxAutoModelForSeq2SeqLM.from_config(T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8),
@@ -382,17 +382,18 @@ def test_gradient_checkpointing_where_the_family_has_it(tokenizer):
 
 
 def test_every_policy_the_flag_accepts_is_one_utils_remat_knows():
-    """utils.args checks --gradient_checkpointing_policy's names (it may not import utils.remat, above it)."""
-    from utils import remat
-    from utils.args import CHECKPOINTING_POLICIES
+    """utils.base.arguments checks --gradient_checkpointing_policy's names (it may not import utils.models.remat, a
+    wing above it)."""
+    from utils.models import remat
+    from utils.base.arguments import CHECKPOINTING_POLICIES
 
     assert set(CHECKPOINTING_POLICIES) == set(remat.POLICIES)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
 def test_gradient_checkpointing_recomputes_each_layer_but_what_its_policy_keeps(family):
-    """GPT-2 and Llama checkpoint each layer through `utils.remat` (transformers lacks it for them), BERT
-    through transformers' own checkpointing, and every family through `utils.remat` under the `kernels`
+    """GPT-2 and Llama checkpoint each layer through `utils.models.remat` (transformers lacks it for them), BERT
+    through transformers' own checkpointing, and every family through `utils.models.remat` under the `kernels`
     policy; the attention through the kernels (Pallas' interpreter), as on TPUs. The gradients (dropout on)
     are the plain model's. The backward pass runs the layers' products again under both policies (more than
     the plain model's); `nothing` runs each layer's forward kernel again too, `kernels` keeps its outputs (as
@@ -400,13 +401,13 @@ def test_gradient_checkpointing_recomputes_each_layer_but_what_its_policy_keeps(
     from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM,
                               GPT2Config, LlamaConfig)
 
-    from utils import attention
-    from utils.models import enable_gradient_checkpointing
+    from utils.kernels import model_attention
+    from utils.models.loading import enable_gradient_checkpointing
 
     def calls(jaxpr):  # of every primitive, inside checkpoints and other nested programs too
         return Counter(name for _, name in equations(jaxpr.jaxpr))
 
-    layers, length = 2, attention.BLOCK  # one kernel tile
+    layers, length = 2, model_attention.BLOCK  # one kernel tile
     config, model_class = {
         "gpt2": (GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=length),
                  FlaxGPT2LMHeadModel),
@@ -421,7 +422,7 @@ def test_gradient_checkpointing_recomputes_each_layer_but_what_its_policy_keeps(
         model = model_class(config, _do_init=False)
         if policy:
             enable_gradient_checkpointing(model, policy)
-        attention.use_attention_kernels(model, interpret=True)  # after checkpointing, as the spine does
+        model_attention.use_attention_kernels(model, interpret=True)  # after checkpointing, as the spine does
         return model
 
     def grad_fn(model):
@@ -440,7 +441,7 @@ def test_gradient_checkpointing_recomputes_each_layer_but_what_its_policy_keeps(
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
         jaxpr = jax.make_jaxpr(grad_fn(checkpointed))(params, rng)
         counted[policy] = calls(jaxpr)
-        if family != "bert" or policy == "kernels":  # utils.remat: one checkpointed region per layer
+        if family != "bert" or policy == "kernels":  # utils.models.remat: one checkpointed region per layer
             assert str(jaxpr).count("remat") == layers
         if policy == "kernels":  # the flash or splash kernel's: each row's logsumexp as one float, not 128 lanes
             kept = [tuple(var.aval.shape) for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "remat2"
@@ -459,7 +460,7 @@ def test_an_encoder_decoder_refusing_to_be_built_without_weights_draws_them_in_o
     from transformers import BertConfig, EncoderDecoderConfig, FlaxAutoModelForSeq2SeqLM, FlaxEncoderDecoderModel
 
     from fresh_draws import assert_drawn_in_one_program
-    from utils import models as model_loading
+    from utils.models import loading as model_loading
 
     part = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     config = EncoderDecoderConfig.from_encoder_decoder_configs(

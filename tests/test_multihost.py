@@ -204,7 +204,7 @@ STREAMED = ["--model_type", "roberta", "--tokenizer_name", "data/lm/tokenizer", 
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory):
     """mlm --streaming, one example per line in stream order (an order the process count does not
-    change: utils/stream.py), 200 lines: a pass is 12 global batches of 16, so 20 steps start a
+    change: utils/data/stream.py), 200 lines: a pass is 12 global batches of 16, so 20 steps start a
     second pass at step 13."""
     tmp = tmp_path_factory.mktemp("streamed")
     with open(os.path.join(ROOT, "data", "lm", "train.txt"), encoding="utf-8") as f:

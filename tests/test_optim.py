@@ -1,4 +1,4 @@
-"""utils/optim.py: learning-rate schedules, weight-decay masks over real Flax param trees, the optimizer."""
+"""utils/run/optim.py: learning-rate schedules, weight-decay masks over real Flax param trees, the optimizer."""
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +12,9 @@ from transformers import (BartConfig, BeitConfig, BertConfig, Dinov2Config, Flax
                           FlaxT5ForConditionalGeneration, FlaxViTForImageClassification, GPT2Config, LlamaConfig,
                           ResNetConfig, T5Config, ViTConfig)
 
-from utils import compat
-from utils.errors import UsageError
-from utils.optim import create_optimizer, decay_mask, learning_rate_schedule
+from utils.base.errors import UsageError
+from utils.models import compat
+from utils.run.optim import create_optimizer, decay_mask, learning_rate_schedule
 
 
 # Schedules compute in float32 (a division, a cosine) on values <= 2: a few ulps (2.4e-7 at 2) off

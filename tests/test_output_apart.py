@@ -1,4 +1,4 @@
-"""A run never writes where it reads (`utils.run.check_output_apart`): for every script and every argument
+"""A run never writes where it reads (`utils.run.preflight.check_output_apart`): for every script and every argument
 that names a model, config, tokenizer, image processor, feature extractor, chat template, LoRA adapter or
 checkpoint to read, an --output_dir that is it, lies inside it or holds it is refused with one `error:`
 line naming both flags and both paths, exit code 2, and every file and folder as it was: training with and
@@ -32,9 +32,9 @@ import run_t5_mlm_flax
 import run_wav2vec2_pretrain_flax
 from script_runner import directory_state
 from test_errors_cli import check_failure, run_in_process
-from utils.args import READS, ModelArguments, TrainingArguments
-from utils.errors import UsageError
-from utils.run import check_output_apart
+from utils.base.arguments import ModelArguments, READS, TrainingArguments
+from utils.base.errors import UsageError
+from utils.run.preflight import check_output_apart
 
 SCRIPTS = {script.__name__: script for script in (
     run_bart_dlm_flax, run_clm_flax, run_flax_glue, run_flax_ner, run_hybrid_clip, run_image_captioning_flax,
@@ -85,12 +85,12 @@ NOT_READ_FROM = {
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_every_path_argument_says_what_the_run_reads_from_it(name):
     """A new argument that names a path fails here until its field says what the run reads from it
-    (`utils.args.READS`, which the check follows) or it is listed above as no model input."""
+    (`utils.base.arguments.READS`, which the check follows) or it is listed above as no model input."""
     for f, takes_a_string in FIELDS[name]:
         if (takes_a_string and PATH_LIKE.search(f.name) and not f.name.endswith("_column_name")
                 and f.name not in NOT_READ_FROM):
             assert f.metadata.get(READS), (f"{name}: --{f.name} names a path: mark what the run reads from it "
-                                           "(utils.args.READS) or list it in NOT_READ_FROM")
+                                           "(utils.base.arguments.READS) or list it in NOT_READ_FROM")
 
 
 # ---------------------------------------------------------------------------------------------

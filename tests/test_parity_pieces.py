@@ -19,10 +19,10 @@ import pytest
 from transformers import AutoTokenizer, BertConfig, FlaxAutoModelForSequenceClassification, FlaxBertModel
 
 from tasks import question_answering as qa
-from utils.args import ModelArguments, TrainingArguments
-from utils.layout import DataParallel
-from utils.models import load_model
-from utils.run import training_plan
+from utils.base.arguments import ModelArguments, TrainingArguments
+from utils.layout.layouts import DataParallel
+from utils.models.loading import load_model
+from utils.run.setup import training_plan
 
 QA_TOKENIZER = "data/qa/tokenizer"
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from script_runner import ROOT, script_env
-from utils import layout, perf
-from utils.layout import AXIS, DataParallel
+from utils.layout import layouts
+from utils.layout.layouts import AXIS, DataParallel
+from utils.run import perf
 
 
 def test_compile_count_sees_each_new_program_once():
@@ -26,12 +27,12 @@ def test_compile_count_sees_each_new_program_once():
 
 def test_recorder_tells_which_calls_compiled_and_forgets_donated_inputs():
     dp = DataParallel()
-    original = layout.step_wrapper
+    original = layouts.step_wrapper
     recorder = perf.StepRecorder(keep_inputs=2)
     with recorder.active():
-        step = layout.step_wrapper("add_step", lambda: jax.pmap(lambda state, batch: state + batch.sum(), AXIS,
+        step = layouts.step_wrapper("add_step", lambda: jax.pmap(lambda state, batch: state + batch.sum(), AXIS,
                                                                  donate_argnums=(0,)), donated=(0,))
-    assert layout.step_wrapper is original
+    assert layouts.step_wrapper is original
     state = dp.place_batch(np.zeros(jax.local_device_count(), np.float32))  # as the scripts place it
     for rows in (2, 2, 3, 2):
         state = step(state, dp.place_batch(np.ones(jax.local_device_count() * rows, np.float32)))
@@ -55,7 +56,7 @@ def test_a_step_compiled_ahead_of_time_counts_its_compile_for_the_first_call():
     recorder = perf.StepRecorder()
     double = jax.jit(lambda x: 2 * x)
     with recorder.active():
-        step = layout.step_wrapper("train_step", lambda: double.lower(np.ones(3)).compile())
+        step = layouts.step_wrapper("train_step", lambda: double.lower(np.ones(3)).compile())
     for _ in range(3):
         step(np.ones(3))
     assert recorder.steps["train_step"].calls_that_compiled() == [1]
@@ -66,7 +67,7 @@ import sys
 import jax
 import numpy as np
 
-from utils import layout
+from utils.layout import layouts as layout
 
 def main():
     double = layout.DataParallel().compile_step("double", lambda x: x * 2)
@@ -79,7 +80,7 @@ def test_module_entry_point_writes_the_report_of_a_script(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     report = tmp_path / "steps.json"
-    result = subprocess.run([sys.executable, "-m", "utils.perf", str(report), str(script), "1", "1", "2"],
+    result = subprocess.run([sys.executable, "-m", "utils.run.perf", str(report), str(script), "1", "1", "2"],
                             cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     steps = json.loads(report.read_text())
@@ -87,9 +88,9 @@ def test_module_entry_point_writes_the_report_of_a_script(tmp_path):
 
 
 def test_module_entry_point_without_arguments_says_how_to_use_it():
-    result = subprocess.run([sys.executable, "-m", "utils.perf"], cwd=ROOT, env=script_env(), capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "utils.run.perf"], cwd=ROOT, env=script_env(), capture_output=True,
                             text=True, timeout=120)
-    assert result.returncode == 1 and result.stderr.strip().startswith("usage: python -m utils.perf")
+    assert result.returncode == 1 and result.stderr.strip().startswith("usage: python -m utils.run.perf")
 
 
 def test_memory_figures():
@@ -126,7 +127,7 @@ def test_seconds_since_start_counts_from_the_first_import_of_utils_not_the_launc
     """A launcher that `exec`s Python after 3 s of its own work: the process (as Linux counts it)
     started before those 3 s, the script after them. What the script does after its first line
     (a 1 s sleep, the jax import) counts; the launcher's 3 s do not."""
-    code = ("import time; first_line = time.monotonic(); import utils; time.sleep(1); from utils import perf; "
+    code = ("import time; first_line = time.monotonic(); import utils; time.sleep(1); from utils.run import perf; "
             "print(perf.seconds_since_start(), time.monotonic() - first_line)")
     result = subprocess.run(["sh", "-c", f'sleep 3; exec "{sys.executable}" -c "{code}"'], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)

@@ -1,11 +1,11 @@
-"""utils/preemption.py: SIGTERM / SIGINT become a stop request; a second signal is left to the system."""
+"""utils/checkpoints/preemption.py: SIGTERM / SIGINT become a stop request; a second signal is left to the system."""
 
 import os
 import signal
 
 import pytest
 
-from utils import preemption
+from utils.checkpoints import preemption
 
 
 @pytest.fixture

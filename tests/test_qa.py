@@ -22,7 +22,7 @@ import pytest
 
 from tasks import question_answering as qa
 from tasks.question_answering import NO_CONTEXT, best_answers, normalize_answer, squad_v1, squad_v2, token_f1
-from utils.errors import UsageError
+from utils.base.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "data", "qa", "tokenizer")

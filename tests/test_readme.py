@@ -26,7 +26,8 @@ import run_t5_mlm_flax
 import run_bart_dlm_flax
 import demo
 import train_tokenizer
-from utils.args import BaseDataArguments, ModelArguments, TrainingArguments, input_paths, parse_args
+from utils.base.arguments import BaseDataArguments, ModelArguments, TrainingArguments, input_paths
+from utils.base.parsing import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGUMENTS = os.path.join("docs", "arguments.md")
@@ -711,7 +712,7 @@ def writes_and_reads(words):
 
 
 def apart(out, path):
-    """Whether an --output_dir `out` neither is, holds nor lies inside `path` (utils.run.check_output_apart's
+    """Whether an --output_dir `out` neither is, holds nor lies inside `path` (utils.run.preflight.check_output_apart's
     rule, on the paths as written)."""
     out, path = os.path.normpath(out), os.path.normpath(path)
     return not (out == path or path.startswith(out + os.sep) or out.startswith(path + os.sep))

@@ -1,5 +1,5 @@
 """Never lose a run: kill a training run at any moment and the resumed run ends exactly as if nothing happened
-(end to end), and the fingerprint a resumed run must share with its checkpoint (utils/resume.py).
+(end to end), and the fingerprint a resumed run must share with its checkpoint (utils/checkpoints/resume.py).
 
 Summarization and clm: tiny models with dropout (so every device's dropout key matters, under "dp" and
 "fsdp"), 8 virtual CPU devices, 12 steps of 6 per epoch, a checkpoint every 4. The other scripts: their
@@ -27,8 +27,8 @@ from transformers import T5Config
 import script_launcher
 from layout_runs import command as layout_command
 from script_runner import ROOT, directory_state, read_metrics, script_env
-from utils.checkpoint import checkpoint_steps
-from utils.resume import fingerprint_difference, run_fingerprint
+from utils.checkpoints.resume import fingerprint_difference, run_fingerprint
+from utils.checkpoints.store import checkpoint_steps
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""utils/run.py: what the checks before any work decide (the checkpoint to resume, whether a directory
-may be emptied) and the training plan."""
+"""utils/run/preflight.py and setup.py: what the checks before any work decide (the checkpoint to resume, whether a
+directory may be emptied) and the training plan."""
 
 import os
 from types import SimpleNamespace
@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import pytest
 
 from tasks.summarization import TASK
-from utils.args import TrainingArguments
-from utils.errors import UsageError
-from utils.resume import ResumePoint
-from utils.run import check_before_work, training_plan
+from utils.base.arguments import TrainingArguments
+from utils.base.errors import UsageError
+from utils.checkpoints.resume import ResumePoint
+from utils.run.preflight import check_before_work
+from utils.run.setup import training_plan
 
 NO_DATA = SimpleNamespace(dataset_name=None)
 
@@ -95,8 +96,8 @@ def test_phase_datasets_cut_each_phase_and_name_the_missing_split():
     phase whose split the dataset lacks stops with the flag to drop."""
     import datasets
 
-    from utils.args import BaseDataArguments
-    from utils.run import phase_datasets
+    from utils.base.arguments import BaseDataArguments
+    from utils.run.preflight import phase_datasets
 
     raw = {name: datasets.Dataset.from_dict({"x": list(range(10))}) for name in ("train", "validation", "test")}
     data_args = BaseDataArguments(dataset_name="some/set", max_train_samples=3, max_eval_samples=4)
@@ -115,7 +116,7 @@ def test_train_batch_size_reads_the_arguments_and_leaves_them_as_parsed():
     (run_args.json keeps what the user passed)."""
     import jax
 
-    from utils.run import train_batch_size
+    from utils.run.setup import train_batch_size
 
     devices = jax.device_count()
     args = TrainingArguments(output_dir="x", total_train_batch_size=4 * devices, gradient_accumulation_steps=2)

@@ -13,7 +13,7 @@ from tasks.causal_lm import next_token_loss
 from tests.script_runner import (ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script,
                                  run_streamed_config, script_env)
 from test_chat import END_OF_TURN, save_end_of_turn_tokenizer
-from utils.errors import UsageError
+from utils.base.errors import UsageError
 
 SCRIPT = "run_clm_flax.py"
 MAX_STEPS = 60
@@ -149,7 +149,7 @@ def test_trains_from_gzipped_json_lines(tmp_path):
     import gzip
     import json
 
-    from utils.errors import run_main
+    from utils.base.errors import run_main
 
     with open("data/lm/train.txt", encoding="utf-8") as f:
         lines = [line.strip() for line, _ in zip(f, range(400))]
@@ -170,7 +170,7 @@ def test_trains_from_gzipped_json_lines(tmp_path):
 @pytest.mark.slow
 def test_fast_dp_steps_run_far_ahead_of_the_logging_without_losing_an_all_reduce(tmp_path, cache_dir):
     """Hundreds of tiny steps, their metrics fetched every 100: the host would queue more steps than
-    XLA's CPU client can run with its collectives (`utils.layout.CPU_STEPS_IN_FLIGHT`), which aborted
+    XLA's CPU client can run with its collectives (`utils.layout.layouts.CPU_STEPS_IN_FLIGHT`), which aborted
     the run after 40 s near step 80."""
     result = run_script(SCRIPT, [
         "--model_type", "gpt2", "--tokenizer_name", "data/lm/tokenizer", "--config_overrides",
@@ -317,7 +317,7 @@ def plain_greedy_ids(output_dir, prompts, new_tokens):
     rows right-padded in one buffer (one compiled forward; causal attention ignores what follows a position)."""
     from transformers import FlaxAutoModelForCausalLM
 
-    from utils import compat
+    from utils.models import compat
 
     compat.apply()  # as the scripts and the demo load a model (Llama's head_dim)
     model = FlaxAutoModelForCausalLM.from_pretrained(output_dir)

@@ -17,7 +17,7 @@ from sklearn.metrics import matthews_corrcoef
 
 from tasks import classification, text_classification
 from tests.script_runner import ROOT, calls_of_steps_compiled_once, read_json, run_script, script_env
-from utils.errors import UsageError
+from utils.base.errors import UsageError
 
 SCRIPT = "run_flax_glue.py"
 TOKENIZER = os.path.join(ROOT, "data", "glue", "tokenizer")
@@ -245,10 +245,10 @@ def test_labels_from_data_task_and_checkpoint():
 def test_a_head_for_another_number_of_labels_is_replaced_with_a_warning(tmp_path, caplog):
     from transformers import BertConfig, FlaxAutoModelForSequenceClassification
 
-    from utils import compat
-    from utils.args import ModelArguments
-    from utils.layout import DataParallel
-    from utils.models import load_model
+    from utils.models import compat
+    from utils.base.arguments import ModelArguments
+    from utils.layout.layouts import DataParallel
+    from utils.models.loading import load_model
 
     compat.apply()
     config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -269,15 +269,16 @@ def test_a_head_for_another_number_of_labels_is_replaced_with_a_warning(tmp_path
 def test_gradient_checkpointing_shrinks_the_train_steps_temporaries(tmp_path):
     """--gradient_checkpointing reaches glue's train step (run_flax_glue.py once ignored it): compiled
     with it, the step keeps fewer activations for the backward pass. The TPU compiler's plan shows it
-    (--compile_only's, `utils.tpu_plan`: measured 0.74 of the temporaries); XLA's CPU plan does not."""
+    (--compile_only's, `utils.layout.tpu_plan`: measured 0.74 of the temporaries); XLA's CPU plan does not."""
     from transformers import BertConfig, FlaxAutoModelForSequenceClassification
 
-    from utils import compat, tpu_plan
-    from utils.args import TrainingArguments
-    from utils.layout import DataParallel
-    from utils.loop import InMemoryData
-    from utils.run import training_plan
-    from utils.training import make_steps
+    from utils.layout import tpu_plan
+    from utils.models import compat
+    from utils.base.arguments import TrainingArguments
+    from utils.layout.layouts import DataParallel
+    from utils.run.loop import InMemoryData
+    from utils.run.setup import training_plan
+    from utils.run.spine import make_steps
 
     compat.apply()
     v3 = tpu_plan.load("v3-8")
@@ -305,8 +306,8 @@ def test_a_task_alone_reads_glue_from_the_hub_and_the_arguments_stay_as_given(tm
     what was passed, and the model card names the dataset the run read."""
     import run_flax_glue
 
-    from utils.args import public_args
-    from utils.model_card import write_model_card
+    from utils.base.arguments import public_args
+    from utils.run.model_card import write_model_card
 
     args = run_flax_glue.DataTrainingArguments(task_name="MRPC")
     source = text_classification.data_source(args)

@@ -11,7 +11,7 @@ import pytest
 from tests.script_runner import (ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script,
                                  run_streamed_config)
 from tasks import lm, masked_lm
-from utils import arrow_columns, dataset_loading
+from utils.data import arrow_columns, loaders
 
 SCRIPT = "run_mlm_flax.py"
 MAX_STEPS = 40
@@ -84,7 +84,7 @@ def masked_eval_set(tokenizer, seq_length=32, max_eval_samples=40, seed=42):
     raw = datasets.load_dataset("text", data_files={"validation": os.path.join(ROOT, "data/lm/validation.txt")},
                                 keep_linebreaks=True)["validation"]
     no_workers = SimpleNamespace(preprocessing_num_workers=None, overwrite_cache=False)
-    blocks = dataset_loading.take(lm.tokenize_and_group(raw, tokenizer, "text", seq_length, no_workers),
+    blocks = loaders.take(lm.tokenize_and_group(raw, tokenizer, "text", seq_length, no_workers),
                                   max_eval_samples)
     input_ids = np.asarray(arrow_columns.to_arrays(blocks, ("input_ids",))["input_ids"])  # read out of the memory map
     masking = masked_lm.masking(tokenizer, 0.15, seed, lm.EVAL_STREAM)

@@ -9,7 +9,8 @@ import pytest
 
 from tests.script_runner import (ROOT, calls_of_steps_compiled_once, read_json, read_metrics, run_script,
                                  run_streamed_config)
-from utils import arrow_columns, compat, dataset_loading
+from utils.data import arrow_columns, loaders
+from utils.models import compat
 from tasks import lm
 from tasks.span_corruption import plan_span_corruption, span_corruption, span_target_loss
 
@@ -82,7 +83,7 @@ def corrupted_eval_set(tokenizer, decoder_start_token_id, seed=42):
     raw = datasets.load_dataset("text", data_files={"validation": os.path.join(ROOT, "data/lm/validation.txt")},
                                 keep_linebreaks=True)["validation"]
     no_workers = SimpleNamespace(preprocessing_num_workers=None, overwrite_cache=False)
-    blocks = dataset_loading.take(lm.tokenize_and_group(raw, tokenizer, "text", RAW_LENGTH, no_workers), EVAL_SAMPLES)
+    blocks = loaders.take(lm.tokenize_and_group(raw, tokenizer, "text", RAW_LENGTH, no_workers), EVAL_SAMPLES)
     input_ids = arrow_columns.to_arrays(blocks, ("input_ids",))["input_ids"]
     plan = plan_span_corruption(tokenizer, SEQ_LENGTH, 0.15, 3.0)
     assert plan.lengths.raw_length == RAW_LENGTH and plan.lengths.target_length == TARGET_LENGTH

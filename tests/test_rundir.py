@@ -1,4 +1,5 @@
-"""utils/rundir.py: what a run writes into its output directory, what an overwriting run removes, the export."""
+"""utils/run/run_directory.py: what a run writes into its output directory, what an overwriting run removes, the
+export."""
 
 import json
 import os
@@ -10,16 +11,16 @@ import pytest
 
 from test_checkpoint import assert_bitwise_equal
 from tasks.summarization import TASK
-from utils.args import TrainingArguments
-from utils.resume import ResumePoint
-from utils.rundir import RunDirectory, export_pretrained, foreign_files, write_results
+from utils.base.arguments import TrainingArguments
+from utils.checkpoints.resume import ResumePoint
+from utils.run.run_directory import RunDirectory, export_pretrained, foreign_files, write_results
 
 
 @pytest.fixture(autouse=True)
 def no_exit_callbacks(monkeypatch):
-    from utils import rundir
+    from utils.run import run_directory
 
-    monkeypatch.setattr(rundir, "at_exit", lambda callback: None)  # run_main's list, which nothing here drains
+    monkeypatch.setattr(run_directory, "at_exit", lambda callback: None)  # run_main's list, which nothing here drains
 
 
 def open_run(out, is_main=True, resume=None, **training):
@@ -100,7 +101,7 @@ def test_results_and_texts(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # metrics.jsonl keeps the value unrounded: approx's default rel=1e-6 only absorbs its float parsing.
     assert [(row["step"], row["split"], row["loss"]) for row in rows] == [(3, "test", pytest.approx(1.23456))]
-    assert not (out / "checkpoints").exists()  # checkpoints belong to training (utils/saving.py)
+    assert not (out / "checkpoints").exists()  # checkpoints belong to training (utils/checkpoints/saving.py)
 
 
 def test_other_processes_write_nothing(tmp_path):
@@ -132,7 +133,7 @@ def tiny_tokenizer():
 def test_export_pretrained_round_trip(tmp_path):
     from transformers import FlaxT5ForConditionalGeneration, PreTrainedTokenizerFast, T5Config
 
-    from utils import compat
+    from utils.models import compat
 
     compat.apply()
     config = T5Config(
@@ -157,7 +158,7 @@ def test_an_export_leaves_no_weight_file_of_an_earlier_export_beside_it(tmp_path
     from_pretrained loads the new weights (it would take a lone flax_model.msgpack before an index)."""
     from transformers import FlaxT5ForConditionalGeneration, T5Config
 
-    from utils import compat, flax_msgpack
+    from utils.models import compat, flax_msgpack
 
     compat.apply()
     config = T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2)

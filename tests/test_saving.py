@@ -1,4 +1,4 @@
-"""utils/saving.py: when a step is saved and why; what a save writes, refuses, and when it stops the run."""
+"""utils/checkpoints/saving.py: when a step is saved and why; what a save writes, refuses, and when it stops the run."""
 
 import os
 import signal
@@ -11,13 +11,14 @@ import pytest
 from transformers import T5Config
 
 from tasks.summarization import TASK
-from utils import compat, preemption
-from utils.args import TrainingArguments
-from utils.errors import RunError, Stopped
-from utils.layout import DataParallel
-from utils.loop import InMemoryData
-from utils.rundir import RunDirectory
-from utils.saving import STOP, SavePolicy, Saver
+from utils.base.arguments import TrainingArguments
+from utils.base.errors import RunError, Stopped
+from utils.checkpoints import preemption
+from utils.checkpoints.saving import STOP, SavePolicy, Saver
+from utils.layout.layouts import DataParallel
+from utils.models import compat
+from utils.run.loop import InMemoryData
+from utils.run.run_directory import RunDirectory
 
 
 def policy(total=10, per_epoch=4, **args):
@@ -50,9 +51,10 @@ def test_policy_asks_for_a_stop_once_per_step(monkeypatch):
 def saver(tmp_path, monkeypatch):
     from transformers import FlaxT5ForConditionalGeneration
 
-    from utils import rundir, saving
+    from utils.checkpoints import saving
+    from utils.run import run_directory
 
-    for module in (rundir, saving):  # run_main's list, which nothing here drains
+    for module in (run_directory, saving):  # run_main's list, which nothing here drains
         monkeypatch.setattr(module, "at_exit", lambda callback: None)
     compat.apply()
     model = FlaxT5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1,

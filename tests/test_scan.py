@@ -1,4 +1,4 @@
-"""Scanned layer stacks (utils/layer_scan.py, `--scan_layers`): the scanned call against transformers' loop
+"""Scanned layer stacks (utils/models/layer_scan.py, `--scan_layers`): the scanned call against transformers' loop
 over the layers, for every family it knows: loss and gradients of the unchanged parameter tree, with
 checkpointed layers, through the attention kernels (Pallas' interpreter), with LoRA adapters; each layer's
 own dropout masks; the calls that keep the loop (generation, hidden states, layers that differ); and
@@ -20,10 +20,11 @@ from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxGemmaForCausalLM,
 from tests.fresh_draws import fresh_model
 from tests.jaxprs import equations
 from tests.script_runner import read_metrics, run_script
-from utils import attention, compat, layer_scan, lora, remat
-from utils.args import ModelArguments
-from utils.errors import UsageError
-from utils.layout import make_layout
+from utils.base.arguments import ModelArguments
+from utils.base.errors import UsageError
+from utils.kernels import model_attention
+from utils.layout.layouts import make_layout
+from utils.models import compat, layer_scan, lora, remat
 
 compat.apply()  # as every script does
 LAYERS = 3
@@ -89,7 +90,7 @@ def scan_lengths(fun, *args):
 @pytest.mark.parametrize("checkpointed", [False, "nothing", "kernels"], ids=["plain", "checkpointed", "kernels"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_scanned_stack_computes_the_loops_loss_and_gradients(family, checkpointed):
-    """With --gradient_checkpointing as the spine applies it: utils.remat's per-layer checkpoint first, then the
+    """With --gradient_checkpointing as the spine applies it: utils.models.remat's per-layer checkpoint first, then the
     scan, whose body alone is checkpointed (the loop's layers, each under its own checkpoint, are not called);
     it keeps nothing, or what its policy keeps."""
     model = FAMILIES[family]()
@@ -108,11 +109,12 @@ def test_the_scanned_stack_computes_the_loops_loss_and_gradients(family, checkpo
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_the_attention_kernels_run_inside_the_scan(family):
-    """utils.attention's interceptor, active around the model's call, routes the scanned layer's attention."""
+    """utils.kernels.model_attention's interceptor, active around the model's call, routes the scanned layer's
+    attention."""
     model = FAMILIES[family]()
-    ids, mask = batch(length=attention.BLOCK)  # one kernel block
+    ids, mask = batch(length=model_attention.BLOCK)  # one kernel block
     stock = loss_and_grads(model, ids, mask)
-    attention.use_attention_kernels(model, interpret=True)
+    model_attention.use_attention_kernels(model, interpret=True)
     layer_scan.scan_layers(model)
     assert nesting(loss_fn(model, ids, mask), model.params) == ["scan", "scan/checkpoint[policy]",
                                                                  "scan/checkpoint[policy]/pallas_call"]
@@ -126,8 +128,8 @@ def test_the_backward_pass_runs_products_and_kernels_again_only_when_checkpointe
     (its products but the last, whose output no gradient needs), and its kernel unless the policy keeps the
     kernels' outputs (`kernels`)."""
     model = gpt2(attn_pdrop=0.1)
-    ids, mask = batch(length=attention.BLOCK)
-    attention.use_attention_kernels(model, interpret=True)
+    ids, mask = batch(length=model_attention.BLOCK)
+    model_attention.use_attention_kernels(model, interpret=True)
     layer_scan.scan_layers(model, checkpointed=checkpointed)
     grad = jax.grad(loss_fn(model, ids, mask, train=True, dropout_rng=jax.random.PRNGKey(0)))
     scans = [eqn for eqn in jax.make_jaxpr(grad)(model.params).jaxpr.eqns if eqn.primitive.name == "scan"]
@@ -143,8 +145,8 @@ def test_the_backward_pass_gets_the_attention_kernels_row_statistics_as_one_floa
     forward kernel's 128 lanes of each: those stacked for every layer were 1.1 GiB of a GPT-2-small step.
     GPT-2 with attention dropout runs the flash kernel, Llama splash."""
     model = gpt2(attn_pdrop=0.1) if family == "gpt2" else FAMILIES[family]()
-    ids, mask = batch(length=attention.BLOCK)
-    attention.use_attention_kernels(model, interpret=True)
+    ids, mask = batch(length=model_attention.BLOCK)
+    model_attention.use_attention_kernels(model, interpret=True)
     layer_scan.scan_layers(model)
     grad = jax.grad(loss_fn(model, ids, mask, train=True, dropout_rng=jax.random.PRNGKey(0)))
     forward = next(eqn for eqn in jax.make_jaxpr(grad)(model.params).jaxpr.eqns if eqn.primitive.name == "scan")
@@ -285,7 +287,8 @@ def test_the_script_trains_the_same_with_scanned_layers(tmp_path):
 
 @pytest.mark.slow
 def test_scan_layers_yes_under_fsdp_is_refused_before_anything_is_written(tmp_path):
-    """fsdp splits each layer's gradients as the loop calls it (utils.layout): refused, one line, no output dir."""
+    """fsdp splits each layer's gradients as the loop calls it (utils.layout.layouts): refused, one line, no output
+    dir."""
     out = tmp_path / "out"
     result = run_script(CLM[0], CLM[1:] + ["--max_steps", 1, "--sharding", "fsdp", "--scan_layers", "yes",
                                            "--output_dir", out])

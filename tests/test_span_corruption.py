@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from train_tokenizer import train_tokenizer
 from tasks import span_corruption as sc
-from utils.errors import UsageError
+from utils.base.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS = 1

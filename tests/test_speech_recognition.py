@@ -113,7 +113,7 @@ def write_clip(path, seconds, rate=8000):
 
 
 def test_clips_too_long_too_short_or_untranscribed_are_skipped_and_counted(tmp_path, extractor, caplog):
-    from utils.args import TrainingArguments
+    from utils.base.arguments import TrainingArguments
 
     class DataArgs:
         dataset_name = dataset_config_name = None
@@ -224,7 +224,7 @@ def test_waveform_features_are_the_extractors_own_padded_with_their_mask(tmp_pat
     np.testing.assert_array_equal(mask[[0, 1]], own["attention_mask"])
     assert mask[[0, 1]].sum(axis=1).tolist() == [len(clip) for clip in resampled]
     # --feature_extractor_name unset: a speech encoder-decoder's is its encoder's (here the folder of its config)
-    from utils.models import arguments_of
+    from utils.models.loading import arguments_of
 
     assert speech.Features(speech.load_feature_extractor(arguments_of(joined_arguments(), "encoder")), 2.0).raw
 
@@ -249,7 +249,7 @@ def test_encoder_decoder_labels_carry_no_prefix_and_end_with_the_end_token(token
 
 
 def test_only_the_decoders_it_can_generate_with_are_joined(tokenizer, waveform_extractor):
-    from utils.errors import UsageError
+    from utils.base.errors import UsageError
 
     config = speech.load_speech_config(joined_arguments("bert"), waveform_extractor, tokenizer, True)
     assert config.decoder.is_decoder and config.decoder.add_cross_attention
@@ -269,7 +269,7 @@ def test_the_frame_mask_counts_the_frames_the_encoder_makes_of_each_clip(tokeniz
     import jax
     from transformers import FlaxSpeechEncoderDecoderModel
 
-    from utils.models import init_in_one_program
+    from utils.models.loading import init_in_one_program
 
     config = speech.load_speech_config(joined_arguments(), waveform_extractor, tokenizer, True)
     # A smaller encoder than the shipped one (3 convolutions, 1 layer): the same code, compiled faster.
@@ -320,8 +320,8 @@ def test_a_wav2vec2_pretraining_export_is_the_encoder_it_fine_tunes(tmp_path, to
     from transformers import (AutoConfig, FlaxAutoModel, FlaxAutoModelForCausalLM, FlaxSpeechEncoderDecoderModel,
                               FlaxWav2Vec2ForPreTraining)
 
-    from utils.layout import make_layout
-    from utils.models import load_composed_model, pretrained_part
+    from utils.layout.layouts import make_layout
+    from utils.models.loading import load_composed_model, pretrained_part
 
     pretraining = AutoConfig.from_pretrained(WAV2VEC2, codevector_dim=16, proj_codevector_dim=16,
                                              num_codevectors_per_group=8)

@@ -1,5 +1,5 @@
 """What every script gets from the spine rather than remembering it: `--gradient_checkpointing` (applied by
-`utils.training.make_steps`) and the files a rerun may replace (declared by each task, `tasks.Task.outputs`).
+`utils.run.spine.make_steps`) and the files a rerun may replace (declared by each task, `tasks.Task.outputs`).
 Each test runs every training script, so a script that bypasses the spine fails here by name."""
 
 import importlib.util
@@ -49,7 +49,7 @@ def test_gradient_checkpointing_recomputes_every_layer_of_every_scripts_train_st
     from shapes alone and hands the compiler the train step first, the only step a train-only plan has; a
     tripwire on `Lowered.compile` takes that program and stops the run, so the TPU compiler's own minutes
     are left out (its plans: tests/test_tpu_plan.py, whose clm and summarization runs plan through the same
-    spine, `utils.training.make_steps`). That the recomputation saves memory on the TPU's plan:
+    spine, `utils.run.spine.make_steps`). That the recomputation saves memory on the TPU's plan:
     tests/test_run_glue.py."""
     script, config, layers = SCRIPT_CONFIGS[name]
 

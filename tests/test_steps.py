@@ -1,4 +1,5 @@
-"""utils/steps.py: token-summed cross entropy and token-weighted (accumulated) gradients, in both layouts."""
+"""utils/scoring/losses.py and utils/layout/gradients.py: token-summed cross entropy and token-weighted
+(accumulated) gradients, in both layouts."""
 
 from functools import partial
 
@@ -8,8 +9,9 @@ import numpy as np
 import optax
 import pytest
 
-from utils.layout import AXIS, DataParallel, FullySharded
-from utils.steps import cross_entropy_sums, split_micro_batches, token_weighted_grads
+from utils.layout.gradients import split_micro_batches, token_weighted_grads
+from utils.layout.layouts import AXIS, DataParallel, FullySharded
+from utils.scoring.losses import cross_entropy_sums
 
 N, VOCAB, DIM, LENGTH = 8, 7, 4, 5
 

@@ -1,4 +1,4 @@
-"""utils/stream_sources.py, stream_examples.py and stream.py (StreamedData: the LM scripts' streamed runs):
+"""utils/data/text_sources.py, stream_examples.py and stream.py (StreamedData: the LM scripts' streamed runs):
 sources read as `datasets` reads them, the in-memory path's rows (`tasks.lm.Blocks` / `Lines`), exact resume
 without re-reading, the split over processes and their agreement, held-out eval rows."""
 
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from tasks import lm
-from utils import dataset_loading, stream
-from utils.stream_examples import check_one_batch, eval_set, read_examples
-from utils.stream_sources import DatasetSource, FileSource, open_sources
-from utils.errors import UsageError
+from utils.base.errors import UsageError
+from utils.data import loaders, stream
+from utils.data.stream_head import check_one_batch, eval_set, read_examples
+from utils.data.text_sources import DatasetSource, FileSource, open_sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "lm", "train.txt")  # 6000 lines: six groups of texts
@@ -96,7 +96,7 @@ def test_file_source_reads_the_texts_datasets_reads(tmp_path, name, content, kwa
     path = write(tmp_path / name, content, compression)
     source = FileSource(path, **kwargs)
     builder_kwargs = {"keep_linebreaks": kwargs["keep_linebreaks"]} if name.endswith(".txt") else {}
-    loaded = dataset_loading.load_splits(NO_HUB, {"train": path}, cache_dir=str(tmp_path / "cache"),
+    loaded = loaders.load_splits(NO_HUB, {"train": path}, cache_dir=str(tmp_path / "cache"),
                                          **builder_kwargs)["train"]
     assert source.text_column == "text"
     expected = [text for text in loaded["text"] if lm.has_text(text)]
@@ -161,7 +161,7 @@ def test_dataset_source_continues_from_a_position(corpus_lines):
 # The rows of the in-memory path
 # ---------------------------------------------------------------------------------------------
 def test_blocks_equal_those_of_the_in_memory_path(tokenizer):
-    loaded = dataset_loading.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
+    loaded = loaders.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
     in_memory = np.asarray(lm.tokenize_and_group(loaded, tokenizer, "text", 32, NO_WORKERS)["input_ids"])
     for workers in (1, 3):
         batches = batches_of(stream.Stream(FileSource(CORPUS), lm.Blocks(tokenizer, 32), 16,
@@ -173,7 +173,7 @@ def test_blocks_equal_those_of_the_in_memory_path(tokenizer):
 
 
 def test_lines_equal_those_of_the_in_memory_path(tokenizer):
-    loaded = dataset_loading.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
+    loaded = loaders.load_splits(NO_HUB, {"train": CORPUS}, keep_linebreaks=True)["train"]
     in_memory = lm.tokenize_lines(loaded, tokenizer, "text", 24, NO_WORKERS)
     batches = batches_of(stream.Stream(FileSource(CORPUS), lm.Lines(tokenizer, 24), 100,
                                        shuffle_buffer_size=0))
@@ -196,20 +196,20 @@ def test_passes_repeat_the_rows_without_the_held_out_ones(tmp_path, tokenizer, c
     the in-memory path's, its last 3 (fewer than a batch) dropped, as an in-memory epoch drops its
     remainder; every pass says where it starts; `transform` counts the steps across passes."""
     path = small_corpus(tmp_path, corpus_lines)
-    loaded = dataset_loading.load_splits(NO_HUB, {"train": path}, keep_linebreaks=True)["train"]
+    loaded = loaders.load_splits(NO_HUB, {"train": path}, keep_linebreaks=True)["train"]
     blocks = np.asarray(lm.tokenize_and_group(loaded, tokenizer, "text", 32, NO_WORKERS)["input_ids"])
     assert len(blocks) == 171
     encoder = lm.Blocks(tokenizer, 32)
     held_out, start = eval_set(FileSource(path), encoder, 40)
     np.testing.assert_array_equal(held_out["input_ids"], blocks[:40])
-    caplog.set_level("INFO", logger="utils.stream")
+    caplog.set_level("INFO", logger="utils.data.stream")
     made = stream.Stream(FileSource(path), encoder, 16, shuffle_buffer_size=0, start=start, max_passes=3,
                          transform=lambda batch, index: {**batch, "index": np.full(1, index)})
     batches = batches_of(made)
     one_pass = blocks[40: 40 + 8 * 16]  # 131 blocks: 8 batches
     np.testing.assert_array_equal(np.concatenate([b["input_ids"] for b in batches]), np.concatenate([one_pass] * 3))
     assert [int(b["index"][0]) for b in batches] == list(range(24))
-    logged = [r.getMessage() for r in caplog.records if r.name == "utils.stream"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "utils.data.stream"]
     assert logged == ["pass 2 of the training stream starts at step 9",
                       "pass 3 of the training stream starts at step 17",
                       "pass 3 of the training stream ended at step 24, the last of --max_stream_passes 3"]

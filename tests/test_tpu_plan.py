@@ -1,4 +1,4 @@
-"""`--compile_only TPU`: the TPU compiler's plan of a run's steps, on this CPU machine (`utils.tpu_plan`).
+"""`--compile_only TPU`: the TPU compiler's plan of a run's steps, on this CPU machine (`utils.layout.tpu_plan`).
 
 The compiles need libtpu (requirements-test.txt); without it those tests skip, and the one-line
 error a user without it gets is tested on its own.
@@ -19,12 +19,13 @@ import pytest
 from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
 from script_runner import run_script
-from utils import tpu_plan
-from utils.errors import Done, RunError, UsageError
-from utils.layout import DataParallel, FullySharded, leaf_spec
-from utils.models import cast_floats
-from utils.steps import cross_entropy_sums, token_weighted_grads
-from utils.training import report_plan
+from utils.base.errors import Done, RunError, UsageError
+from utils.layout import tpu_plan
+from utils.layout.gradients import token_weighted_grads
+from utils.layout.layouts import DataParallel, FullySharded, leaf_spec
+from utils.models.loading import cast_floats
+from utils.run.spine import report_plan
+from utils.scoring.losses import cross_entropy_sums
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is "
                                   "not installed: pip install -r requirements-tpu.txt")

@@ -1,4 +1,4 @@
-"""utils/training.py: steps built from a loss (vs a hand-written step), per-row eval outputs, and a
+"""utils/run/spine.py: steps built from a loss (vs a hand-written step), per-row eval outputs, and a
 whole run's bookkeeping (when it evaluates, saves, and what it writes)."""
 
 import json
@@ -14,16 +14,17 @@ import pytest
 from transformers import PretrainedConfig
 
 from tasks.summarization import TASK
-from utils import attention
-from utils import layout as layout_module
-from utils import rundir, saving
-from utils.args import TrainingArguments
-from utils.errors import UsageError
-from utils.layout import DataParallel, FullySharded, Layout, Pending, finished
-from utils.loop import InMemoryData
-from utils.run import training_plan
-from utils.steps import cross_entropy_sums
-from utils.training import TrainingRun, make_steps
+from utils.base.arguments import TrainingArguments
+from utils.base.errors import UsageError
+from utils.checkpoints import saving
+from utils.kernels import model_attention
+from utils.layout import layouts as layout_module
+from utils.layout.layouts import DataParallel, FullySharded, Layout, Pending, finished
+from utils.run import run_directory
+from utils.run.loop import InMemoryData
+from utils.run.setup import training_plan
+from utils.run.spine import TrainingRun, make_steps
+from utils.scoring.losses import cross_entropy_sums
 
 N, DIM, CLASSES, EXAMPLES = 8, 3, 4, 16
 
@@ -276,8 +277,8 @@ def test_make_steps_hands_the_kernels_fsdps_mesh(tmp_path, monkeypatch):
     """Under fsdp's jit the attention kernels get its mesh, to run on each device's rows (`attention.on_each_device`:
     XLA cannot split a Pallas call); under dp none, pmap giving a step one device's rows already."""
     handed = []
-    monkeypatch.setattr(attention, "supports", lambda model: True)
-    monkeypatch.setattr(attention, "use_attention_kernels", lambda model, interpret, mesh: handed.append(mesh))
+    monkeypatch.setattr(model_attention, "supports", lambda model: True)
+    monkeypatch.setattr(model_attention, "use_attention_kernels", lambda model, interpret, mesh: handed.append(mesh))
     training_args = args(tmp_path, attention="splash")
     data, plan = InMemoryData(examples(), EXAMPLES), training_plan(training_args, EXAMPLES)
     layouts = [DataParallel(), FullySharded(4)]
@@ -349,7 +350,7 @@ def run_to_the_end(training_args, train_data, evaluate_at=None):
 
 
 def test_a_run_evaluates_saves_and_writes_its_results_when_due(tmp_path, monkeypatch):
-    for module in (rundir, saving):  # run_main's list, which nothing here drains
+    for module in (run_directory, saving):  # run_main's list, which nothing here drains
         monkeypatch.setattr(module, "at_exit", lambda callback: None)
     # 16 examples, global batch 8: 2 steps per epoch, 3 epochs; eval at epoch ends, saves every 4 steps and at the end
     training_args = args(tmp_path, do_eval=True, num_train_epochs=3, save_steps=4, logging_steps=1)
@@ -374,7 +375,7 @@ def test_a_run_evaluates_saves_and_writes_its_results_when_due(tmp_path, monkeyp
 def test_progress_seconds_reaches_the_loop_and_its_lines_the_log(tmp_path, monkeypatch, caplog):
     """--progress_seconds 0: every step between logged ones shows a progress line; metrics.jsonl still
     has the logged steps only."""
-    for module in (rundir, saving):  # run_main's list, which nothing here drains
+    for module in (run_directory, saving):  # run_main's list, which nothing here drains
         monkeypatch.setattr(module, "at_exit", lambda callback: None)
     caplog.set_level(logging.INFO)
     training_args = args(tmp_path, num_train_epochs=3, save_steps=100, logging_steps=4, progress_seconds=0)

@@ -1,4 +1,4 @@
-"""utils/weights.py: pretrained weights in the formats checkpoints come in, loaded as transformers loads them.
+"""utils/models/weights.py: pretrained weights in the formats checkpoints come in, loaded as transformers loads them.
 
 Each checkpoint is written here the way it is found on the hub: PyTorch names and `format: pt`
 metadata in `model.safetensors` (whole, bfloat16, or sharded with an index), Flax safetensors,
@@ -22,10 +22,10 @@ from transformers import (AutoConfig, BartConfig, BertConfig, FlaxAutoModelForCa
                           GPT2Config)
 
 from script_runner import ROOT, read_metrics, run_script
-from utils.args import ModelArguments
-from utils.errors import UsageError
-from utils.layout import DataParallel, FullySharded
-from utils.models import load_model
+from utils.base.arguments import ModelArguments
+from utils.base.errors import UsageError
+from utils.layout.layouts import DataParallel, FullySharded
+from utils.models.loading import load_model
 
 VOCAB = 40
 FAMILIES = {  # an encoder, a decoder and an encoder-decoder, each a couple of layers wide
@@ -259,8 +259,8 @@ SCRIPTS = {  # script: (its auto class, the family and its size, tokenizer, data
 
 def hub_style_checkpoint(directory, auto_class, family, overrides, tokenizer_name):
     """A directory as `save_pretrained` in PyTorch leaves it: config, tokenizer, `model.safetensors`."""
-    from utils import compat
-    from utils.models import fit_config_to_tokenizer, load_config, load_tokenizer
+    from utils.models import compat
+    from utils.models.loading import fit_config_to_tokenizer, load_config, load_tokenizer
 
     compat.apply()  # the T5 clip shim
     args = ModelArguments(model_type=family, config_overrides=overrides, tokenizer_name=os.path.join(ROOT, tokenizer_name))

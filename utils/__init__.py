@@ -1,7 +1,7 @@
 """Shared helpers for the flaxtune scripts. Nothing here imports a script.
 
 Importing the package notes the time: start-up ("first step done N s after start",
-`utils.perf.seconds_since_start`) counts from here, so every script imports `utils` first, before its
+`utils.run.perf.seconds_since_start`) counts from here, so every script imports `utils` first, before its
 heavy imports, which are part of its start-up.
 """
 
