@@ -25,6 +25,7 @@ import numpy as np
 
 from utils.base.errors import UsageError
 from utils.data import loaders
+from utils.run.threaded_feed import default_workers
 
 WAVE_PCM, WAVE_FLOAT, WAVE_EXTENSIBLE = 1, 3, 0xFFFE
 PCM_SCALE = {1: 128.0, 2: 32768.0, 3: 8388608.0, 4: 2147483648.0}  # 2 ** (bits - 1) per sample width
@@ -33,10 +34,6 @@ FLOAT_TYPES = {4: "<f4", 8: "<f8"}
 
 class AudioError(ValueError):
     """A clip that cannot be read: not audio, a format without a reader here, or a broken file."""
-
-
-def default_workers():
-    return min(8, os.cpu_count() or 1)
 
 
 # ---------------------------------------------------------------------------------------------

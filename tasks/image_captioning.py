@@ -209,7 +209,7 @@ class CaptionData(ThreadedData):
     threads: each step's images decoded and transformed ahead of the step."""
 
     def __init__(self, found, pairs, transforms, workers=None):
-        super().__init__(len(pairs.image_of), workers or images.default_workers())
+        super().__init__(len(pairs.image_of), workers)
         self.sources, self.tokens, self.transforms = PairImages(found.sources, pairs.image_of), pairs.tokens, transforms
 
     def host_batch(self, indices, seed, epoch):

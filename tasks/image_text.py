@@ -238,7 +238,7 @@ class ImageTextData(ThreadedData):
     """
 
     def __init__(self, sources, captions, transforms, workers=None):
-        super().__init__(len(sources), workers or images.default_workers())
+        super().__init__(len(sources), workers)
         self.sources, self.captions, self.transforms = sources, captions, transforms
 
     def host_batch(self, indices, seed, epoch):

@@ -34,7 +34,7 @@ from utils.base.errors import UsageError
 from utils.data import loaders
 from utils.run.preflight import SPLIT_FLAGS
 from utils.run.run_directory import one_line
-from utils.run.threaded_feed import ThreadedData
+from utils.run.threaded_feed import ThreadedData, default_workers
 
 
 SPLIT_DIRS = {"train": "train_dir", "validation": "validation_dir", "test": "test_dir"}  # split -> its folder flag
@@ -47,10 +47,6 @@ RESIZABLE_POSITIONS = ("dinov2",)
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm", ".jfif")
 CROP_RATIO = (3 / 4, 4 / 3)  # aspect ratios of the random crop, as the classic (torchvision's defaults)
 CROP_TRIES = 10
-
-
-def default_workers():
-    return min(8, os.cpu_count() or 1)
 
 
 def _is_image(name):
@@ -407,7 +403,7 @@ class ImageData(ThreadedData):
     example i of epoch e is transformed with `Transforms.generator(seed, e, i)`."""
 
     def __init__(self, sources, labels, transforms, workers=None):
-        super().__init__(len(sources), workers or default_workers())
+        super().__init__(len(sources), workers)
         self.sources, self.labels, self.transforms = sources, np.asarray(labels, np.int32), transforms
 
     def host_batch(self, indices, seed, epoch):

@@ -488,7 +488,7 @@ class SpeechData(ThreadedData):
     each batch's features computed from its clips, its labels taken from the encoded transcripts."""
 
     def __init__(self, sources, labels, features, workers=None):
-        super().__init__(len(sources), workers or audio.default_workers())
+        super().__init__(len(sources), workers)
         self.sources, self.labels, self.features = sources, labels, features
 
     def host_batch(self, indices, seed, epoch):

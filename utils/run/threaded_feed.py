@@ -10,6 +10,7 @@ the step. Each process prepares only its own rows of the global batch.
 """
 
 import collections
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -20,11 +21,17 @@ from utils.layout import devices
 BATCHES_AHEAD = 4  # training batches being prepared while the step runs
 
 
-class ThreadedData:
-    """`size` examples, batched by `workers` threads `BATCHES_AHEAD` steps (or `workers`, if more) ahead."""
+def default_workers():
+    """Threads that decode examples on the host (training batches, eval columns, up-front checks)."""
+    return min(8, os.cpu_count() or 1)
 
-    def __init__(self, size, workers):
-        self.size, self.workers = size, workers
+
+class ThreadedData:
+    """`size` examples, batched by `workers` threads (default: `default_workers`) `BATCHES_AHEAD` steps (or
+    `workers`, if more) ahead."""
+
+    def __init__(self, size, workers=None):
+        self.size, self.workers = size, workers or default_workers()
 
     def host_batch(self, indices, seed, epoch):
         """The batch (a dict of host arrays) of the examples `indices` as epoch `epoch` of a run seeded `seed`
