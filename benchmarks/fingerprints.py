@@ -78,13 +78,20 @@ def run_configs(configs, steps, work):
     results = {}
     for config in configs:
         out = os.path.join(work, config)
+        # An empty datasets cache for each run: whether a map is read from the cache changes the export (a fast
+        # tokenizer that encoded the data saves its padding and truncation in tokenizer.json, one whose map was
+        # read from the cache does not), so every run starts cold and two fingerprints compare like with like.
+        shutil.rmtree(os.path.join(work, "datasets-cache"), ignore_errors=True)
+        env["HF_DATASETS_CACHE"] = os.path.join(work, "datasets-cache")
         command = [sys.executable, SCRIPTS[config], os.path.join("configs", f"{config}.json"), "--max_steps",
                    str(steps), "--output_dir", out, "--overwrite_output_dir", "--compilation_cache_dir", "none"]
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode:
             sys.exit(f"error: {config} failed:\n{done.stderr[-3000:]}")
         results[config] = fingerprint(out)
+        shutil.rmtree(out)
         print(f"{config}: {len(results[config])} files", flush=True)
+    shutil.rmtree(os.path.join(work, "datasets-cache"), ignore_errors=True)
     return results
 
 
@@ -107,7 +114,8 @@ def main():
     parser.add_argument("--configs", nargs="+", choices=sorted(SCRIPTS), default=sorted(SCRIPTS))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--workdir", default="/tmp/flaxtune-fingerprints",
-                        help="The runs' folder, emptied first: the same path each time, as the files name it.")
+                        help="Where each run writes (a folder per config, removed once hashed): the same path each "
+                             "time, as the files name it.")
     args = parser.parse_args()
     if args.compare:
         before, after = (json.load(open(path)) for path in args.compare)
@@ -116,9 +124,7 @@ def main():
         sys.exit(1 if differences else 0)
     if not args.output:
         parser.error("give --output (to run the configs) or --compare BEFORE AFTER")
-    shutil.rmtree(args.workdir, ignore_errors=True)
     results = run_configs(args.configs, args.steps, args.workdir)
-    shutil.rmtree(args.workdir)
     with open(args.output, "w") as f:
         json.dump(results, f, indent=1, sort_keys=True)
 
