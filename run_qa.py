@@ -142,7 +142,7 @@ def main(argv=None):
     task = long_qa if data_args.answer_categories else qa  # how rows are read
     raw = phase_datasets(task.load_splits(data_args, {s: files[s] for s in splits}, model_args.cache_dir),
                          {split: split for split in splits}, data_args)
-    has_answers = qa.check_columns(raw, data_args)
+    has_answers = qa.answered_splits(raw, data_args)
     seq_length = qa.window_length(data_args.max_seq_length, data_args.doc_stride, tokenizer, config, logger)
     long_qa.check_blocks(config, seq_length)
     features = {}

@@ -2,7 +2,7 @@
 the SQuAD scores and the prediction files.
 
 What run_qa.py does with a split, in order: `load_splits` reads it (SQuAD documents here, other
-files and hub datasets through `utils.data.loaders`), `check_columns` checks its columns,
+files and hub datasets through `utils.data.loaders`), `answered_splits` checks its columns,
 `prepare_split` reads its examples (`read_examples`, answers checked against their contexts) and cuts each context into
 overlapping windows (features, `cut_windows`: what the model trains and predicts on, and what the
 demo feeds it), labelled with the answer's first and last tokens (`span_loss` trains on them).
@@ -104,7 +104,7 @@ def load_splits(data_args, files, cache_dir):
     return loaded
 
 
-def check_columns(splits, data_args):
+def answered_splits(splits, data_args):
     """{split: whether it has answers} of `splits` ({split: Dataset}), once every split has the
     question and context columns, and the training and validation splits the answer column (a test
     set may come without answers)."""

@@ -210,3 +210,47 @@ def test_the_check_sees_imports_inside_functions_and_relative_ones(tmp_path, mon
         "utils/layout/layouts.py:2", "utils/layout/layouts.py:3", "utils/run/spine.py:1", "tasks/lm.py:3"]
     assert "a wing imports only from the wings below it" in found[0]
     assert "inside a wing, a module imports only from lower floors" in found[1]
+
+
+def declared_checks():
+    """The names of the functions the task modules declare as their checks (`Task(check_arguments=...,
+    check_data=...)`, `lm.INPUTS`): the preflight's to call."""
+    def name(value):
+        if isinstance(value, ast.Call):  # partial(check, ...)
+            return name(value.args[0])
+        return getattr(value, "attr", getattr(value, "id", None))
+
+    return {name(node.value) for path in (ROOT / "tasks").glob("*.py")
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.keyword) and node.arg in ("check_arguments", "check_data")}
+
+
+def what_the_spine_does_in(path, checks):
+    """One line per place where script `path` does the spine's work itself: a call of a task's declared check
+    (`checks`), a preflight count other than one (`check_before_work` runs every check), or `--compile_only`."""
+    tree, found = ast.parse(path.read_text(encoding="utf-8")), []
+    called = [(node.lineno, getattr(node.func, "attr", getattr(node.func, "id", "")))
+              for node in ast.walk(tree) if isinstance(node, ast.Call)]
+    preflights = [line for line, name in called if name == "check_before_work"]
+    if len(preflights) != 1:
+        found.append(f"{path.name}: {len(preflights)} calls of check_before_work: one runs every check")
+    found += [f"{path.name}:{line}: calls {name}: a task's declared check, which the preflight runs"
+              for line, name in called if name in checks]
+    found += [f"{path.name}:{node.lineno}: mentions compile_only: the spine plans and ends such a run"
+              for node in ast.walk(tree)
+              if "compile_only" in {getattr(node, "attr", None), getattr(node, "id", None), getattr(node, "arg", None)}]
+    return found
+
+
+def test_a_script_leaves_checks_and_compile_only_to_the_spine(tmp_path):
+    checks = declared_checks()
+    assert {"check_data_given", "check_folders", "check_columns", "check_arguments"} <= checks
+    assert [line for path in sorted(ROOT.glob("run_*.py")) for line in what_the_spine_does_in(path, checks)] == []
+    # Broken on purpose: a declared check called, no preflight, the flag read.
+    script = tmp_path / "run_x.py"
+    script.write_text("def main(data_args, training_args):\n    images.check_folders(None, None, data_args, training_args)\n"
+                      "    if training_args.compile_only:\n        return\n")
+    assert what_the_spine_does_in(script, checks) == [
+        "run_x.py: 0 calls of check_before_work: one runs every check",
+        "run_x.py:2: calls check_folders: a task's declared check, which the preflight runs",
+        "run_x.py:3: mentions compile_only: the spine plans and ends such a run"]

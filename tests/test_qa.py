@@ -428,9 +428,9 @@ def test_columns_a_test_set_may_lack_the_answers():
     args = run_qa.DataTrainingArguments()
     answered = datasets.Dataset.from_list([squad_row("Where does Hannah Costa work?", "Graz")])
     questions = answered.remove_columns("answers")
-    assert qa.check_columns({"train": answered, "test": questions}, args) == {"train": True, "test": False}
+    assert qa.answered_splits({"train": answered, "test": questions}, args) == {"train": True, "test": False}
     with pytest.raises(UsageError, match="--answer_column_name 'answers' is not a column of the validation data"):
-        qa.check_columns({"train": answered, "validation": questions}, args)
+        qa.answered_splits({"train": answered, "validation": questions}, args)
 
 
 def test_window_length_is_cut_to_the_tokenizer_and_the_model(caplog):
