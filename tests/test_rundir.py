@@ -153,6 +153,74 @@ def test_export_pretrained_round_trip(tmp_path):
     assert not skipped.exists()
 
 
+def export_tokenizer_only(tokenizer, output_dir, monkeypatch):
+    """`export_pretrained` of `tokenizer` (or a processor) alone: the model's files are left out."""
+    from utils.models import flax_msgpack
+
+    monkeypatch.setattr(flax_msgpack, "save_pretrained", lambda model, directory, params: None)
+    output_dir.mkdir()
+    export_pretrained(None, {}, tokenizer, str(output_dir))
+
+
+def assert_tokenizer_json_pads_and_truncates_nothing(output_dir):
+    """tokenizer.json in `output_dir`, read as a serving engine reads it, encodes a long text whole."""
+    from tokenizers import Tokenizer
+
+    saved = Tokenizer.from_file(str(output_dir / "tokenizer.json"))
+    assert saved.padding is None and saved.truncation is None
+    assert len(saved.encode(" ".join(["hello world"] * 10)).ids) >= 20
+
+
+def test_an_exported_tokenizer_json_keeps_no_padding_or_truncation_of_the_last_call(tmp_path, monkeypatch):
+    """A map tokenized in the process leaves its padding and truncation on the Rust backend: they stay out
+    of tokenizer.json, so the export is the one of a tokenizer never called (a map read from the datasets
+    cache), and the run's later calls encode as before."""
+    tokenizer = tiny_tokenizer()
+    call = partial(tokenizer, padding="max_length", truncation=True, max_length=8)
+    padded = call(["hello world " * 5, "hello"]).input_ids
+    called, never_called = tmp_path / "called", tmp_path / "never_called"
+    export_tokenizer_only(tokenizer, called, monkeypatch)
+    export_tokenizer_only(tiny_tokenizer(), never_called, monkeypatch)
+    assert_tokenizer_json_pads_and_truncates_nothing(called)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (called / name).read_text() == (never_called / name).read_text(), name
+    assert call(["hello world " * 5, "hello"]).input_ids == padded == [[3, 4] * 4, [3] + [0] * 7]
+    assert tokenizer("hello world " * 5).input_ids == [3, 4] * 5
+
+
+def speech_processor(tokenizer):
+    from transformers import WhisperFeatureExtractor
+
+    from tasks.speech_recognition import Processor
+
+    return Processor(WhisperFeatureExtractor(), tokenizer)
+
+
+def captioning_saved_with_model(tokenizer):
+    from transformers import ViTImageProcessor
+
+    from tasks.image_captioning import SavedWithModel
+
+    return SavedWithModel(tokenizer, ViTImageProcessor())
+
+
+def clip_processor(tokenizer):
+    from transformers import ViTImageProcessor
+
+    from tasks.image_text import processor_of
+
+    return processor_of(ViTImageProcessor(), tokenizer)
+
+
+@pytest.mark.parametrize("wrap", [speech_processor, captioning_saved_with_model, clip_processor])
+def test_a_processors_tokenizer_json_keeps_no_padding_or_truncation_of_the_last_call(tmp_path, monkeypatch, wrap):
+    """What the scripts save with the model in place of a tokenizer: its tokenizer's settings are cleared too."""
+    tokenizer = tiny_tokenizer()
+    tokenizer("hello world", padding="max_length", truncation=True, max_length=8)
+    export_tokenizer_only(wrap(tokenizer), tmp_path / "export", monkeypatch)
+    assert_tokenizer_json_pads_and_truncates_nothing(tmp_path / "export")
+
+
 def test_an_export_leaves_no_weight_file_of_an_earlier_export_beside_it(tmp_path, monkeypatch):
     """Shards over a single file, and a single file over shards: only the new export's weight files stay, so
     from_pretrained loads the new weights (it would take a lone flax_model.msgpack before an index)."""

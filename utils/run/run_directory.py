@@ -83,9 +83,21 @@ def one_line(text):
     return " ".join(text.split())
 
 
+def clear_call_settings(tokenizer):
+    """Drop the padding and truncation that the last call of a fast tokenizer (`tokenizer`, or a processor's
+    `.tokenizer`) left on its Rust backend."""
+    # tokenizer.json saves the backend as it stands: a user of `tokenizers.Tokenizer.from_file` would pad and
+    # truncate every input as the run's last call did. transformers sets both anew on each call, so the run's
+    # later calls encode as before.
+    backend = getattr(getattr(tokenizer, "tokenizer", tokenizer), "backend_tokenizer", None)
+    if backend is not None:
+        backend.no_padding()
+        backend.no_truncation()
+
+
 def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process: bool = True):
     """Write what `from_pretrained(output_dir)` loads: config, weights (`params`, host arrays), and
-    the tokenizer if given."""
+    the tokenizer (or processor) if given, its tokenizer.json without padding or truncation."""
     if not is_main_process:
         return
     # Written beside and then moved into place, so a failed write (a full disk) leaves the previous
@@ -98,6 +110,7 @@ def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process
             params = lora.merged(params, adapters)
         flax_msgpack.save_pretrained(model, staging, params)  # transformers' files, the weights streamed
         if tokenizer is not None:
+            clear_call_settings(tokenizer)
             tokenizer.save_pretrained(staging)
         written = os.listdir(staging)
         for name in written:
