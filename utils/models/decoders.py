@@ -472,6 +472,20 @@ def init_cache(config, batch, slots, dtype=jnp.float32):
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers))
 
 
+def _recomputed_step(config, width, max_new_tokens):
+    """The decoding step at which Phi-3 computes the whole sequence again, or None.
+
+    PyTorch transformers' Phi-3 generation drops its cache at the call whose sequence (slots, padding
+    included) first passes the pretrained context of its longrope, so that every key, in every layer,
+    is computed again with the long factors; a cache kept across that point would hold keys rotated by
+    the short ones. Other rope types and models keep their cache."""
+    contexts = [rope.context for rope in config.ropes if rope.kind == "longrope"]
+    if config.model_type != "phi3" or not contexts:
+        return None
+    step = contexts[0] - width
+    return step if 0 <= step < max_new_tokens - 1 else None
+
+
 def greedy_generate(model, params, input_ids, attention_mask, max_new_tokens):
     """The `max_new_tokens` [batch, max_new_tokens] greedy tokens after each left-padded prompt of
     input_ids [batch, width]: the prompt in one call into a KV cache, then one token a call
@@ -479,12 +493,13 @@ def greedy_generate(model, params, input_ids, attention_mask, max_new_tokens):
     input_ids = jnp.asarray(input_ids, jnp.int32)
     attention_mask = jnp.asarray(attention_mask, jnp.int32)
     batch, width = input_ids.shape
-    cache = init_cache(model.config, batch, width + max_new_tokens, model.dtype)
     key_mask = jnp.concatenate([attention_mask, jnp.ones((batch, max_new_tokens), jnp.int32)], axis=1)
-    positions = positions_of(attention_mask)
-    logits, cache = model.apply({"params": params}, input_ids, positions, key_mask, cache, 0)
-    token = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-    position = positions[:, -1] + 1
+
+    def prefill(ids):  # ids fill the first slots of a fresh cache; the token after them
+        cache = init_cache(model.config, batch, width + max_new_tokens, model.dtype)
+        positions = positions_of(key_mask[:, :ids.shape[1]])
+        logits, cache = model.apply({"params": params}, ids, positions, key_mask, cache, 0)
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), positions[:, -1] + 1, cache
 
     def step(carry, index):
         token, position, cache = carry
@@ -493,5 +508,14 @@ def greedy_generate(model, params, input_ids, attention_mask, max_new_tokens):
         following = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
         return (following, position + 1, cache), token
 
-    (last, _, _), tokens = jax.lax.scan(step, (token, position, cache), jnp.arange(max_new_tokens - 1))
-    return jnp.concatenate([tokens.T, last[:, None]], axis=1)
+    carry = prefill(input_ids)
+    again = _recomputed_step(model.config, width, max_new_tokens)
+    if again is None:
+        carry, tokens = jax.lax.scan(step, carry, jnp.arange(max_new_tokens - 1))
+    else:
+        carry, before = jax.lax.scan(step, carry, jnp.arange(again))
+        sequence = jnp.concatenate([input_ids, before.T, carry[0][:, None]], axis=1)
+        last = carry[0]
+        carry, after = jax.lax.scan(step, prefill(sequence), jnp.arange(again + 1, max_new_tokens - 1))
+        tokens = jnp.concatenate([before, last[None], after], axis=0)
+    return jnp.concatenate([tokens.T, carry[0][:, None]], axis=1)
