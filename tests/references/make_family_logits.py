@@ -1,7 +1,7 @@
 """Writes family_logits.json: PyTorch transformers 5's logits, greedy continuations and parameter listings
 of the tiny decoders in family_cases.py, which tests/test_decoder_family.py compares the project's own
 decoder family (utils/models/decoders.py) with; and, given the project's exports of some of them, whether
-PyTorch transformers 5 loads those exports and computes the same logits.
+PyTorch transformers 5 loads those exports as it loads its own save_pretrained of the same weights.
 
 Needs torch and transformers 5, which the project does not: run it in a side environment, from the
 repository root, in three steps (the second in the project's own environment):
@@ -80,19 +80,24 @@ def listing(path):
 
 
 def check_export(name, case, folder, dtype):
-    """Does transformers 5 load the project's export of a case (in `dtype`) and compute what the reference
-    model, with the same weights in that dtype, computes? And are its tensors those save_pretrained writes?"""
-    reference_model_, _ = reference_model(name, case["seed"])
-    reference_model_ = reference_model_.to(dtype)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=dtype).eval()
+    """Does transformers 5 load the project's export of a case (in `dtype`) as it loads its own
+    save_pretrained of the same weights: the same tensors (names, shapes, dtypes, values) and logits?"""
+    model, _ = reference_model(name, case["seed"])
     ids = torch.tensor(case["inputs"][0])
-    with torch.no_grad():
-        want, got = reference_model_(ids).logits.float(), loaded(ids).logits.float()
     with tempfile.TemporaryDirectory() as saved:
-        reference_model_.save_pretrained(saved)
-        same_tensors = listing(saved) == listing(folder)
-    return dict(loaded=True, max_abs_logit_difference=float((want - got).abs().max()),
-                tensors_as_save_pretrained=same_tensors)
+        model.to(dtype).save_pretrained(saved)
+        theirs = AutoModelForCausalLM.from_pretrained(saved, attn_implementation="eager", dtype=dtype).eval()
+        same_files = listing(saved) == listing(folder)
+    ours = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=dtype).eval()
+    their_state, our_state = theirs.state_dict(), ours.state_dict()
+    same_weights = their_state.keys() == our_state.keys() and all(
+        torch.equal(their_state[key], our_state[key]) for key in their_state)
+    with torch.no_grad():
+        want, got = theirs(ids).logits.float(), ours(ids).logits.float()
+    return dict(loaded=True, tensors_as_save_pretrained=same_files, weights_equal=same_weights,
+                max_abs_logit_difference=float((want - got).abs().max()),
+                max_abs_difference_from_reference_logits=float(
+                    (got - torch.tensor(case["logits"][0])).abs().max()))
 
 
 def main():
