@@ -88,15 +88,16 @@ def test_an_older_config_json_reads_as_the_one_transformers_5_saves(name):
     assert decoders.config_from_hub(hub_config(name)) == decoders.config_from_hub(REFERENCE[name]["config"])
 
 
-@pytest.mark.parametrize("name", ["gemma2_capped", "phi3_partial_longrope", "llama_biases_tied"])
-def test_bfloat16_logits_stay_near_pytorch_float32(name, tmp_path):
-    """In bfloat16 (params float32, computed in bfloat16) within what bfloat16 rounding costs: PyTorch's
-    own bfloat16 models of these cases differ from their float32 logits by up to 0.65 (family_logits.json)."""
+@pytest.mark.parametrize("name", CASES)
+def test_bfloat16_logits_stay_as_near_pytorch_float32_as_pytorch_bfloat16_does(name, tmp_path):
+    """Computed in bfloat16 (float32 params), within 1.5 times the distance of PyTorch's own bfloat16 model
+    (saved and loaded in bfloat16) from its float32 logits, plus 0.05; the same next token nearly everywhere."""
     model, params = load(name, tmp_path)
     case = REFERENCE[name]
+    want = np.array(case["logits"][0])
     got = logits_of(model, params, case["inputs"][0], jnp.bfloat16)
-    assert np.abs(got - np.array(case["logits"][0])).max() < 1.0
-    assert (got.argmax(-1) == np.array(case["logits"][0]).argmax(-1)).mean() > 0.9
+    assert np.abs(got - want).max() < 1.5 * case["bfloat16_error"] + 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
 def test_left_padding_leaves_the_real_tokens_logits_alone(tmp_path):

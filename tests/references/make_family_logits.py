@@ -64,7 +64,19 @@ def reference(name, seed):
             case["logits"].append(np.round(logits.astype(np.float64), 5).tolist())
         case["generated"] = greedy(model, [prompt], [[1] * len(prompt)])[0]
         case["padded_generated"] = greedy(model, padded, padded_mask)
+        case["bfloat16_error"] = bfloat16_error(model, inputs[0], case["logits"][0])
     return case
+
+
+def bfloat16_error(model, ids, logits):
+    """How far PyTorch's own bfloat16 model (the float32 one saved and loaded in bfloat16, as a user
+    would) lands from its float32 logits: the yardstick of the family's bfloat16 test."""
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        half = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        got = half(torch.tensor(ids)).logits.float()
+    return round(float((got - torch.tensor(logits)).abs().max()), 5)
 
 
 def listing(path):
