@@ -41,11 +41,10 @@ def pytorch_checkpoint(name, folder):
     return folder
 
 
-def load(name, tmp_path, **changes):
-    """(model, params) of a case read from its checkpoint folder; `changes` to its DecoderConfig."""
-    _, config = decoders.read_config(pytorch_checkpoint(name, str(tmp_path / name)))
-    model = decoders.DecoderLM(dataclasses.replace(config, **changes))
-    return model, hub_checkpoint.read_checkpoint(str(tmp_path / name), decoders.param_shapes(model))
+def load(name, tmp_path):
+    """(model, params) of a case read from its checkpoint folder."""
+    _, model, params = decoders.load_checkpoint(pytorch_checkpoint(name, str(tmp_path / name)))
+    return model, params
 
 
 def logits_of(model, params, ids, dtype=jnp.float32):
@@ -205,6 +204,22 @@ def test_what_the_family_does_not_compute_is_named(changes, named):
         decoders.config_from_hub({**hub_config("llama3_rope"), **changes})
 
 
+@pytest.mark.parametrize("model_type, settings, windows", [
+    ("mistral", dict(), (4096, 4096)),  # transformers 5's default window where config.json has none
+    ("mistral", dict(sliding_window=None), (None, None)),  # Mistral v0.2+: no window at all
+    ("mistral", dict(sliding_window=8, layer_types=["full_attention", "sliding_attention"]), (8, 8)),
+    ("llama", dict(sliding_window=8), (None, None)),  # Llama's layers ignore the key
+    ("qwen2", dict(sliding_window=8, max_window_layers=1), (None, None)),  # without use_sliding_window
+    ("qwen2", dict(sliding_window=8, layer_types=["sliding_attention"] * 2), (None, None)),
+    ("qwen3", dict(sliding_window=8, use_sliding_window=True, max_window_layers=1), (None, 8)),
+    ("gemma2", dict(sliding_window=8), (8, None)),
+])
+def test_each_layer_gets_the_window_pytorch_gives_it(model_type, settings, windows):
+    hub = dict(model_type=model_type, vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, **settings)
+    assert decoders.config_from_hub(hub).layer_windows == windows
+
+
 def test_a_phi3_longrope_of_the_wrong_length_is_named():
     settings = hub_config("phi3_partial_longrope")
     settings["rope_scaling"] = {**settings["rope_scaling"], "long_factor": [1.0] * 8}
@@ -247,8 +262,6 @@ CONTROLS = {
 @pytest.mark.parametrize("control", CONTROLS)
 def test_dropping_a_feature_fails_the_comparison(control, tmp_path):
     name, change = CONTROLS[control]
-    _, config = decoders.read_config(pytorch_checkpoint(name, str(tmp_path / name)))
-    changes = change(config)
     model, params = load(name, tmp_path)
-    model = decoders.DecoderLM(dataclasses.replace(config, **changes))
+    model = decoders.DecoderLM(dataclasses.replace(model.config, **change(model.config)))
     assert largest_difference(model, params, name) > 100 * TOLERANCE

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from utils.base.errors import UsageError
-from utils.models import rotary
+from utils.models import hub_checkpoint, rotary
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
 _GEMMAS = ("gemma", "gemma2", "gemma3_text")
@@ -172,7 +172,8 @@ def _rope(settings, hub, model_type, head_dim):
 
 def _layer_types(hub, model_type, layers):
     """Each layer's "full_attention" or "sliding_attention", as transformers 5's config classes lay them out."""
-    if hub.get("layer_types") is not None:
+    # Mistral's and Phi-3's PyTorch layers ignore layer_types (transformers 5 warns that Mistral does).
+    if hub.get("layer_types") is not None and model_type not in ("mistral", "phi3"):
         types = list(hub["layer_types"])
         unknown = sorted(set(types) - set(_LAYER_TYPES))
         if unknown:
@@ -187,12 +188,21 @@ def _layer_types(hub, model_type, layers):
         pattern = hub.get("sliding_window_pattern") or 6
         return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if model_type in ("qwen2", "qwen3"):
-        sliding = _setting(hub, model_type, "use_sliding_window") and _setting(hub, model_type, "sliding_window")
         first = _setting(hub, model_type, "max_window_layers")
-        return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
-    # Mistral and Phi-3: every layer has the config's window, when it has one.
-    window = _setting(hub, model_type, "sliding_window")
-    return ["sliding_attention" if window else "full_attention"] * layers
+        return ["sliding_attention" if _window(hub, model_type) and i >= first else "full_attention"
+                for i in range(layers)]
+    # Mistral and Phi-3: every layer has the config's window, when it has one; Llama and Gemma none.
+    return ["sliding_attention" if _window(hub, model_type) else "full_attention"] * layers
+
+
+def _window(hub, model_type):
+    """The sliding window of the config's sliding layers: Qwen's only with use_sliding_window, none in
+    Llama and Gemma (whose PyTorch layers ignore the key)."""
+    if model_type in ("llama", "gemma"):
+        return None
+    if model_type in ("qwen2", "qwen3") and not _setting(hub, model_type, "use_sliding_window"):
+        return None
+    return _setting(hub, model_type, "sliding_window")
 
 
 def _activation(hub, model_type):
@@ -229,7 +239,7 @@ def config_from_hub(hub):
     rope_settings = _rope_settings(hub, model_type)
     kinds = sorted(set(types))
     ropes = tuple(_rope(rope_settings[kind], hub, model_type, head_dim) for kind in kinds)
-    window = _setting(hub, model_type, "sliding_window")
+    window = _window(hub, model_type)
     capped = model_type in ("gemma2", "gemma3_text")
     gemma_like = model_type in _GEMMAS
     query_scalar = _setting(hub, model_type, "query_pre_attn_scalar") if capped else head_dim
@@ -262,6 +272,14 @@ def read_config(folder):
     with open(path, encoding="utf-8") as f:
         hub = json.load(f)
     return hub, config_from_hub(hub)
+
+
+def load_checkpoint(folder, dtype=jnp.float32):
+    """(config.json as a dict, `DecoderLM` computing in `dtype`, its params in the checkpoint's dtype) of
+    a hub checkpoint folder; the config is checked before any weights are read."""
+    hub, config = read_config(folder)
+    model = DecoderLM(config, dtype)
+    return hub, model, hub_checkpoint.read_checkpoint(folder, param_shapes(model))
 
 
 # ----------------------------------------------------------------------------------------------
