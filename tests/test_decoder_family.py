@@ -222,10 +222,26 @@ def test_each_layer_gets_the_window_pytorch_gives_it(model_type, settings, windo
     assert decoders.config_from_hub(hub).layer_windows == windows
 
 
+@pytest.mark.parametrize("model_type, settings, biases", [
+    ("llama", dict(attention_bias=True, mlp_bias=True), (True, True, True)),
+    ("qwen2", dict(attention_bias=False), (True, False, False)),  # q, k, v always; never o
+    ("qwen3", dict(attention_bias=True), (True, True, False)),
+    ("mistral", dict(attention_bias=True, mlp_bias=True), (False, False, False)),  # Mistral's layers have none
+    ("phi3", dict(attention_bias=True), (False, False, False)),
+    ("gemma2", dict(attention_bias=True, mlp_bias=True), (True, True, False)),
+])
+def test_each_projection_has_the_biases_pytorch_gives_it(model_type, settings, biases):
+    hub = dict(model_type=model_type, vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, **settings)
+    config = decoders.config_from_hub(hub)
+    assert (config.qkv_bias, config.output_bias, config.mlp_bias) == biases
+
+
 def test_a_phi3_longrope_of_the_wrong_length_is_named():
     settings = hub_config("phi3_partial_longrope")
     settings["rope_scaling"] = {**settings["rope_scaling"], "long_factor": [1.0] * 8}
-    with pytest.raises(UsageError, match="long_factor has 8 values where its rotated 12 dimensions of a head need 6"):
+    with pytest.raises(UsageError, match="long_factor has 8 values where its rotated 12 dimensions of a head "
+                                         "need 6"):
         decoders.config_from_hub(settings)
 
 

@@ -250,9 +250,9 @@ def config_from_hub(hub):
         head_dim=head_dim, rms_norm_eps=float(_setting(hub, model_type, "rms_norm_eps")),
         activation=_activation(hub, model_type),
         tie_word_embeddings=bool(_setting(hub, model_type, "tie_word_embeddings")),
-        # Qwen2 has biases on q, k and v whatever the config says, and none on o; Phi-3 has none at all.
-        qkv_bias=model_type == "qwen2" or (attention_bias and model_type != "phi3"),
-        output_bias=attention_bias and model_type not in ("qwen2", "phi3"),
+        # Qwen2 has biases on q, k and v whatever the config says, and none on o; Mistral and Phi-3 have none.
+        qkv_bias=model_type == "qwen2" or (attention_bias and model_type not in ("mistral", "phi3")),
+        output_bias=attention_bias and model_type not in ("qwen2", "mistral", "phi3"),
         mlp_bias=model_type == "llama" and bool(_setting(hub, model_type, "mlp_bias")),
         fused_projections=model_type == "phi3", qk_norm=model_type in ("qwen3", "gemma3_text"),
         norm_plus_one=gemma_like, scale_embeddings=gemma_like,
