@@ -18,18 +18,17 @@ The attention itself (its `__call__`) stays transformers'. `check(config)` stops
 a config with a setting these classes cannot compute.
 """
 
-import math
+import dataclasses
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from utils.base.errors import UsageError
+from utils.models import rotary
 
 ROTARY_FAMILIES = ("llama", "mistral", "gemma")
-# The rope_scaling types of transformers' ROPE_INIT_FUNCTIONS, each computed here.
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+ROPE_TYPES = rotary.ROPE_TYPES
 _REQUIRED_SCALING_KEYS = {
     "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",), "longrope": ("short_factor", "long_factor"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -83,108 +82,54 @@ def check(config):
 
 
 # ----------------------------------------------------------------------------------------------
-# Rotary angles (transformers' modeling_rope_utils, the same formulas)
+# Rotary angles: the formulas are utils.models.rotary's, resolved here with transformers 4.57's rules
 # ----------------------------------------------------------------------------------------------
-def _base_frequencies(config, base=None):
-    dim = head_dim(config)
-    base = config.rope_theta if base is None else base
-    return 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-
-
-def _llama3(config, scaling):
-    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth blend between."""
-    inv_freq = _base_frequencies(config)
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    context = scaling["original_max_position_embeddings"]
-    wavelength = 2 * math.pi / inv_freq
-    blend = np.clip((context / wavelength - low) / (high - low), 0.0, 1.0)
-    # blend is 0 past context / low (divided), 1 below context / high (kept)
-    return (1 - blend) * inv_freq / factor + blend * inv_freq
-
-
-def _yarn_scale(factor, mscale=1.0):
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _yarn(config, scaling):
-    """YaRN: interpolated (divided by `factor`) below a band of dimensions, extrapolated above it,
-    a linear ramp across it; the angles' cos/sin scaled by the attention factor."""
-    dim, base, factor = head_dim(config), config.rope_theta, scaling["factor"]
-    context = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
-    attention = scaling.get("attention_factor")
-    if attention is None:
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention = (_yarn_scale(factor, mscale) / _yarn_scale(factor, mscale_all_dim) if mscale and mscale_all_dim
-                     else _yarn_scale(factor))
-
-    def dimension_of(rotations):  # the dimension that turns `rotations` times over the pretrained context
-        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = dimension_of(scaling.get("beta_fast") or 32), dimension_of(scaling.get("beta_slow") or 1)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    high = high + 0.001 if low == high else high
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
-    extrapolated = _base_frequencies(config)
-    return extrapolated / factor * ramp + extrapolated * (1 - ramp), float(attention)
-
-
 def _longrope_factor(config):
     original = getattr(config, "original_max_position_embeddings", None)
     return config.max_position_embeddings / original if original else config.rope_scaling.get("factor")
 
 
-def _longrope(config, scaling, longest):
-    """LongRoPE: per-dimension factors, the long ones once a call's positions pass the pretrained
-    context (`original_max_position_embeddings`)."""
-    context = getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
-    factor, attention = _longrope_factor(config), scaling.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(context))
-    base = _base_frequencies(config)
-    short = base / np.asarray(scaling["short_factor"], np.float64)
-    long = base / np.asarray(scaling["long_factor"], np.float64)
-    return jnp.where(longest > context, long.astype(np.float32), short.astype(np.float32)), float(attention)
-
-
-def _dynamic(config, scaling, longest):
-    """Dynamic NTK: past `max_position_embeddings`, a base grown with the longest position of the call."""
-    dim, factor, context = head_dim(config), scaling["factor"], config.max_position_embeddings
-    length = jnp.maximum(longest, context).astype(jnp.float32)
-    base = config.rope_theta * ((factor * length / context) - (factor - 1)) ** (dim / (dim - 2))
-    return 1.0 / base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+def rope_of(config):
+    """The `rotary.Rope` of a checked config as transformers 4.57 reads it."""
+    kind = rope_type(config)
+    rope = rotary.Rope(dim=head_dim(config), theta=config.rope_theta, kind=kind)
+    scaling = config.rope_scaling if kind != "default" else {}
+    if kind in ("linear", "dynamic"):
+        return dataclasses.replace(rope, factor=scaling["factor"], context=config.max_position_embeddings)
+    if kind == "llama3":
+        return dataclasses.replace(rope, factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
+                                   high_freq_factor=scaling["high_freq_factor"],
+                                   context=scaling["original_max_position_embeddings"])
+    if kind == "yarn":
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = rotary.yarn_attention_factor(scaling["factor"], scaling.get("mscale"),
+                                                     scaling.get("mscale_all_dim"))
+        return dataclasses.replace(
+            rope, factor=scaling["factor"], attention_factor=float(attention),
+            context=scaling.get("original_max_position_embeddings") or config.max_position_embeddings,
+            beta_fast=scaling.get("beta_fast") or 32, beta_slow=scaling.get("beta_slow") or 1,
+            truncate=scaling.get("truncate", True))
+    if kind == "longrope":
+        context = getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
+        factor, attention = _longrope_factor(config), scaling.get("attention_factor")
+        if attention is None:
+            attention = rotary.longrope_attention_factor(factor, context)
+        return dataclasses.replace(rope, factor=factor, context=context, attention_factor=float(attention),
+                                   short_factor=tuple(scaling["short_factor"]),
+                                   long_factor=tuple(scaling["long_factor"]))
+    return rope
 
 
 def inverse_frequencies(config, longest):
     """(inverse frequencies [head_dim / 2], cos/sin scale) of a call whose longest position is
     `longest` - 1 (a traced scalar; only the dynamic and longrope types look at it)."""
-    kind = rope_type(config)
-    scaling = config.rope_scaling if kind != "default" else {}
-    if kind == "linear":
-        return _base_frequencies(config) / scaling["factor"], 1.0
-    if kind == "llama3":
-        return _llama3(config, scaling), 1.0
-    if kind == "yarn":
-        return _yarn(config, scaling)
-    if kind == "longrope":
-        return _longrope(config, scaling, longest)
-    if kind == "dynamic":
-        return _dynamic(config, scaling, longest), 1.0
-    return _base_frequencies(config), 1.0
+    return rotary.inverse_frequencies(rope_of(config), longest)
 
 
 def rotary_cos_sin(config, position_ids):
     """(cos, sin) [..., head_dim] in float32 of each position in `position_ids` [...]."""
-    inv_freq, scale = inverse_frequencies(config, jnp.max(position_ids) + 1)
-    angles = jnp.asarray(position_ids, jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    angles = jnp.concatenate((angles, angles), axis=-1)
-    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
-
-
-def _rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + jnp.concatenate((-x[..., half:], x[..., :half]), axis=-1) * sin
+    return rotary.cos_sin(rope_of(config), position_ids)
 
 
 class ConfigRotaryEmbedding(nn.Module):
@@ -197,7 +142,8 @@ class ConfigRotaryEmbedding(nn.Module):
     def __call__(self, key, query, position_ids):
         cos, sin = rotary_cos_sin(self.config, position_ids)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # one angle per position, for every head
-        return (jnp.asarray(_rotate(key, cos, sin), self.dtype), jnp.asarray(_rotate(query, cos, sin), self.dtype))
+        return (jnp.asarray(rotary.rotate(key, cos, sin), self.dtype),
+                jnp.asarray(rotary.rotate(query, cos, sin), self.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
