@@ -45,9 +45,11 @@ def machine_free(value):
     return value
 
 
-def file_hash(path):
+def file_hash(path, work):
+    """The file's SHA-256, figures of the machine left out, and the --workdir its run wrote under named alike
+    (run_args.json and the model card's command hold the output dir): two fingerprints may use two workdirs."""
     with open(path, "rb") as f:
-        data = f.read()
+        data = f.read().replace(os.path.abspath(work).encode(), b"<workdir>")
     if path.endswith(".json"):
         data = json.dumps(machine_free(json.loads(data)), sort_keys=True).encode()
     elif path.endswith(".jsonl"):
@@ -60,15 +62,15 @@ def file_hash(path):
     return hashlib.sha256(data).hexdigest()
 
 
-def fingerprint(output_dir):
-    """{relative path: sha256} of every file of a run but the skipped ones."""
+def fingerprint(output_dir, work):
+    """{relative path: sha256} of every file of a run (under `work`) but the skipped ones."""
     hashes = {}
     for root, dirs, files in os.walk(output_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith(SKIPPED))
         for name in sorted(files):
             if not name.startswith(SKIPPED):
                 path = os.path.join(root, name)
-                hashes[os.path.relpath(path, output_dir)] = file_hash(path)
+                hashes[os.path.relpath(path, output_dir)] = file_hash(path, work)
     return hashes
 
 
@@ -77,10 +79,10 @@ def run_configs(configs, steps, work):
                XLA_FLAGS="--xla_force_host_platform_device_count=8")
     results = {}
     for config in configs:
-        out = os.path.join(work, config)
-        # An empty datasets cache for each run: whether a map is read from the cache changes the export (a fast
-        # tokenizer that encoded the data saves its padding and truncation in tokenizer.json, one whose map was
-        # read from the cache does not), so every run starts cold and two fingerprints compare like with like.
+        out = os.path.join(os.path.abspath(work), config)
+        # An empty datasets cache for each run: every run does the same work whatever ran before it, so two
+        # fingerprints compare like with like (a tokenizer.json once differed between a map read from the cache
+        # and one computed).
         shutil.rmtree(os.path.join(work, "datasets-cache"), ignore_errors=True)
         env["HF_DATASETS_CACHE"] = os.path.join(work, "datasets-cache")
         command = [sys.executable, SCRIPTS[config], os.path.join("configs", f"{config}.json"), "--max_steps",
@@ -88,7 +90,7 @@ def run_configs(configs, steps, work):
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode:
             sys.exit(f"error: {config} failed:\n{done.stderr[-3000:]}")
-        results[config] = fingerprint(out)
+        results[config] = fingerprint(out, work)
         shutil.rmtree(out)
         print(f"{config}: {len(results[config])} files", flush=True)
     shutil.rmtree(os.path.join(work, "datasets-cache"), ignore_errors=True)

@@ -215,15 +215,17 @@ def test_classic_timer_times_the_train_step_and_stops_after_the_steps_asked(tmp_
 
 
 def test_fingerprints_leave_out_the_machine_and_name_each_file_that_differs(tmp_path):
-    """benchmarks/fingerprints.py: two runs that differ only in timings have the same fingerprint; a changed
+    """benchmarks/fingerprints.py: two runs that differ only in timings and workdir have the same fingerprint; a changed
     loss, a changed prediction or a file only one run wrote are each named."""
     spec = importlib.util.spec_from_file_location("fingerprints", os.path.join(ROOT, "benchmarks", "fingerprints.py"))
     fingerprints = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fingerprints)
 
     def run(name, loss, runtime, prediction, extra=False):
-        out = tmp_path / name
+        work = tmp_path / name  # each run under a workdir of its own, which its arguments name
+        out = work / "summarization_tiny"
         (out / "checkpoints" / "10").mkdir(parents=True)
+        (out / "run_args.json").write_text(json.dumps({"output_dir": str(out)}))
         (out / "checkpoints" / "10" / "state").write_text(f"{runtime}")
         (out / "events.out.tfevents.1").write_text(f"{runtime}")
         (out / "all_results.json").write_text(json.dumps({"eval_loss": loss, "train_runtime": runtime,
@@ -233,11 +235,11 @@ def test_fingerprints_leave_out_the_machine_and_name_each_file_that_differs(tmp_
         (out / "README.md").write_text(f"# model\n\n| eval_loss | {loss} |\n| train_runtime | {runtime} |\n")
         if extra:
             (out / "extra.txt").write_text("")
-        return {"summarization_tiny": fingerprints.fingerprint(out)}
+        return {"summarization_tiny": fingerprints.fingerprint(str(out), str(work))}
 
     before = run("a", 0.5, 1.0, "a cat\n")
     assert sorted(before["summarization_tiny"]) == ["README.md", "all_results.json", "generated_predictions.txt",
-                                                     "metrics.jsonl"]
+                                                     "metrics.jsonl", "run_args.json"]
     assert fingerprints.compare(before, run("b", 0.5, 2.0, "a cat\n")) == []
     assert fingerprints.compare(before, run("c", 0.25, 1.0, "a dog\n", extra=True)) == [
         "summarization_tiny: README.md differs", "summarization_tiny: all_results.json differs",
