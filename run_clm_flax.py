@@ -31,9 +31,9 @@ from utils.base.arguments import ModelArguments, READS, TrainingArguments
 from utils.base.errors import UsageError, run_main
 from utils.base.parsing import parse_args
 from utils.kernels import lm_head
-from utils.layout.layouts import make_layout
 from utils.models.loading import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
 from utils.run.loop import InMemoryData
+from utils.run.preflight import check_before_work
 from utils.run.setup import set_up, training_plan
 from utils.run.spine import TrainingRun, make_steps
 
@@ -108,9 +108,9 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    preflight, rows = causal_lm.check_before_work(training_args, data_args, TASK, model_args)
-    _, is_main = set_up(training_args)
-    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
+    preflight = check_before_work(TASK, model_args, data_args, training_args)
+    rows = preflight.findings  # the rows' format of local files: chat, instruction or text (None)
+    _, is_main, layout = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
     # Config, tokenizer, data
@@ -189,17 +189,17 @@ def main(argv=None):
         if texts is not None:
             run.write_text(PREDICTIONS_FILE, texts)
 
-    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    # Each step besides training that this run calls, with the data its first batch comes from (None: not called).
     evaluated = arrays.get("validation", arrays.get("test"))
     first_prompts = prompts.get("validation", prompts.get("test")) if generates else None
-    steps.report_plan(training_args, state, eval_step=(evaluated, lm.num_examples(evaluated)),
-                      generate_step=first_prompts and (first_prompts, lm.num_examples(first_prompts)))
+    other_steps = dict(eval_step=(evaluated, lm.num_examples(evaluated)),
+                       generate_step=first_prompts and (first_prompts, lm.num_examples(first_prompts)))
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
     run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
-    state = run.start(state, preflight.resume, config, model, tokenizer)
+    state = run.start(state, preflight.resume, config, model, tokenizer, other_steps)
 
     # ------------------------------------------------------------------------------------------
     # Training

@@ -28,7 +28,6 @@ from utils.base.arguments import BaseDataArguments, ModelArguments, TrainingArgu
 from utils.base.errors import UsageError, run_main
 from utils.base.parsing import parse_args
 from utils.data import loaders
-from utils.layout.layouts import make_layout
 from utils.models.loading import (fit_config_to_tokenizer, fit_length, load_config, load_model, load_tokenizer,
                                   max_positions)
 from utils.run.loop import InMemoryData
@@ -80,20 +79,16 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (GlueModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    task = classification.glue_task(data_args.task_name) if data_args.task_name else None
-    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-    source = text_classification.data_source(data_args)  # a --task_name alone reads GLUE from the hub
-    preflight = check_before_work(training_args, source, TASK, files, allowed=("json", "csv"), model_args=model_args)
-    phase_of = text_classification.phase_splits(task, training_args, local=any(files.values()))
-    known_columns = classification.columns_known_now(preflight.columns, phase_of, source.dataset_name)
-    if known_columns:
-        text_classification.resolve_columns(data_args, task, known_columns)  # a wrong column fails now
-    logger, is_main = set_up(training_args)
-    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
+    preflight = check_before_work(TASK, model_args, data_args, training_args)
+    logger, is_main, layout = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
     # Config, tokenizer, data, labels
     # ------------------------------------------------------------------------------------------
+    task = text_classification.glue_task_of(data_args)
+    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    source = text_classification.data_source(data_args)  # a --task_name alone reads GLUE from the hub
+    phase_of = text_classification.phase_splits(task, training_args, local=any(files.values()))
     tokenizer = load_tokenizer(model_args)
     pretrained = bool(model_args.model_name_or_path)
     config = fit_config_to_tokenizer(load_config(model_args, task="sequence-classification"), tokenizer, model_args)
@@ -147,17 +142,16 @@ def main(argv=None):
         for split in evaluated:
             run.report(text_classification.metric_prefix(task, split), evaluate(params, split))
 
-    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
-    steps.report_plan(training_args, state,
-                      eval_step=(arrays[evaluated[0]], sizes[evaluated[0]]) if evaluated else None,
-                      predict_step=({k: arrays[predicted[0]][k] for k in model_inputs}, sizes[predicted[0]])
-                      if predicted else None)
+    # Each step besides training that this run calls, with the data its first batch comes from (None: not called).
+    other_steps = dict(eval_step=(arrays[evaluated[0]], sizes[evaluated[0]]) if evaluated else None,
+                       predict_step=({k: arrays[predicted[0]][k] for k in model_inputs}, sizes[predicted[0]])
+                       if predicted else None)
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
     run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
-    state = run.start(state, preflight.resume, config, model, tokenizer)
+    state = run.start(state, preflight.resume, config, model, tokenizer, other_steps)
 
     # ------------------------------------------------------------------------------------------
     # Training

@@ -27,7 +27,6 @@ from utils.base.arguments import BaseDataArguments, ModelArguments, TrainingArgu
 from utils.base.errors import UsageError, run_main
 from utils.base.parsing import parse_args
 from utils.data import loaders
-from utils.layout.layouts import make_layout
 from utils.models.loading import fit_config_to_tokenizer, fit_length, load_config, load_model, max_positions
 from utils.run.loop import InMemoryData
 from utils.run.preflight import check_before_work, needed_splits, phase_datasets
@@ -71,18 +70,14 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-    preflight = check_before_work(training_args, data_args, TASK, files, allowed=("json", "csv"), model_args=model_args)
-    phase_of = {split: split for split in needed_splits(training_args)}  # a split per phase, named for it
-    known_columns = classification.columns_known_now(preflight.columns, phase_of, data_args.dataset_name)
-    if known_columns:
-        tagging.resolve_columns(data_args, known_columns)  # a wrong column fails now
-    logger, is_main = set_up(training_args)
-    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
+    preflight = check_before_work(TASK, model_args, data_args, training_args)
+    logger, is_main, layout = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
     # Config, tokenizer, data, labels
     # ------------------------------------------------------------------------------------------
+    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    phase_of = {split: split for split in needed_splits(training_args)}  # a split per phase, named for it
     config = load_config(model_args, task="token-classification")
     tokenizer = tagging.load_tagging_tokenizer(model_args)
     config = fit_config_to_tokenizer(config, tokenizer, model_args)
@@ -122,15 +117,15 @@ def main(argv=None):
         means, rows = steps.evaluate(params, tagged[split].arrays, tagged[split].size)
         return tagging.eval_results(means, rows, tagged[split], label_list, data_args.return_entity_level_metrics)
 
-    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    # Each step besides training that this run calls, with the data its first batch comes from (None: not called).
     evaluated = tagged.get("validation") or tagged.get("test")
-    steps.report_plan(training_args, state, eval_step=(evaluated.arrays, evaluated.size) if evaluated else None)
+    other_steps = dict(eval_step=(evaluated.arrays, evaluated.size) if evaluated else None)
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
     run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
-    state = run.start(state, preflight.resume, config, model, tokenizer)
+    state = run.start(state, preflight.resume, config, model, tokenizer, other_steps)
 
     # ------------------------------------------------------------------------------------------
     # Training

@@ -37,7 +37,6 @@ from tasks.image_text import TASK
 from utils.base.arguments import BaseDataArguments, ModelArguments, READS, TrainingArguments
 from utils.base.errors import UsageError, run_main
 from utils.base.parsing import parse_args
-from utils.layout.layouts import make_layout
 from utils.models.loading import fit_config_to_tokenizer, fit_length, load_config, load_tokenizer, max_positions
 from utils.run.preflight import check_before_work
 from utils.run.setup import set_up, training_plan
@@ -140,14 +139,8 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (DualEncoderModelArguments, ImageTextDataArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    image_text.check_model_args(model_args)
-    image_text.check_data_given(training_args, data_args)
-    # `check_before_work` checks the data files (and the rest), `check_folders` the folders.
-    preflight = check_before_work(training_args, data_args, TASK, images.data_files(data_args),
-                                  allowed=image_text.FILE_FORMATS, model_args=model_args)
-    image_text.check_folders(training_args, data_args)
-    logger, is_main = set_up(training_args)
-    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
+    preflight = check_before_work(TASK, model_args, data_args, training_args)
+    logger, is_main, layout = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
     # Configs, tokenizer, image processor
@@ -234,19 +227,19 @@ def main(argv=None):
         metrics["samples"] = means["tokens"]
         return metrics, image_embeds, caption_embeds
 
-    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    # Each step besides training that this run calls, with the data its first batch comes from (None: not called).
     validation, test = evals.get("validation"), evals.get("test")
-    steps.report_plan(training_args, state,
-                      eval_step=validation and (validation.images, len(splits["validation"].sources)),
-                      text_step=(validation or test) and ((validation or test).captions.tokens,
-                                                          len((validation or test).captions.image)))
+    other_steps = dict(eval_step=validation and (validation.images, len(splits["validation"].sources)),
+                       text_step=(validation or test) and ((validation or test).captions.tokens,
+                                       len((validation or test).captions.image)))
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
     run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
     # The tokenizer and the image processor are saved with the model, as one processor.
-    state = run.start(state, preflight.resume, config, model, image_text.processor_of(processor, tokenizer))
+    state = run.start(state, preflight.resume, config, model, image_text.processor_of(processor, tokenizer),
+                      other_steps)
 
     # ------------------------------------------------------------------------------------------
     # Training

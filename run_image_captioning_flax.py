@@ -35,9 +35,8 @@ from tasks.summarization import set_generation
 from utils.base.arguments import BaseDataArguments, EncoderDecoderModelArguments, READS, TrainingArguments
 from utils.base.errors import UsageError, run_main
 from utils.base.parsing import parse_args
-from utils.layout.layouts import make_layout
 from utils.models.loading import load_composed_model, load_tokenizer
-from utils.run.preflight import check_before_work, needed_splits
+from utils.run.preflight import check_before_work
 from utils.run.setup import set_up, training_plan
 from utils.run.spine import TrainingRun, make_steps
 
@@ -96,20 +95,13 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (CaptioningModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    captioning.check_model_arguments(model_args)
-    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-    preflight = check_before_work(training_args, data_args, TASK, files, allowed=captioning.FILE_FORMATS,
-                                  model_args=model_args)
-    splits = needed_splits(training_args)
-    if not data_args.dataset_name and all(split in preflight.columns for split in splits):
-        # A wrong column fails now.
-        captioning.resolve_columns(data_args, {split: preflight.columns[split] for split in splits})
-    _, is_main = set_up(training_args)
-    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
+    preflight = check_before_work(TASK, model_args, data_args, training_args)
+    _, is_main, layout = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
     # Tokenizer, config, images and captions, transforms
     # ------------------------------------------------------------------------------------------
+    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
     tokenizer = load_tokenizer(captioning.arguments_of(model_args, "decoder"))
     config = captioning.load_captioning_config(model_args, tokenizer)
     lengths = captioning.fit_lengths(data_args, config)
@@ -177,20 +169,20 @@ def main(argv=None):
                                                    config.pad_token_id)
         return {**metrics, **scores}, texts
 
-    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    # Each step besides training that this run calls, with the data its first batch comes from (None: not called).
     evaluated = "validation" if "validation" in eval_arrays else "test"
     pair_columns, image_columns = eval_arrays.get(evaluated, (None, None))
-    steps.report_plan(training_args, state,
-                      eval_step=pair_columns and (pair_columns, len(pairs[evaluated].image_of)),
-                      generate_step=(image_columns, len(found[evaluated].sources))
-                      if data_args.predict_with_generate and image_columns else None)
+    other_steps = dict(eval_step=pair_columns and (pair_columns, len(pairs[evaluated].image_of)),
+                       generate_step=(image_columns, len(found[evaluated].sources))
+                       if data_args.predict_with_generate and image_columns else None)
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
     run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
     # The tokenizer and the image processor are saved with the model.
-    state = run.start(state, preflight.resume, config, model, captioning.SavedWithModel(tokenizer, processor))
+    state = run.start(state, preflight.resume, config, model, captioning.SavedWithModel(tokenizer, processor),
+                      other_steps)
 
     # ------------------------------------------------------------------------------------------
     # Training

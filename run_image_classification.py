@@ -32,7 +32,6 @@ from tasks.image_classification import TASK
 from utils.base.arguments import BaseDataArguments, ModelArguments, READS, TrainingArguments
 from utils.base.errors import UsageError, run_main
 from utils.base.parsing import parse_args
-from utils.layout.layouts import make_layout
 from utils.models.loading import load_config, load_model
 from utils.run.preflight import check_before_work, sample_limit
 from utils.run.setup import set_up, training_plan
@@ -91,13 +90,8 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ImageModelArguments, ImageDataArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    image_classification.check_data_given(training_args, data_args)
-    # `check_before_work` checks the data files (and the rest), `check_folders` the folders.
-    preflight = check_before_work(training_args, data_args, TASK, images.data_files(data_args),
-                                  allowed=image_classification.FILE_FORMATS, model_args=model_args)
-    image_classification.check_folders(training_args, data_args)
-    logger, is_main = set_up(training_args)
-    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
+    preflight = check_before_work(TASK, model_args, data_args, training_args)
+    logger, is_main, layout = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
     # Config, images, labels, transforms
@@ -160,16 +154,17 @@ def main(argv=None):
             predicted.extend(layout.rows_to_host(p_predict_step(params, batch))[:valid])
         return predicted
 
-    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    # Each step besides training that this run calls, with the data its first batch comes from (None: not called).
     validation, test = eval_arrays.get("validation"), eval_arrays.get("test")
-    steps.report_plan(training_args, state, eval_step=validation and (validation, len(splits["validation"].sources)),
-                      predict_step=test and ({"pixel_values": test["pixel_values"]}, len(splits["test"].sources)))
+    other_steps = dict(eval_step=validation and (validation, len(splits["validation"].sources)),
+                       predict_step=test and ({"pixel_values": test["pixel_values"]}, len(splits["test"].sources)))
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
     run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
-    state = run.start(state, preflight.resume, config, model, processor)  # the processor is saved with the model
+    # The image processor is saved with the model.
+    state = run.start(state, preflight.resume, config, model, processor, other_steps)
 
     # ------------------------------------------------------------------------------------------
     # Training

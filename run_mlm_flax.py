@@ -25,8 +25,8 @@ from tasks.masked_lm import TASK
 from utils.base.arguments import ModelArguments, TrainingArguments
 from utils.base.errors import UsageError, run_main
 from utils.base.parsing import parse_args
-from utils.layout.layouts import make_layout
 from utils.models.loading import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
+from utils.run.preflight import check_before_work
 from utils.run.setup import set_up, training_plan
 from utils.run.spine import TrainingRun, make_steps
 
@@ -65,9 +65,8 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    preflight = lm.check_before_work(training_args, data_args, TASK, model_args)
-    _, is_main = set_up(training_args)
-    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
+    preflight = check_before_work(TASK, model_args, data_args, training_args)
+    _, is_main, layout = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
     # Config, tokenizer, data
@@ -108,14 +107,14 @@ def main(argv=None):
         how many tokens the masking selected."""
         return lm.evaluate(steps, params, eval_arrays, eval_masking)
 
-    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
-    steps.report_plan(training_args, state, eval_step=(eval_arrays, lm.num_examples(eval_arrays), eval_masking))
+    # Each step besides training that this run calls, with the data its first batch comes from (None: not called).
+    other_steps = dict(eval_step=(eval_arrays, lm.num_examples(eval_arrays), eval_masking))
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
     run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
-    state = run.start(state, preflight.resume, config, model, tokenizer)
+    state = run.start(state, preflight.resume, config, model, tokenizer, other_steps)
 
     # ------------------------------------------------------------------------------------------
     # Training

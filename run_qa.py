@@ -35,7 +35,6 @@ from tasks import question_answering as qa
 from utils.base.arguments import BaseDataArguments, ModelArguments, TrainingArguments
 from utils.base.errors import UsageError, run_main
 from utils.base.parsing import parse_args
-from utils.layout.layouts import make_layout
 from utils.models.loading import fit_config_to_tokenizer, load_config, load_model
 from utils.run.loop import InMemoryData
 from utils.run.preflight import check_before_work, needed_splits, phase_datasets
@@ -121,18 +120,16 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
     # Its own task with --answer_categories: the demo serves its export with the category head.
     declared = (long_qa if data_args.answer_categories else qa).TASK
-    preflight = check_before_work(training_args, data_args, declared, files, allowed=qa.FILE_FORMATS,
-                                  model_args=model_args)
-    splits = needed_splits(training_args)
-    logger, is_main = set_up(training_args)
-    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
+    preflight = check_before_work(declared, model_args, data_args, training_args)
+    logger, is_main, layout = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
     # Config, tokenizer, data, windows
     # ------------------------------------------------------------------------------------------
+    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    splits = needed_splits(training_args)
     config = load_config(model_args, task="question-answering")
     config.num_labels = 2  # a start and an end logit per token
     config = long_qa.set_attention(config, data_args.attention_type, data_args.block_size,
@@ -216,15 +213,15 @@ def main(argv=None):
             run.report(prefix, qa.eval_metrics(means, features[split], answers, data_args.version_2_with_negative))
         qa.write_predictions(run, prefix, answers, nbest, null_odds, data_args.version_2_with_negative)
 
-    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    # Each step besides training that this run calls, with the data its first batch comes from (None: not called).
     evaluated = features.get("validation") or features.get("test")
-    steps.report_plan(training_args, state, eval_step=evaluated and (evaluated.arrays, evaluated.size))
+    other_steps = dict(eval_step=evaluated and (evaluated.arrays, evaluated.size))
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
     run = TrainingRun(training_args, (model_args, data_args, training_args), declared, plan, layout, train_data, is_main)
-    state = run.start(state, preflight.resume, config, model, tokenizer)
+    state = run.start(state, preflight.resume, config, model, tokenizer, other_steps)
 
     # ------------------------------------------------------------------------------------------
     # Training

@@ -42,10 +42,9 @@ from tasks.speech_recognition import TASK
 from utils.base.arguments import BaseDataArguments, EncoderDecoderModelArguments, READS, TrainingArguments
 from utils.base.errors import UsageError, run_main
 from utils.base.parsing import parse_args
-from utils.layout.layouts import make_layout
 from utils.models.loading import arguments_of, load_composed_model, load_model, load_tokenizer, pretrained_part
 from utils.run.loop import host_means
-from utils.run.preflight import check_before_work, needed_splits
+from utils.run.preflight import check_before_work
 from utils.run.setup import set_up, training_plan
 from utils.run.spine import TrainingRun, make_steps
 
@@ -108,15 +107,8 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (SpeechModelArguments, SpeechDataArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    speech.check_model_arguments(model_args)
-    files = {split: getattr(data_args, flag) for split, flag in speech.SPLIT_FILES.items()}
-    preflight = check_before_work(training_args, data_args, TASK, files, allowed=speech.FILE_FORMATS,
-                                  model_args=model_args)
-    # A missing column in a file a phase reads fails now.
-    speech.resolve_columns(data_args, {split: columns for split, columns in preflight.columns.items()
-                                       if split in needed_splits(training_args)})
-    logger, is_main = set_up(training_args)
-    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
+    preflight = check_before_work(TASK, model_args, data_args, training_args)
+    logger, is_main, layout = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
     # Feature extractor, tokenizer, config, clips, labels
@@ -186,17 +178,16 @@ def main(argv=None):
         return {**metrics, **speech.recognition_metrics(texts[split], hypotheses, data_args.do_normalize_eval)}, \
             hypotheses
 
-    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    # Each step besides training that this run calls, with the data its first batch comes from (None: not called).
     evaluated = "validation" if "validation" in eval_arrays else "test"
     first = (eval_arrays.get(evaluated), len(clips[evaluated].sources) if evaluated in clips else None)
-    steps.report_plan(training_args, state, eval_step=first,
-                      generate_step=first if data_args.predict_with_generate else None)
+    other_steps = dict(eval_step=first, generate_step=first if data_args.predict_with_generate else None)
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
     run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
-    state = run.start(state, preflight.resume, config, model, speech.Processor(extractor, tokenizer))
+    state = run.start(state, preflight.resume, config, model, speech.Processor(extractor, tokenizer), other_steps)
 
     # ------------------------------------------------------------------------------------------
     # Training

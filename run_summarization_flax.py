@@ -23,7 +23,6 @@ from utils.base.arguments import BaseDataArguments, ModelArguments, TrainingArgu
 from utils.base.errors import UsageError, run_main
 from utils.base.parsing import parse_args
 from utils.data import loaders
-from utils.layout.layouts import make_layout
 from utils.models.loading import fit_config_to_tokenizer, load_config, load_model, load_tokenizer
 from utils.run.loop import InMemoryData, host_means
 from utils.run.preflight import check_before_work, needed_splits, phase_datasets
@@ -65,19 +64,14 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (ModelArguments, DataTrainingArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-    preflight = check_before_work(training_args, data_args, TASK, files, allowed=summarization.FILE_FORMATS,
-                                  model_args=model_args)
-    splits = needed_splits(training_args)
-    if not data_args.dataset_name and all(split in preflight.columns for split in splits):
-        # A wrong column fails now.
-        summarization.resolve_columns(data_args, {split: preflight.columns[split] for split in splits})
-    _, is_main = set_up(training_args)
-    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
+    preflight = check_before_work(TASK, model_args, data_args, training_args)
+    _, is_main, layout = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
     # Config, tokenizer, data
     # ------------------------------------------------------------------------------------------
+    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    splits = needed_splits(training_args)
     tokenizer = load_tokenizer(model_args)
     config = fit_config_to_tokenizer(load_config(model_args, task="seq2seq"), tokenizer, model_args)
     summarization.check_config(config)
@@ -133,17 +127,16 @@ def main(argv=None):
                                                          config.pad_token_id)
         return {**metrics, **scores}, texts
 
-    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
+    # Each step besides training that this run calls, with the data its first batch comes from (None: not called).
     evaluated = "validation" if "validation" in arrays else "test"
     first = (arrays.get(evaluated), sizes.get(evaluated))
-    steps.report_plan(training_args, state, eval_step=first,
-                      generate_step=first if data_args.predict_with_generate else None)
+    other_steps = dict(eval_step=first, generate_step=first if data_args.predict_with_generate else None)
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
     run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
-    state = run.start(state, preflight.resume, config, model, tokenizer)
+    state = run.start(state, preflight.resume, config, model, tokenizer, other_steps)
 
     # ------------------------------------------------------------------------------------------
     # Training

@@ -31,10 +31,9 @@ from tasks.wav2vec2_pretraining import TASK
 from utils.base.arguments import BaseDataArguments, ModelArguments, READS, TrainingArguments
 from utils.base.errors import UsageError, run_main
 from utils.base.parsing import parse_args
-from utils.layout.layouts import make_layout
 from utils.models.loading import load_config, load_model
 from utils.run.loop import host_means
-from utils.run.preflight import check_before_work, needed_splits
+from utils.run.preflight import check_before_work
 from utils.run.setup import set_up, training_plan
 from utils.run.spine import TrainingRun, make_steps
 
@@ -107,18 +106,8 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(
         (Wav2Vec2ModelArguments, Wav2Vec2DataArguments, TrainingArguments), sys.argv[1:] if argv is None else argv
     )
-    if training_args.label_smoothing_factor:
-        raise UsageError("--label_smoothing_factor has no labels to smooth in wav2vec2 pretraining: drop it")
-    if training_args.do_predict:
-        raise UsageError("--do_predict: wav2vec2 pretraining predicts nothing; evaluate with --do_eval")
-    files = {split: getattr(data_args, speech.SPLIT_FILES[split]) for split in ("train", "validation")}
-    preflight = check_before_work(training_args, data_args, TASK, files, allowed=speech.FILE_FORMATS,
-                                  model_args=model_args)
-    # A missing audio column in a file a phase reads fails now.
-    speech.resolve_columns(data_args, {split: columns for split, columns in preflight.columns.items()
-                                       if split in needed_splits(training_args)}, transcribed=False)
-    logger, is_main = set_up(training_args)
-    layout = make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
+    preflight = check_before_work(TASK, model_args, data_args, training_args)
+    logger, is_main, layout = set_up(training_args)
 
     # ------------------------------------------------------------------------------------------
     # Feature extractor, config, clips
@@ -172,15 +161,15 @@ def main(argv=None):
         watch.check(metrics["codevector_perplexity"], "eval", run.step)
         return {**metrics, "samples": len(clips["validation"].sources)}
 
-    # --compile_only: the TPU plan of each step this run calls, on its first batch; the run ends there.
-    steps.report_plan(training_args, state, eval_step=(eval_arrays, len(clips["validation"].sources), eval_masking)
-                      if eval_arrays else None)
+    # Each step besides training that this run calls, with the data its first batch comes from (None: not called).
+    other_steps = dict(eval_step=(eval_arrays, len(clips["validation"].sources), eval_masking)
+                       if eval_arrays else None)
 
     # ------------------------------------------------------------------------------------------
     # Resume (the last check), run directory, checkpoints
     # ------------------------------------------------------------------------------------------
     run = TrainingRun(training_args, (model_args, data_args, training_args), TASK, plan, layout, train_data, is_main)
-    state = run.start(state, preflight.resume, config, model, extractor)
+    state = run.start(state, preflight.resume, config, model, extractor, other_steps)
 
     # ------------------------------------------------------------------------------------------
     # Training

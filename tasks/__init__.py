@@ -26,12 +26,24 @@ class Task:
     "mask" / "sentinel" a middle word masked with the tokenizer's mask token / T5's first
     sentinel), None when the widget takes more than a text. `implied_dataset(run_args)`: the
     `dataset_name` / `dataset_config_name` a run read without their being among its arguments (a
-    GLUE --task_name alone reads GLUE from the hub), {} when none; the model card names that data."""
+    GLUE --task_name alone reads GLUE from the hub), {} when none; the model card names that data.
+
+    What a run reads, checked in the engine's one preflight before any work
+    (`utils.run.preflight.check_before_work`): `check_arguments(model_args, data_args, training_args)`
+    what the flags alone tell, first; `data_files(data_args)` the local file of each split
+    a phase may read ({split: path or None}; None: the --train_file / --validation_file / --test_file the
+    data arguments have), in one of `file_formats`; `check_data(columns, model_args, data_args,
+    training_args)` what the files' columns ({split: names}, where a cheap pre-read found them) and folders
+    tell, last: what it returns is the preflight's `findings` (e.g. causal LM's rows format)."""
     name: str
     pipeline_tag: str
     outputs: tuple = ()
     widget: str = None
     implied_dataset: object = None
+    file_formats: tuple = ("json", "csv")
+    data_files: object = None
+    check_arguments: object = None
+    check_data: object = None
 
 
 # Task name -> the module that is its home.

@@ -24,16 +24,38 @@ from math import gcd
 import numpy as np
 
 from utils.base.errors import UsageError
-from utils.data import loaders
+from utils.data import file_formats, loaders
+from utils.run.preflight import needed_splits
 from utils.run.threaded_feed import default_workers
 
 WAVE_PCM, WAVE_FLOAT, WAVE_EXTENSIBLE = 1, 3, 0xFFFE
 PCM_SCALE = {1: 128.0, 2: 32768.0, 3: 8388608.0, 4: 2147483648.0}  # 2 ** (bits - 1) per sample width
 FLOAT_TYPES = {4: "<f4", 8: "<f8"}
+FILE_FORMATS = ("json", "csv")  # the data files that name the clips
 
 
 class AudioError(ValueError):
     """A clip that cannot be read: not audio, a format without a reader here, or a broken file."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Columns
+# ---------------------------------------------------------------------------------------------
+def resolve_columns(data_args, columns, transcribed=True):
+    """(audio column, text column); both must be in every split ({split: column names}). Not
+    `transcribed` (wav2vec2 pretraining): the audio column alone, the text column None."""
+    needed = [("audio_column_name", data_args.audio_column_name)]
+    if transcribed:
+        needed.append(("text_column_name", data_args.text_column_name))
+    file_formats.require_columns(columns, needed)
+    return data_args.audio_column_name, data_args.text_column_name if transcribed else None
+
+
+def check_columns(columns, model_args, data_args, training_args, transcribed=True):
+    """A missing audio column (or transcript column, when `transcribed`) in a local file a phase reads fails
+    before any work (a hub dataset's once loaded)."""
+    phases = needed_splits(training_args)
+    resolve_columns(data_args, {split: names for split, names in columns.items() if split in phases}, transcribed)
 
 
 # ---------------------------------------------------------------------------------------------

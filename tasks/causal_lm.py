@@ -23,7 +23,6 @@ from utils.layout import devices
 from utils.run.preflight import needed_splits, phase_datasets
 
 PREDICTIONS_FILE = "generated_predictions.txt"
-TASK = Task("causal-lm", "text-generation", outputs=(PREDICTIONS_FILE,), widget="prompt")
 ROW_FILE_FORMATS = ("json",)
 DEFAULT_GENERATION = GenerationConfig()
 
@@ -36,17 +35,17 @@ def fit_block_size(data_args, tokenizer, config):
     return lm.sequence_length(data_args.block_size, 1024, tokenizer, config, "block_size")
 
 
-def check_before_work(training_args, data_args, task, model_args):
-    """(`Preflight`, the rows' format: "messages", "prompt-completion", or None for text) of a run
-    (`lm.check_before_work`, with --test_file for --do_predict). Local files tell their rows' format
-    now; a hub dataset's is read once it is loaded (`rows_format_of`)."""
-    preflight = lm.check_before_work(training_args, data_args, task, model_args, data_args.test_file)
+def check_data(columns, model_args, data_args, training_args):
+    """The rows' format, "messages", "prompt-completion", or None for text (`chat.row_format`), after the
+    LM checks (`lm.check_data`) and the --chat_template file's. Local files tell their rows' format now; a hub
+    dataset's is read once it is loaded (`rows_format_of`)."""
+    lm.check_data(columns, model_args, data_args, training_args)
     chat.read_template(data_args.chat_template)  # the file checked now; installed with the tokenizer
-    if not preflight.columns:
-        return preflight, None
-    rows = chat.row_format(preflight.columns)
+    if not columns:
+        return None
+    rows = chat.row_format(columns)
     check_row_arguments(rows, data_args)
-    return preflight, rows
+    return rows
 
 
 def check_row_arguments(rows, data_args):
@@ -60,6 +59,11 @@ def check_row_arguments(rows, data_args):
             if given:
                 raise UsageError(f"--{flag} applies to chat or instruction rows (`messages`, or `prompt` and "
                                  f"`completion`), but the data is text: drop --{flag}")
+
+
+# The LM checks, with the rows' format found by `check_data`.
+TASK = Task("causal-lm", "text-generation", outputs=(PREDICTIONS_FILE,), widget="prompt",
+            **{**lm.INPUTS, "check_data": check_data})
 
 
 def rows_format_of(raw, data_args):

@@ -19,7 +19,7 @@ Token classification
 - `entity_metrics`: seqeval's default (conlleval-compatible, non-strict) chunking and scores.
 
 Both (`tasks/text_classification.py`, `tasks/token_classification.py`)
-- `columns_known_now`, `set_config_labels`, `model_inputs`, `logits_fn`.
+- `set_config_labels`, `model_inputs`, `logits_fn`.
 """
 
 import dataclasses
@@ -146,15 +146,6 @@ def saved_label_names(config):
 # ---------------------------------------------------------------------------------------------
 # What sequence classification and token classification share
 # ---------------------------------------------------------------------------------------------
-
-
-def columns_known_now(preflight_columns, splits, dataset_name):
-    """{split: column names} of the local files of `splits` when the pre-read before any work found
-    them all, so that a wrong column fails at once; None when a hub dataset is read (`dataset_name`)
-    or a file's columns are not known yet: they are checked once the data is loaded."""
-    if dataset_name or not all(split in preflight_columns for split in splits):
-        return None
-    return {split: preflight_columns[split] for split in splits}
 
 
 def set_config_labels(config, names, finetuning_task):

@@ -42,7 +42,7 @@ from utils.base.errors import UsageError
 from utils.models.loading import LAST_TOKEN_STARTS_DECODER
 from utils.scoring.metrics import sentence_spans
 
-TASK = Task("denoising", "text2text-generation", widget="mask")
+TASK = Task("denoising", "text2text-generation", widget="mask", **lm.INPUTS)
 # The families BART's denoising pretrains, with a Flax class in transformers 4.57.
 MODEL_TYPES = ("bart", "mbart")
 logger = logging.getLogger(__name__)

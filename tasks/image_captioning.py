@@ -31,13 +31,12 @@ from utils.data import file_formats, loaders
 # The joining of the encoder and the decoder is shared with speech recognition (`utils.models.loading`).
 from utils.models.loading import (arguments_of, check_joined_arguments, decoder_input_ids, fit_length, join_configs,
                                   max_positions, pretrained_part, special_tokens)
-from utils.run.preflight import needed_splits, phase_datasets
+from utils.run.preflight import needed_splits, phase_columns, phase_datasets
 from utils.run.run_directory import one_line
 from utils.run.threaded_feed import ThreadedData
 from utils.scoring.metrics import bleu, rouge
 
 PREDICTIONS_FILE = "generated_predictions.txt"
-TASK = Task("image-captioning", "image-to-text", outputs=(PREDICTIONS_FILE,))
 FILE_FORMATS = ("json", "csv")
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ LABEL_COLUMNS = ("labels", "decoder_input_ids", "decoder_attention_mask")
 # ----------------------------------------------------------------------------------------------
 # Model: which checkpoints, the config of the whole, the tokenizer's special tokens
 # ----------------------------------------------------------------------------------------------
-def check_model_arguments(model_args):
+def check_model_arguments(model_args, data_args, training_args):
     check_joined_arguments(model_args, "captioning model")
 
 
@@ -105,6 +104,17 @@ def resolve_columns(data_args, columns):
     file_formats.require_columns({s: names for s, names in columns.items() if s != "test"},
                                  [("caption_column", caption)])
     return image, caption
+
+
+def check_columns(columns, model_args, data_args, training_args):
+    """A wrong column of the local files the phases read fails before any work (a hub dataset's once loaded)."""
+    known = phase_columns(columns, training_args, data_args.dataset_name)
+    if known:
+        resolve_columns(data_args, known)
+
+
+TASK = Task("image-captioning", "image-to-text", outputs=(PREDICTIONS_FILE,), file_formats=FILE_FORMATS,
+            check_arguments=check_model_arguments, check_data=check_columns)
 
 
 class CaptionedImages(NamedTuple):

@@ -28,8 +28,6 @@ from utils.run.preflight import SPLIT_FLAGS, check_splits, needed_splits
 from utils.scoring.losses import cross_entropy_sums
 
 
-TASK = Task("image-classification", "image-classification", outputs=("predict_results.txt",))
-
 FILE_FORMATS = ("json", "csv")
 TOP_K = 5  # the top-k accuracy reported beside the accuracy, with more classes than this
 
@@ -42,7 +40,7 @@ class ImageSplit(NamedTuple):
     shown: list
 
 
-def check_data_given(training_args, data_args):
+def check_data_given(model_args, data_args, training_args):
     """Each phase asked for has its images: a folder, a file or a dataset (not a folder and a file)."""
     for split, (phase, file_flag) in SPLIT_FLAGS.items():
         folder, file = getattr(data_args, SPLIT_DIRS[split]), getattr(data_args, file_flag[2:])
@@ -53,12 +51,18 @@ def check_data_given(training_args, data_args):
                              f"{file_flag} or --dataset_name")
 
 
-def check_folders(training_args, data_args):
+def check_folders(columns, model_args, data_args, training_args):
     """Scan the folder of each phase asked for: a bad layout fails before any work."""
     for split in needed_splits(training_args):
         folder = getattr(data_args, SPLIT_DIRS[split])
         if folder:
             (scan_images if split == "test" else scan_folder)(folder, SPLIT_DIRS[split])
+
+
+# Images from folders, files or a dataset: the files' own checks are the engine's, the folders' these.
+TASK = Task("image-classification", "image-classification", outputs=("predict_results.txt",),
+            file_formats=FILE_FORMATS, data_files=data_files, check_arguments=check_data_given,
+            check_data=check_folders)
 
 
 def folder_split(data_args, split):

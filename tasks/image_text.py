@@ -48,7 +48,6 @@ from utils.run.run_directory import one_line
 from utils.run.threaded_feed import ThreadedData
 
 IMAGE_TO_TEXT_FILE, TEXT_TO_IMAGE_FILE = "image_to_text_predictions.txt", "text_to_image_predictions.txt"
-TASK = Task("image-text", "zero-shot-image-classification", outputs=(IMAGE_TO_TEXT_FILE, TEXT_TO_IMAGE_FILE))
 
 MODEL_TYPES = ("vision-text-dual-encoder", "clip")  # what --model_name_or_path may hold
 FILE_FORMATS = ("json", "csv")
@@ -75,6 +74,12 @@ class ImageTextSplit(NamedTuple):
     shown: list
 
 
+def check_arguments(model_args, data_args, training_args):
+    """The encoders (`check_model_args`) and each phase's data (`check_data_given`), before any work."""
+    check_model_args(model_args)
+    check_data_given(training_args, data_args)
+
+
 def check_data_given(training_args, data_args):
     """Each phase asked for has its data: a file, a folder or a dataset (not a folder and a file)."""
     for split, (phase, file_flag) in SPLIT_FLAGS.items():
@@ -89,7 +94,7 @@ def check_data_given(training_args, data_args):
         raise UsageError(f"--data_dir {data_args.data_dir} not found: give the folder the image paths are relative to")
 
 
-def check_folders(training_args, data_args):
+def check_folders(columns, model_args, data_args, training_args):
     """Each folder a phase reads is an ImageFolder with captions: checked before any work."""
     for split in needed_splits(training_args):
         flag = images.SPLIT_DIRS[split]
@@ -101,6 +106,12 @@ def check_folders(training_args, data_args):
         if not any(os.path.isfile(os.path.join(folder, name)) for name in METADATA_FILES):
             raise UsageError(f"--{flag} {folder} has no {' or '.join(METADATA_FILES[:2])}: add one naming each image "
                              "(file_name) with its captions (captions)")
+
+
+# Images and captions from files, ImageFolders or a dataset: the files' own checks are the engine's.
+TASK = Task("image-text", "zero-shot-image-classification", outputs=(IMAGE_TO_TEXT_FILE, TEXT_TO_IMAGE_FILE),
+            file_formats=FILE_FORMATS, data_files=images.data_files, check_arguments=check_arguments,
+            check_data=check_folders)
 
 
 def _pick(data_args, flag, defaults, columns, split, required=True):

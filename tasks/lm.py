@@ -83,27 +83,37 @@ class LMDataArguments(BaseDataArguments):
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
-def check_before_work(training_args, data_args, task, model_args, test_file=None):
-    """`run.check_before_work` for LM data (returns its `Preflight`): a validation file is optional
-    when a train file is given (evaluation then uses the part of the training data `load_splits` holds out). An explicit
-    `--text_column` is checked against the local files' columns now, not after loading them. A
-    `test_file` (chat rows of `run_clm_flax.py`) is what --do_predict reads; without one it has nothing."""
-    if training_args.do_predict and not test_file:
+def check_arguments(model_args, data_args, training_args):
+    """What LM flags alone tell, before any work: --do_predict reads a --test_file (chat rows of
+    `run_clm_flax.py`), without one it has nothing; a stream needs --max_steps and takes no sample limit."""
+    if training_args.do_predict and not getattr(data_args, "test_file", None):
         raise UsageError("--do_predict does not apply to language modeling (there is no test split): use --do_eval")
     if data_args.streaming and training_args.do_train and training_args.max_steps <= 0:
         raise UsageError("--streaming needs --max_steps: a stream has no epochs to count (--num_train_epochs)")
     if data_args.streaming and data_args.max_train_samples:
         raise UsageError("--max_train_samples does not apply with --streaming: bound the run with --max_steps")
+
+
+def data_files(data_args):
+    """{split: local file or None} an LM run may read: a validation file is optional when a train file is
+    given (evaluation then uses the part of the training data `load_splits` holds out)."""
     files = {"train": data_args.train_file}
     if data_args.validation_file or not data_args.train_file:
         files["validation"] = data_args.validation_file
-    if test_file:
-        files["test"] = test_file
-    checked = preflight.check_before_work(training_args, data_args, task, files, allowed=FILE_FORMATS,
-                                          model_args=model_args)
+    if getattr(data_args, "test_file", None):
+        files["test"] = data_args.test_file
+    return files
+
+
+def check_data(columns, model_args, data_args, training_args):
+    """An explicit --text_column is checked against the local files' columns now, not after loading them."""
     if data_args.text_column and not data_args.dataset_name:
-        file_formats.require_columns(checked.columns, (("text_column", data_args.text_column),))
-    return checked
+        file_formats.require_columns(columns, (("text_column", data_args.text_column),))
+
+
+# What an LM task declares of its inputs (`tasks.Task`): the engine's preflight runs these checks.
+INPUTS = dict(file_formats=FILE_FORMATS, data_files=data_files, check_arguments=check_arguments,
+              check_data=check_data)
 
 
 def load_splits(data_args, do_train, do_eval, cache_dir=None):

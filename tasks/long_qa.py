@@ -48,7 +48,8 @@ from utils.scoring.losses import cross_entropy_sums
 logger = logging.getLogger(__name__)
 
 # Its own task name: a saved run is served by `LongAnswerer`; the files are those of run_qa.py's runs.
-TASK = Task("long-question-answering", "question-answering", outputs=qa.TASK.outputs)
+TASK = Task("long-question-answering", "question-answering", outputs=qa.TASK.outputs,
+            file_formats=qa.FILE_FORMATS)
 # The other task modules this one is built on (tests/test_architecture.py holds tasks apart otherwise): long
 # documents are windowed, their windows scored and their answers written as extractive QA does it.
 BUILDS_ON = ("question_answering",)

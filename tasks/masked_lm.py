@@ -13,7 +13,7 @@ from utils.data import batch_order
 
 TOP_K = 10  # the fill-mask table shows at most this many tokens per mask (one compiled top-k)
 
-TASK = Task("masked-lm", "fill-mask", widget="mask")
+TASK = Task("masked-lm", "fill-mask", widget="mask", **lm.INPUTS)
 
 
 # ----------------------------------------------------------------------------------------------

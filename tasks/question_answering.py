@@ -34,10 +34,9 @@ from utils.data import arrow_columns, file_formats, loaders
 from utils.models import loading
 from utils.scoring.losses import cross_entropy_sums
 
-TASK = Task("question-answering", "question-answering",
-            outputs=("*_predictions.json", "*_nbest_predictions.json", "*_null_odds.json"))
-
 FILE_FORMATS = ("json", "csv")
+TASK = Task("question-answering", "question-answering",
+            outputs=("*_predictions.json", "*_nbest_predictions.json", "*_null_odds.json"), file_formats=FILE_FORMATS)
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # those a tokenizer makes and a model may take
 PREFIXES = {"validation": "eval", "test": "predict"}  # of a split's result keys and prediction files
 NO_CONTEXT = -1  # the offsets of a token outside the context (question, special tokens, padding)

@@ -33,7 +33,7 @@ from utils.base.errors import UsageError
 from utils.data import batch_order
 from utils.models.loading import fit_length, max_positions
 
-TASK = Task("span-corruption", "text2text-generation", widget="sentinel")
+TASK = Task("span-corruption", "text2text-generation", widget="sentinel", **lm.INPUTS)
 # The families with sentinel-token pretraining and a Flax class in transformers 4.57 (UMT5 has none).
 MODEL_TYPES = ("t5", "mt5", "longt5")
 logger = logging.getLogger(__name__)

@@ -51,16 +51,13 @@ from tasks import Task, audio
 from tasks.demo import Answer, BadInput, Predictor, show_answer
 from tasks.lm import token_sums
 from utils.base.errors import UsageError
-from utils.data import file_formats, loaders
+from utils.data import loaders
 from utils.models.loading import (check_joined_arguments, fit_config_to_tokenizer, fit_length, join_configs,
                                   joins_parts, load_config, max_positions)
-from utils.run.preflight import needed_splits, phase_datasets
+from utils.run.preflight import needed_splits, phase_datasets, phase_files
 from utils.run.threaded_feed import ThreadedData
 
 PREDICTIONS_FILE = "generated_predictions.txt"
-# Whisper tokenizers also save their English spelling normaliser beside the vocabulary.
-TASK = Task("speech-recognition", "automatic-speech-recognition", outputs=(PREDICTIONS_FILE, "normalizer.json"))
-FILE_FORMATS = ("json", "csv")
 MODEL_TYPES = ("whisper",)
 # A speech encoder-decoder: a wav2vec2 encoder (transformers' only Flax speech encoder) and a decoder with
 # cross-attention. Unlike the vision encoder-decoder, it hands the decoder the encoder's states by
@@ -68,7 +65,6 @@ MODEL_TYPES = ("whisper",)
 JOINED = "speech-encoder-decoder"
 ENCODER_TYPES = ("wav2vec2",)
 DECODER_TYPES = ("gpt2", "bart", "bert", "roberta")
-SPLIT_FILES = {"train": "train_file", "validation": "validation_file", "test": "test_file"}
 logger = logging.getLogger(__name__)
 
 
@@ -99,11 +95,16 @@ def chunk_seconds(extractor):
     return samples / extractor.sampling_rate if samples else None
 
 
-def check_model_arguments(model_args):
+def check_model_arguments(model_args, data_args, training_args):
     """A speech encoder-decoder joined from --encoder_* / --decoder_* flags must name both parts, and
     no saved model beside them (before any work)."""
     if joins_parts(model_args):
         check_joined_arguments(model_args, "speech encoder-decoder")
+
+
+# Whisper tokenizers also save their English spelling normaliser beside the vocabulary.
+TASK = Task("speech-recognition", "automatic-speech-recognition", outputs=(PREDICTIONS_FILE, "normalizer.json"),
+            file_formats=audio.FILE_FORMATS, check_arguments=check_model_arguments, check_data=audio.check_columns)
 
 
 def is_joined(model_args):
@@ -204,16 +205,6 @@ class Clips(NamedTuple):
     seconds: np.ndarray
 
 
-def resolve_columns(data_args, columns, transcribed=True):
-    """(audio column, text column); both must be in every split ({split: column names}). Not
-    `transcribed` (wav2vec2 pretraining): the audio column alone, the text column None."""
-    needed = [("audio_column_name", data_args.audio_column_name)]
-    if transcribed:
-        needed.append(("text_column_name", data_args.text_column_name))
-    file_formats.require_columns(columns, needed)
-    return data_args.audio_column_name, data_args.text_column_name if transcribed else None
-
-
 def check_durations(data_args):
     """--max_duration_in_seconds / --min_duration_in_seconds: a UsageError unless 0 <= min < max."""
     if data_args.max_duration_in_seconds <= 0 or data_args.min_duration_in_seconds < 0:
@@ -267,11 +258,11 @@ def load_clips(data_args, training_args, extractor, cache_dir, workers, transcri
     is under --min_duration_in_seconds or `shortest_model_clip` (`shortest_heard`). Not
     `transcribed` (wav2vec2 pretraining): no text column is read, and `Clips.texts` is None."""
     splits = needed_splits(training_args)
-    files = {split: getattr(data_args, SPLIT_FILES[split]) for split in splits}
-    raw = loaders.load_splits(data_args, files, cache_dir, allowed=FILE_FORMATS)
+    files = {split: phase_files(data_args)[split] for split in splits}
+    raw = loaders.load_splits(data_args, files, cache_dir, allowed=audio.FILE_FORMATS)
     raw = phase_datasets(raw, {split: split for split in splits}, data_args)
-    audio_column, text_column = resolve_columns(data_args, {split: raw[split].column_names for split in splits},
-                                                transcribed)
+    audio_column, text_column = audio.resolve_columns(data_args, {split: raw[split].column_names for split in splits},
+                                                      transcribed)
     longest, shortest = max_duration(data_args, extractor), max(data_args.min_duration_in_seconds, shortest_model_clip)
     clips = {}
     for split in splits:

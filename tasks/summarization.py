@@ -19,11 +19,11 @@ from tasks.lm import token_sums
 from utils.base.errors import UsageError
 from utils.data import arrow_columns, file_formats
 from utils.models.loading import decoder_input_ids, fit_length, max_positions
+from utils.run.preflight import phase_columns
 from utils.run.run_directory import one_line
 from utils.scoring.metrics import rouge
 
 PREDICTIONS_FILE = "generated_predictions.txt"
-TASK = Task("summarization", "summarization", outputs=(PREDICTIONS_FILE,), widget="text")
 FILE_FORMATS = ("json", "csv")
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,17 @@ def resolve_columns(data_args, columns):
                          "column and a summary column (--text_column, --summary_column)")
     file_formats.require_columns(columns, (("text_column", text), ("summary_column", summary)))
     return text, summary
+
+
+def check_columns(columns, model_args, data_args, training_args):
+    """A wrong column of the local files the phases read fails before any work (a hub dataset's once loaded)."""
+    known = phase_columns(columns, training_args, data_args.dataset_name)
+    if known:
+        resolve_columns(data_args, known)
+
+
+TASK = Task("summarization", "summarization", outputs=(PREDICTIONS_FILE,), widget="text", file_formats=FILE_FORMATS,
+            check_data=check_columns)
 
 
 def drop_empty(datasets, columns, data_args):

@@ -15,6 +15,7 @@ from tasks import classification
 from tasks.demo import Answer, Predictor, require_text, show_answer, truncation_note
 from utils.base.errors import UsageError
 from utils.data import arrow_columns, file_formats
+from utils.run.preflight import phase_columns
 from utils.scoring.losses import cross_entropy_sums
 
 GLUE_DATASET = "nyu-mll/glue"
@@ -31,10 +32,6 @@ def implied_dataset(args):
     if args.get("task_name") and not args.get("dataset_name") and not any(files):
         return {"dataset_name": GLUE_DATASET, "dataset_config_name": args["task_name"]}
     return {}
-
-
-TASK = Task("text-classification", "text-classification", outputs=("predict_results*.txt",), widget="text",
-            implied_dataset=implied_dataset)
 
 
 def data_source(data_args):
@@ -95,6 +92,28 @@ def resolve_columns(data_args, task, columns):
     file_formats.require_columns({split: names for split, names in columns.items() if is_labelled(split)},
                                  [("label_column_name", label)])
     return Columns(texts[0], texts[1] if len(texts) > 1 else None, label)
+
+
+
+def glue_task_of(data_args):
+    """The `classification.GlueTask` --task_name names; None without one (an unknown name is refused)."""
+    return classification.glue_task(data_args.task_name) if data_args.task_name else None
+
+
+def check_task_name(model_args, data_args, training_args):
+    glue_task_of(data_args)
+
+
+def check_columns(columns, model_args, data_args, training_args):
+    """A wrong column of the local files the phases read fails before any work (a hub dataset's once loaded)."""
+    known = phase_columns(columns, training_args, data_source(data_args).dataset_name)
+    if known:
+        resolve_columns(data_args, glue_task_of(data_args), known)
+
+
+# A --task_name alone reads GLUE from the hub (`implied_dataset`).
+TASK = Task("text-classification", "text-classification", outputs=("predict_results*.txt",), widget="text",
+            implied_dataset=implied_dataset, check_arguments=check_task_name, check_data=check_columns)
 
 
 def split_label_names(dataset, label_column):

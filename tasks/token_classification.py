@@ -19,9 +19,9 @@ from tasks.demo import Answer, Predictor, escape_markdown, require_text, show_an
 from utils.base.errors import UsageError
 from utils.data import arrow_columns, file_formats
 from utils.models.loading import load_tokenizer
+from utils.run.preflight import phase_columns
 from utils.scoring.losses import cross_entropy_sums
 
-TASK = Task("token-classification", "token-classification", outputs=("predictions.txt",), widget="text")
 
 TAGGINGS = ("ner", "pos", "chunk")  # --task_name: each picks the label column <task>_tags
 
@@ -43,6 +43,18 @@ def resolve_columns(data_args, columns):
                          "one of tags (--text_column_name, --label_column_name)")
     file_formats.require_columns(columns, (("text_column_name", text), ("label_column_name", label)))
     return text, label
+
+
+
+def check_columns(columns, model_args, data_args, training_args):
+    """A wrong column of the local files the phases read fails before any work (a hub dataset's once loaded)."""
+    known = phase_columns(columns, training_args, data_args.dataset_name)
+    if known:
+        resolve_columns(data_args, known)
+
+
+TASK = Task("token-classification", "token-classification", outputs=("predictions.txt",), widget="text",
+            check_data=check_columns)
 
 
 def as_sequence(value, what, split, row):

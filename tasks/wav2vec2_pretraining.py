@@ -28,6 +28,7 @@ codevector perplexity, and the demo's page.
 
 import logging
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +36,25 @@ import numpy as np
 
 from tasks import Task, audio
 from tasks.demo import Answer, BadInput, Predictor, show_answer
+from utils.base.errors import UsageError
 
-TASK = Task("wav2vec2-pretraining", "feature-extraction")
 INPUT = "input_values"
 MIN_SPANS = 2  # at least two masked spans per clip, so every masked frame has others to be told from
 COSINE_EPSILON = 1e-8  # torch.cosine_similarity's: the product of the norms is at least this
 logger = logging.getLogger(__name__)
+
+
+def check_arguments(model_args, data_args, training_args):
+    """The flags that have nothing to act on in pretraining."""
+    if training_args.label_smoothing_factor:
+        raise UsageError("--label_smoothing_factor has no labels to smooth in wav2vec2 pretraining: drop it")
+    if training_args.do_predict:
+        raise UsageError("--do_predict: wav2vec2 pretraining predicts nothing; evaluate with --do_eval")
+
+
+# Clips without transcripts: the audio column alone is checked.
+TASK = Task("wav2vec2-pretraining", "feature-extraction", file_formats=audio.FILE_FORMATS,
+            check_arguments=check_arguments, check_data=partial(audio.check_columns, transcribed=False))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ FLOORS = {
                "decoder_positions": 1, "decoders": 1, "layer_scan": 1, "compat": 2, "loading": 2},
     "checkpoints": {"store": 0, "preemption": 0, "resume": 1, "saving": 1},
     "run": {"perf": 0, "logs": 0, "optim": 0, "hub_push": 0, "model_card": 0, "stream_feed": 0, "threaded_feed": 0,
-            "loop": 1, "run_directory": 1, "setup": 1, "preflight": 2, "spine": 2},
+            "loop": 1, "run_directory": 1, "setup": 1, "compile_plan": 1, "preflight": 2, "spine": 2},
 }
 
 

@@ -3,6 +3,7 @@ file formats, limits."""
 
 import json
 import os
+from functools import partial
 from types import SimpleNamespace
 
 import datasets
@@ -13,10 +14,10 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from tasks import lm, masked_lm
-from tasks.causal_lm import TASK
 from utils.base.arguments import ModelArguments, TrainingArguments
 from utils.base.errors import UsageError
 from utils.layout.layouts import AXIS
+from utils.run.preflight import check_before_work
 from utils.scoring.losses import cross_entropy_sums
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -250,17 +251,20 @@ def test_csv_and_json_inputs(tmp_path, tokenizer):
 
 
 def test_check_before_work(tmp_path):
+    """An LM task's checks, run by the engine's preflight (`lm.INPUTS`)."""
     train = write_txt(tmp_path / "train.txt", ["a line"])
     (tmp_path / "tokenizer").mkdir()
     model = ModelArguments(model_type="gpt2", tokenizer_name=str(tmp_path / "tokenizer"))
-    lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(train_file=train), TASK, model)  # held-out part
+    check = partial(check_before_work, masked_lm.TASK, model)
+    check(data_args(train_file=train), training_args(tmp_path, do_eval=True))  # the held-out part
     with pytest.raises(UsageError, match="--do_predict"):
-        lm.check_before_work(training_args(tmp_path, do_predict=True), data_args(train_file=train), TASK, model)
+        check(data_args(train_file=train), training_args(tmp_path, do_predict=True))
     with pytest.raises(UsageError, match="--validation_file"):
-        lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(), TASK, model)
+        check(data_args(), training_args(tmp_path, do_eval=True))
     with pytest.raises(UsageError, match=r"--text_column 'body' is not a column of the train data; its columns: text"):
-        lm.check_before_work(training_args(tmp_path, do_eval=True), data_args(train_file=train, text_column="body"),
-                             TASK, model)
+        check(data_args(train_file=train, text_column="body"), training_args(tmp_path, do_eval=True))
+    with pytest.raises(UsageError, match="--streaming needs --max_steps"):
+        check(data_args(train_file=train, streaming=True), training_args(tmp_path, do_train=True))
     with pytest.raises(UsageError, match="validation_split_percentage"):
         data_args(validation_split_percentage=100)
 

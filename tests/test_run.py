@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from tasks.summarization import TASK
-from utils.base.arguments import TrainingArguments
+from utils.base.arguments import ModelArguments, TrainingArguments
 from utils.base.errors import UsageError
 from utils.checkpoints.resume import ResumePoint
 from utils.run.preflight import check_before_work
@@ -17,7 +17,7 @@ NO_DATA = SimpleNamespace(dataset_name=None)
 
 
 def preflight(out, **training):
-    return check_before_work(TrainingArguments(output_dir=str(out), **training), NO_DATA, TASK, {}, allowed=("json",))
+    return check_before_work(TASK, ModelArguments(), NO_DATA, TrainingArguments(output_dir=str(out), **training))
 
 
 def make_checkpoints(out, *names):

@@ -24,7 +24,7 @@ from utils.layout import tpu_plan
 from utils.layout.gradients import token_weighted_grads
 from utils.layout.layouts import DataParallel, FullySharded, leaf_spec
 from utils.models.loading import cast_floats
-from utils.run.spine import report_plan
+from utils.run.compile_plan import end_with_plan, plan_report
 from utils.scoring.losses import cross_entropy_sums
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is "
@@ -51,6 +51,11 @@ def test_a_libtpu_of_another_version_is_refused(monkeypatch):
 
 
 # -- the plan itself (libtpu) ---------------------------------------------------------------------
+def report_plan(args, layout, state, batches=None):
+    """What a --compile_only run does at its start (`utils.run.spine.TrainingRun.start`): the report, then its end."""
+    end_with_plan(plan_report(args, layout, state, batches), args.output_dir)
+
+
 WIDTH, LAYERS, VOCAB, SEQUENCE = 256, 2, 1024, 64
 
 
@@ -117,6 +122,9 @@ def test_fits_or_not_against_the_slices_memory(v3, fsdp_plan, tmp_path, capsys):
     args = type("Args", (), {"output_dir": str(tmp_path), "gradient_accumulation_steps": 2,
                              "gradient_checkpointing": False})()
     layout.plan = v3._replace(device_bytes=memory["total"])  # just enough
+    found = plan_report(args, layout, state)  # a value: nothing printed or written until the run ends with it
+    assert found.fits and found.problem is None and found.figures["train_step_device_bytes"] == memory["total"]
+    assert not os.listdir(tmp_path) and not capsys.readouterr().out
     with pytest.raises(Done):
         report_plan(args, layout, state)
     assert "fits" in capsys.readouterr().out

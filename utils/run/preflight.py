@@ -1,5 +1,6 @@
-"""The checks every script runs before any work (`check_before_work`): phases and their data, the output
-directory (never where the run reads), resume compatibility, the hub; and the splits each phase reads."""
+"""The checks every script runs before any work, in one call (`check_before_work`): the task's own (its
+arguments, data files and columns), the phases and their data, the output directory (never where the run
+reads), resume compatibility, the hub; and the splits each phase reads."""
 
 import os
 from typing import NamedTuple
@@ -22,16 +23,37 @@ SPLIT_FLAGS = {"train": ("do_train", "--train_file"), "validation": ("do_eval", 
 class Preflight(NamedTuple):
     columns: dict  # {split: column names} of the local data files, where a cheap pre-read found them
     resume: object  # the `utils.checkpoints.resume.ResumePoint` to continue from, or None to start afresh
+    findings: object  # what the task's `check_data` returned (None without one)
 
 
-def check_before_work(training_args, data_args, task, files, allowed, model_args=None):
-    """Everything that can be checked before a model or dataset is touched, as a `Preflight`.
+def check_before_work(task, model_args, data_args, training_args):
+    """Everything that can be checked before a model or dataset is touched, as a `Preflight`, in the order: the
+    task's `check_arguments`, the common checks of its `data_files` (`check_common`), its `check_data`.
 
-    `task` is the script's `tasks.Task` (the files its runs write). `files` maps split -> local path (or
-    None); a phase needs its split's file or a hub dataset. Names that are not local paths (`model_args`'
-    model, config and tokenizer, the dataset) make one short probe of the hub, which switches to offline
-    mode if it does not answer.
+    `task` is the script's `tasks.Task`: the files its runs write and the checks it declares.
     """
+    if task.check_arguments:
+        task.check_arguments(model_args, data_args, training_args)
+    files = (task.data_files or phase_files)(data_args)
+    implied = task.implied_dataset(vars(data_args)) if task.implied_dataset else {}
+    dataset_name = data_args.dataset_name or implied.get("dataset_name")
+    columns, resume = check_common(training_args, model_args, data_args, dataset_name, task, files)
+    findings = task.check_data(columns, model_args, data_args, training_args) if task.check_data else None
+    return Preflight(columns, resume, findings)
+
+
+def phase_files(data_args):
+    """{split: file or None} of the --train_file / --validation_file / --test_file flags `data_args` has."""
+    return {split: getattr(data_args, flag[2:]) for split, (_, flag) in SPLIT_FLAGS.items()
+            if hasattr(data_args, flag[2:])}
+
+
+def check_common(training_args, model_args, data_args, dataset_name, task, files):
+    """(columns, resume) after the checks every run makes: phases, the output dir, resume, the hub, and each
+    phase's data (`files` maps split -> local path or None, in one of `task.file_formats`; a phase needs its
+    split's file or the hub dataset `dataset_name`). Names that are not local paths (the model, config and
+    tokenizer, the dataset) make one short probe of the hub, which switches to offline mode if it does not
+    answer."""
     check_phases(training_args)
     name_data_files(files)  # an error about "the train data" names its file
     check_output_apart(training_args, model_args, data_args)
@@ -49,16 +71,14 @@ def check_before_work(training_args, data_args, task, files, allowed, model_args
     for split, (phase, option) in SPLIT_FLAGS.items():
         if split not in files:
             continue
-        if getattr(training_args, phase) and not data_args.dataset_name and not files[split]:
+        if getattr(training_args, phase) and not dataset_name and not files[split]:
             raise UsageError(f"--{phase} needs {split} data: pass {option} or --dataset_name")
         if files[split]:
-            names = file_formats.check_file(files[split], allowed)
+            names = file_formats.check_file(files[split], task.file_formats)
             if names is not None:
                 columns[split] = names
-    names = {"dataset_name": data_args.dataset_name}
-    if model_args is not None:
-        names.update(model_name_or_path=model_args.model_name_or_path, config_name=model_args.config_name,
-                     tokenizer_name=model_args.tokenizer_name)
+    names = {"dataset_name": dataset_name, "model_name_or_path": model_args.model_name_or_path,
+             "config_name": model_args.config_name, "tokenizer_name": model_args.tokenizer_name}
     for flag, name in names.items():
         if name and hub_probe.looks_like_path(name) and not os.path.exists(name):
             raise UsageError(f"--{flag} {name} not found: check the path")
@@ -68,7 +88,7 @@ def check_before_work(training_args, data_args, task, files, allowed, model_args
             raise UsageError(f"--push_to_hub needs the hub, but {offline}: run where it is reachable, or drop "
                              "--push_to_hub")
         hub_push.check_token(training_args.hub_token)
-    return Preflight(columns, resume)
+    return columns, resume
 
 
 def check_output_apart(training_args, *arg_sets):
@@ -128,6 +148,16 @@ def check_plan_dir(output_dir):
 
 def needed_splits(training_args, splits=("train", "validation", "test")):
     return [split for split in splits if getattr(training_args, SPLIT_FLAGS[split][0])]
+
+
+def phase_columns(columns, training_args, dataset_name):
+    """{split: column names} of the local files of every split a phase reads, when the preflight's pre-read
+    found them all, so that a wrong column fails at once; None when a hub dataset is read (`dataset_name`)
+    or a file's columns are not known yet: they are checked once the data is loaded."""
+    splits = needed_splits(training_args)
+    if dataset_name or not all(split in columns for split in splits):
+        return None
+    return {split: columns[split] for split in splits}
 
 
 MAX_SAMPLES = {"train": "max_train_samples", "validation": "max_eval_samples", "test": "max_predict_samples"}

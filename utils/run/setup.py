@@ -9,6 +9,7 @@ import numpy as np
 from utils.base.errors import UsageError
 from utils.data import batch_order
 from utils.layout import devices, tpu_plan
+from utils.layout.layouts import make_layout
 from utils.models import compat
 from utils.run import perf
 from utils.run.logs import setup_logging
@@ -16,8 +17,9 @@ from utils.run.optim import learning_rate_schedule
 
 
 def set_up(training_args):
-    """Multi-host start-up, version shims, compilation cache, logging; returns (logger, is_main_process).
-    With --compile_only, the TPU slice's compile-only devices first, and as many CPU devices."""
+    """Multi-host start-up, version shims, compilation cache, logging; returns (logger, is_main_process, the
+    `utils.layout.layouts` layout --sharding names). With --compile_only, the TPU slice's compile-only devices
+    first, and as many CPU devices: the layout then plans its steps for that slice."""
     if training_args.compile_only:
         if training_args.num_processes not in (None, 1):
             raise UsageError("--compile_only plans one host's TPU slice: drop --num_processes")
@@ -41,7 +43,7 @@ def set_up(training_args):
         logger.info("TPU transfers: %s", staging)
     logger.info("devices: %d local of %d in all (%s), process %d of %d", jax.local_device_count(),
                 jax.device_count(), jax.devices()[0].device_kind, jax.process_index(), jax.process_count())
-    return logger, is_main
+    return logger, is_main, make_layout(training_args.sharding, training_args.fsdp_size, training_args.compile_only)
 
 
 def train_batch_size(training_args):

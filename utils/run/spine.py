@@ -7,27 +7,24 @@ training batches, decide when to log, evaluate and save, and write the results. 
 section of any `run_*.py` shows the loop they serve.
 """
 
-import json
 import logging
-import os
 import time
 from functools import partial
 
 import jax
 from flax.training.train_state import TrainState
 
-from utils.base.errors import Done, RunError
 from utils.checkpoints.resume import resume_or_start, run_fingerprint
 from utils.checkpoints.saving import SavePolicy, Saver
 from utils.kernels import chip_dropout, model_attention
 from utils.layout import devices
 from utils.layout.gradients import token_weighted_grads
 from utils.layout.layouts import finished, shapes_of
-from utils.layout.memory import does_not_fit, eval_levers, per_device_bytes, plan_memory, readable, train_levers
 from utils.models import layer_scan, lora
 from utils.models.loading import enable_gradient_checkpointing
 from utils.run import perf
-from utils.run.logs import MetricsLogger, throughput_meter
+from utils.run.compile_plan import checkpointing, end_with_plan, parameter_counts, plan_report
+from utils.run.logs import throughput_meter
 from utils.run.loop import TrainLoop, eval_batches, host_eval_batches, host_means
 from utils.run.optim import Schedule, create_optimizer
 from utils.run.run_directory import RunDirectory
@@ -50,16 +47,6 @@ class Steps:
         """(placed batch, valid rows) of every eval batch, the last one padded (`utils.run.loop.eval_batches`)."""
         return eval_batches(arrays, num_examples, self.eval_batch_size, self.layout, transform)
 
-    def report_plan(self, training_args, state, **step_data):
-        """--compile_only (nothing otherwise): the TPU plan of the train step and of each other step
-        the run would call, given as `name=(arrays, num_examples[, transform])` of the data its first
-        batch comes from, or None where this run does not call it; then the run ends (`report_plan`)."""
-        if not self.layout.plan:
-            return
-        batches = {name: next(host_eval_batches(data[0], data[1], self.eval_batch_size, *data[2:]))[0]
-                   for name, data in step_data.items() if data and data[0] is not None}
-        report_plan(training_args, self.layout, state, batches)
-
     def evaluate(self, params, arrays, num_examples, transform=None):
         """(token-weighted means of the eval sums over every example, "tokens" included; with a
         `predict_fn` the per-row outputs of the real rows, in order, on the host, else None)."""
@@ -72,11 +59,6 @@ class Steps:
                 batch_sums = self.eval(params, batch)
             sums.append(batch_sums)
         return host_means(sums, keep_tokens=True), (rows if self.predicts else None)
-
-
-def checkpointing(training_args):
-    """False, or what --gradient_checkpointing keeps of each layer (--gradient_checkpointing_policy)."""
-    return training_args.gradient_checkpointing and training_args.gradient_checkpointing_policy
 
 
 def prepare_model(model, layout, training_args):
@@ -121,7 +103,7 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     like `train_data`'s (after `transform`): its device memory is known, and checked, before anything is
     written. `predict_fn(params, batch) -> [rows, ...]` (class ids, logits, tags) makes the eval
     step return its per-row outputs beside the sums, in the same compiled step. With
-    `--compile_only` the steps are planned, never run: `Steps.report_plan`.
+    `--compile_only` the steps are planned, never run: `TrainingRun.start`.
     """
     checkpointed, generator = prepare_model(model, layout, training_args)
     # The run's numbers reach the train step as an argument (`Layout.compile_train_step`): its program, and so
@@ -174,80 +156,6 @@ def make_steps(loss_fn, model, params, layout, training_args, plan, train_data=N
     return state, Steps(p_train_step, p_eval_step, layout, eval_batch_size, predict_fn is not None)
 
 
-def parameter_counts(layout, state):
-    """{"trainable_parameters", "total_parameters"} of `state` (its global shapes, in any layout), logged:
-    with LoRA the adapters and heads (`utils.models.lora.checkpointed`) of the whole model, adapters included."""
-    shapes = layout.checkpoint_target(state)
-    trainable, total = lora.count(lora.checkpointed(shapes).params), lora.count(shapes.params)
-    logger.info("parameters: %s trained of %s (%.3g%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
-    return {"trainable_parameters": trainable, "total_parameters": total}
-
-
-def report_plan(training_args, layout, state, batches=None):
-    """--compile_only: the TPU plan of the train step, and of each step named in `batches` (eval,
-    predict, generate: `layout.planned_steps`) on its first batch (host rows), against the slice's
-    HBM; printed and written (metrics.jsonl, all_results.json: the keys a training run records, plus
-    the device's bytes and whether every step fits); then the run ends, with the levers as its error
-    when one does not fit. A step the TPU compiler refuses to compile (its temporaries alone exceed
-    the HBM) does not fit: its reason is written instead of its bytes.
-
-    While another step runs, the training state beyond the parameters (optimizer moments, step
-    counter) stays on the device: its bytes count in that step's need.
-    """
-    plan = layout.plan
-    plans = {"train_step": (layout.train_step_memory, layout.train_step_refused)}
-    if layout.train_step_memory and batches:  # a refused train step decides it: the others are moot
-        for name, batch in batches.items():
-            plans[name] = plan_memory(layout.planned_steps[name].lower(state.params, layout.abstract_batch(batch)))
-    kept = per_device_bytes(state) - per_device_bytes(state.params) if len(plans) > 1 else 0
-    figures, needs = parameter_counts(layout, state), {}
-    for name, (memory, refused) in plans.items():
-        if refused:
-            figures[f"{name}_refused"] = refused
-            continue
-        needs[name] = memory["total"] + (kept if name != "train_step" else 0)
-        figures[f"{name}_device_bytes"] = needs[name]
-        figures.update({f"{name}_device_bytes_{key}": value for key, value in memory.items() if key != "total"})
-    if len(plans) > 1:
-        figures["training_state_kept_device_bytes"] = kept
-    figures["device_bytes"] = plan.device_bytes
-    fits = len(needs) == len(plans) and all(need <= plan.device_bytes for need in needs.values())
-    out = training_args.output_dir
-    if jax.process_index() == 0:
-        metrics = MetricsLogger(out, tensorboard=False, progress=False)
-        metrics.log(0, {k: v for k, v in figures.items() if not k.endswith("_refused")}, split="memory")
-        metrics.close()
-        with open(os.path.join(out, "all_results.json"), "w", encoding="utf-8") as f:
-            json.dump({"compile_only": plan.name, **figures, "fits": fits}, f, indent=2)
-    where = f"{plan.describe()}, --sharding {layout.name}: the"
-    for name, (memory, refused) in plans.items():
-        step = name.replace("_", " ")
-        if refused:
-            print(f"{where} {step} does not fit: the TPU compiler refuses it ({refused})", flush=True)
-            continue
-        parts = ", ".join(f"{part} {readable(memory[part])}" for part in ("arguments", "outputs", "temporaries",
-                                                                          "aliased"))
-        if name != "train_step":
-            parts += f", training state kept {readable(kept)}"
-        print(f"{where} {step} needs {readable(needs[name])} of {readable(plan.device_bytes)} per device ({parts}): "
-              f"{'fits' if needs[name] <= plan.device_bytes else 'does not fit'}", flush=True)
-    device = f"a TPU {plan.name} device"
-    accumulation, checkpointed = training_args.gradient_accumulation_steps, checkpointing(training_args)
-    if layout.train_step_refused:
-        raise RunError(f"the train step does not fit {device} (the TPU compiler: {layout.train_step_refused}): "
-                       f"{train_levers(accumulation, layout.name, checkpointed)}")
-    if needs["train_step"] > plan.device_bytes:
-        raise RunError(does_not_fit(layout.train_step_memory, plan.device_bytes, accumulation, layout.name,
-                                    device=device, checkpointing=checkpointed))
-    for name, (memory, refused) in plans.items():
-        if refused or needs[name] > plan.device_bytes:
-            need = (f"does not fit {device} (the TPU compiler: {refused})" if refused else
-                    f"needs {readable(needs[name])} per device but {device} has {readable(plan.device_bytes)}")
-            raise RunError(f"the {name.replace('_', ' ')} {need}: "
-                           f"{eval_levers(training_args.per_device_eval_batch_size, layout.name)}")
-    raise Done()
-
-
 class TrainingRun:
     """One run's bookkeeping from its last check to its result files, in the order every script
     follows: `start` (resume or start afresh, then open the run directory and the checkpoints),
@@ -265,12 +173,22 @@ class TrainingRun:
         self.step = None
         self._last_eval_step = None
 
-    def start(self, state, resume, config, model, tokenizer):
+    def start(self, state, resume, config, model, tokenizer, other_steps=None):
         """The state to train or evaluate from: the checkpoint `resume` names, restored after the last
         check (`utils.checkpoints.resume.resume_or_start`), or `state`. Only then are the run directory and,
         when training, the checkpoints opened: a run that stops on a check leaves --output_dir as it
-        was."""
+        was.
+
+        `other_steps` names each step besides training that the run calls (eval, predict, generate) with
+        the data its first batch comes from, `(arrays, num_examples[, transform])`, or None where this run
+        does not call it. A --compile_only run ends here: the TPU plan of the train step and of those
+        steps on their first batch, printed and written (`utils.run.compile_plan`)."""
         args, plan, train_data = self.args, self.plan, self.train_data
+        if self.layout.plan:
+            eval_batch_size = devices.global_batch_size(args.per_device_eval_batch_size)
+            batches = {name: next(host_eval_batches(data[0], data[1], eval_batch_size, *data[2:]))[0]
+                       for name, data in (other_steps or {}).items() if data and data[0] is not None}
+            end_with_plan(plan_report(args, self.layout, state, batches), args.output_dir)
         self.config = config
         fingerprint = run_fingerprint(config, train_data and (train_data.size or "streamed"), plan.batch_size,
                                       args.seed, args.adafactor, lora.adapters_of(model))
