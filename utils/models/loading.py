@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import dataclasses
+import json
 import logging
 import os
 from typing import NamedTuple
@@ -84,10 +85,21 @@ def _apply_overrides(config, text):
                 value = value.lower() in ("1", "true", "yes")
             elif isinstance(current, (int, float)):
                 value = type(current)(value)
+            elif current is None:  # unset (Qwen's sliding_window): a number, true, false or null is one
+                value = _literal(value)
         except ValueError:
             raise UsageError(f"--config_overrides: {key}={value!r} is not a {type(current).__name__}")
         setattr(config, key, value)
     return config
+
+
+def _literal(text):
+    """`text` as the JSON number, boolean or null it spells (any case), else as it is."""
+    try:
+        value = json.loads(text.lower() if text.lower() in ("true", "false", "null") else text)
+    except json.JSONDecodeError:
+        return text
+    return value if value is None or isinstance(value, (bool, int, float)) else text
 
 
 def _changed_by_overrides(config, text):
