@@ -3,6 +3,7 @@
 transformers' Flax models; run_clm_flax.py trains, evaluates, generates with and exports a tiny Qwen3, reads its
 export back, and trains LoRA adapters on it with PEFT-named files; what the family cannot do is refused by name."""
 
+import contextlib
 import json
 import os
 
@@ -21,10 +22,11 @@ from tests.script_runner import ROOT, read_json, read_metrics, run_script
 from utils.base.arguments import ModelArguments, TrainingArguments
 from utils.base.errors import UsageError
 from utils.kernels import lm_head
+from utils.layout.gradients import token_weighted_grads
 from utils.layout.layouts import DataParallel, FullySharded, finished
 from utils.models import decoders, hub_checkpoint
 from utils.models.family_model import FamilyModel
-from utils.models.loading import load_config, load_model
+from utils.models.loading import enable_gradient_checkpointing, load_config, load_model
 from utils.run.spine import prepare_model
 
 with open(os.path.join(ROOT, "tests", "references", "family_logits.json"), encoding="utf-8") as f:
@@ -84,6 +86,38 @@ def test_bfloat16_weights_load_as_written(tmp_path):
     for path, value in flatten_dict(params).items():
         assert value.dtype == np.float32
         np.testing.assert_array_equal(value, np.asarray(jnp.asarray(want[path], jnp.bfloat16), np.float32))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fsdp_splits_each_family_layers_gradients_and_they_stay_exact(monkeypatch, checkpointing):
+    """The family's layers are found by the engine's per-layer hooks as transformers' are: under fsdp each hands
+    on its gradients split (one barrier per layer in the traced step), with --gradient_checkpointing too, and
+    the gradients are those of the plain backward pass."""
+    model = FamilyModel(transformers_config("qwen3_qk_norm"))
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+
+    def loss_fn(params, batch, rng):
+        logits = model(batch["input_ids"], params=params, dropout_rng=rng, train=True)[0]
+        return causal_lm.next_token_loss(logits, batch["input_ids"])
+
+    layout = FullySharded(8)
+    ids = np.random.default_rng(0).integers(3, 48, size=(8, 12)).astype(np.int32)
+    params = layout.place_params(case_params("qwen3_qk_norm", model))
+    batch = layout.place_batch({"input_ids": ids})
+
+    def grads_and_barriers():
+        def grads(params, batch):  # a new function each time: JAX caches traces by function
+            return token_weighted_grads(loss_fn, params, batch, jax.random.PRNGKey(0), 1, layout)[0]
+
+        return jax.jit(grads)(params, batch), str(jax.make_jaxpr(grads)(params, batch)).count("optimization_barrier")
+
+    split, split_barriers = grads_and_barriers()
+    monkeypatch.setattr(layout, "split_layer_gradients", lambda: contextlib.nullcontext())
+    plain, plain_barriers = grads_and_barriers()
+    assert split_barriers - plain_barriers == 2
+    for a, b in zip(jax.tree_util.tree_leaves(split), jax.tree_util.tree_leaves(plain)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,8 +276,19 @@ def test_qwen3_trains_generates_and_exports_a_hub_checkpoint(qwen3_trained, tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     again = read_json(tmp_path / "eval" / "eval_results.json")
     assert again["eval_loss"] == pytest.approx(results["eval_loss"], abs=2e-4)
-    assert (tmp_path / "eval" / "generated_predictions.txt").read_text() == (
-        open(os.path.join(qwen3_trained, "generated_predictions.txt"), encoding="utf-8").read())
+    predicted = (tmp_path / "eval" / "generated_predictions.txt").read_text().splitlines()
+    assert predicted == open(os.path.join(qwen3_trained, "generated_predictions.txt"), encoding="utf-8").read(
+        ).splitlines()
+    # The demo reads the export too, and answers the conversations whose prompts fit its buckets as the run did
+    demo = causal_lm.TextGenerator(qwen3_trained, read_json(os.path.join(qwen3_trained, "run_args.json")))
+    with open(os.path.join(ROOT, "data", "chat", "validation.jsonl"), encoding="utf-8") as f:
+        asked = [row["messages"][:-1] for row in map(json.loads, f)]
+    tokenizer = demo.tokenizer
+    fitting = [row for row, messages in enumerate(asked) if len(tokenizer(tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+        <= demo.prompt_buckets[-1]][:6]
+    assert fitting and [" ".join(demo.reply(asked[row], 8).text.split()) for row in fitting] == [
+        predicted[row] for row in fitting]
 
 
 @pytest.mark.slow
