@@ -219,13 +219,19 @@ def test_configs_the_family_cannot_run_are_refused_before_any_weights(args, mess
     assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
 
 
-def test_overrides_derive_the_layer_types_again():
-    """Qwen3's class builds layer_types from num_hidden_layers and the window settings; set after it, the overrides
-    would leave 28 of them on a 2-layer model (refused by the family), or no window where one was asked for."""
-    config = load_config(ModelArguments(model_type="qwen3", config_overrides=TINY_QWEN3 + ",use_sliding_window=true,"
-                                        "sliding_window=4,max_window_layers=1"), "causal-lm")
-    assert config.layer_types == ["full_attention", "sliding_attention"]
-    assert FamilyModel(config).module.config.layer_windows == (None, 4)
+@pytest.mark.parametrize("model_type, overrides, windows", [
+    ("qwen3", TINY_QWEN3 + ",use_sliding_window=true,sliding_window=4,max_window_layers=1", (None, 4)),
+    # Gemma 3's class keeps the pattern as _sliding_window_pattern; the override takes its public name
+    ("gemma3_text", TINY_QWEN3.replace("num_hidden_layers=2", "num_hidden_layers=3") + ",sliding_window=4,"
+                    "sliding_window_pattern=3", (4, 4, None)),
+])
+def test_overrides_derive_the_layer_types_again(model_type, overrides, windows):
+    """The config classes build layer_types from num_hidden_layers and the window settings; set after them, the
+    overrides would leave 28 of them on a 2-layer Qwen3 (refused by the family), or no window where one was
+    asked for."""
+    config = load_config(ModelArguments(model_type=model_type, config_overrides=overrides), "causal-lm")
+    assert config.layer_types == ["full_attention" if window is None else "sliding_attention" for window in windows]
+    assert FamilyModel(config).module.config.layer_windows == windows
 
 
 def test_the_chunked_loss_is_refused_by_flag():

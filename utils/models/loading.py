@@ -75,11 +75,19 @@ def _parse_overrides(text):
     return overrides
 
 
+def _attribute(config, key):
+    """The attribute of `config` that the setting `key` is kept in: `key`, or `_key` for a setting the class
+    takes by that name and keeps privately (Gemma 3's sliding_window_pattern)."""
+    name = key if hasattr(config, key) else "_" + key
+    if not hasattr(config, name):
+        raise UsageError(f"--config_overrides: {config.model_type} config has no attribute {key!r}")
+    return name
+
+
 def _apply_overrides(config, text):
     for key, value in _parse_overrides(text).items():
-        if not hasattr(config, key):
-            raise UsageError(f"--config_overrides: {config.model_type} config has no attribute {key!r}")
-        current = getattr(config, key)
+        name = _attribute(config, key)
+        current = getattr(config, name)
         try:
             if isinstance(current, bool):
                 value = value.lower() in ("1", "true", "yes")
@@ -89,7 +97,7 @@ def _apply_overrides(config, text):
                 value = _literal(value)
         except ValueError:
             raise UsageError(f"--config_overrides: {key}={value!r} is not a {type(current).__name__}")
-        setattr(config, key, value)
+        setattr(config, name, value)
     return config
 
 
@@ -105,8 +113,9 @@ def _literal(text):
 def _changed_by_overrides(config, text):
     """[(key, current value, overridden value)] for the overrides that differ from `config`'s values."""
     overridden = _apply_overrides(copy.deepcopy(config), text)
-    return [(key, getattr(config, key), getattr(overridden, key)) for key in _parse_overrides(text)
-            if getattr(overridden, key) != getattr(config, key)]
+    names = {key: _attribute(config, key) for key in _parse_overrides(text)}
+    return [(key, getattr(config, name), getattr(overridden, name)) for key, name in names.items()
+            if getattr(overridden, name) != getattr(config, name)]
 
 
 def load_config(model_args, task, model_types=None):
@@ -159,7 +168,10 @@ def _derived_again(config, overrides):
     if getattr(config, "layer_types", None) is None or "layer_types" in given or not set(given) & set(
             LAYER_TYPE_SOURCES):
         return config
-    return type(config).from_dict({key: value for key, value in config.to_dict().items() if key != "layer_types"})
+    settings = {key: value for key, value in config.to_dict().items() if key != "layer_types"}
+    # what the class keeps privately, given back under the name it takes
+    settings.update({key: settings["_" + key] for key in LAYER_TYPE_SOURCES if "_" + key in settings})
+    return type(config).from_dict(settings)
 
 
 def _vocabulary_configs(config):
