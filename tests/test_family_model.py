@@ -227,7 +227,7 @@ def test_configs_the_family_cannot_run_are_refused_before_any_weights(args, mess
 ])
 def test_overrides_derive_the_layer_types_again(model_type, overrides, windows):
     """The config classes build layer_types from num_hidden_layers and the window settings; set after them, the
-    overrides would leave 28 of them on a 2-layer Qwen3 (refused by the family), or no window where one was
+    overrides would leave 32 of them on a 2-layer Qwen3 (refused by the family), or no window where one was
     asked for."""
     config = load_config(ModelArguments(model_type=model_type, config_overrides=overrides), "causal-lm")
     assert config.layer_types == ["full_attention" if window is None else "sliding_attention" for window in windows]
