@@ -20,6 +20,7 @@ from utils.base.errors import UsageError
 from utils.data import loaders
 from utils.kernels import lm_head
 from utils.layout import devices
+from utils.models.family_model import FamilyModel
 from utils.run.preflight import needed_splits, phase_datasets
 
 PREDICTIONS_FILE = "generated_predictions.txt"
@@ -213,11 +214,17 @@ def generate_answers(model, params, batch, max_new_tokens, decoding):
     (traceable: the generate step).
 
     transformers' Flax `generate` stops a row at one id and samples with one key for the whole batch: its greedy
-    loop runs here with `NextToken` choosing, so every end id stops a row and each row draws from its own key."""
+    loop runs here with `NextToken` choosing, so every end id stops a row and each row draws from its own key. A
+    model of the project's decoder family runs its own loop (`FamilyModel.generate_tokens`) with the same
+    chooser, a finished row going on with the first end id as transformers' loop pads it."""
     width = batch["input_ids"].shape[1]
     # No end id at all: one no row can draw (past the vocabulary), so every row runs to max_new_tokens.
     first_end = decoding.end_ids[0] if decoding.end_ids else model.config.vocab_size
     choose = NextToken(decoding, batch.get("sample_key"), width)
+    if isinstance(model, FamilyModel):  # the family's own KV-cache loop, choosing and stopping alike
+        return model.generate_tokens(params, batch["input_ids"], batch["attention_mask"], max_new_tokens,
+                                     lambda logits, drawn: choose(None, logits, width + drawn).argmax(-1),
+                                     first_end if decoding.end_ids else None)
     # The model's other generation settings hold (a checkpoint's suppressed tokens...); its sampling ones are
     # `decoding`'s, applied by `NextToken`: reset, so `generate` does not warn that greedy search ignores them.
     settings = copy.deepcopy(model.generation_config)

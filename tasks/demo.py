@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import tasks
 from utils.base.errors import UsageError
 from utils.layout import devices
-from utils.models import compat
+from utils.models import compat, family_model, hub_checkpoint
 
-MODEL_FILES = ("flax_model.msgpack", "flax_model.msgpack.index.json")
+MODEL_FILES = ("flax_model.msgpack", "flax_model.msgpack.index.json", hub_checkpoint.WEIGHTS, hub_checkpoint.INDEX)
 
 
 class BadInput(ValueError):
@@ -59,7 +59,8 @@ def truncation_note(length, limit):
 
 
 class Predictor:
-    """Loads the model class `auto_class` and the tokenizer saved in `output_dir`."""
+    """Loads the model class `auto_class` (an architecture of the project's decoder family: its `FamilyModel`)
+    and the tokenizer saved in `output_dir`."""
 
     auto_class = None
 
@@ -69,8 +70,11 @@ class Predictor:
         compat.apply()  # before the first model is built, as the scripts do
         self.output_dir, self.run_args = output_dir, run_args
         self.tokenizer = self.load_tokenizer()
-        self.model = getattr(transformers, self.auto_class).from_pretrained(output_dir)
-        self.params = self.model.params
+        if family_model.routed(transformers.AutoConfig.from_pretrained(output_dir)):  # the project's decoder family
+            self.model, self.params = family_model.FamilyModel.from_pretrained(output_dir)
+        else:
+            self.model = getattr(transformers, self.auto_class).from_pretrained(output_dir)
+            self.params = self.model.params
         self.config = self.model.config
         self._lock = threading.Lock()
 

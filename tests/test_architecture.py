@@ -27,7 +27,7 @@ FLOORS = {
     "layout": {"devices": 0, "memory": 0, "tpu_plan": 0, "gradients": 0, "layouts": 1},
     "scoring": {"losses": 0, "metrics": 0},
     "models": {"rotary": 0, "hub_checkpoint": 0, "remat": 0, "weights": 0, "lora": 0, "flax_msgpack": 0,
-               "decoder_positions": 1, "decoders": 1, "layer_scan": 1, "compat": 2, "loading": 2},
+               "decoder_positions": 1, "decoders": 1, "layer_scan": 1, "compat": 2, "family_model": 2, "loading": 3},
     "checkpoints": {"store": 0, "preemption": 0, "resume": 1, "saving": 1},
     "run": {"perf": 0, "logs": 0, "optim": 0, "hub_push": 0, "model_card": 0, "stream_feed": 0, "threaded_feed": 0,
             "loop": 1, "run_directory": 1, "setup": 1, "compile_plan": 1, "preflight": 2, "spine": 2},

@@ -6,12 +6,12 @@ checked against (tests/test_decoder_family.py). `config_from_hub` reads a config
 transformers 5's rules (and defaults, where the file leaves a key out) into a `DecoderConfig`, one
 set of switches the layers read, and refuses by name, before any weights are read, an architecture
 or a setting it does not compute. The parameter tree mirrors the PyTorch names
-(`model.layers.0.self_attn.q_proj.weight` is params["model"]["layers_0"]["self_attn"]["q_proj"]
+(`model.layers.0.self_attn.q_proj.weight` is params["model"]["layers"]["0"]["self_attn"]["q_proj"]
 ["kernel"], transposed), so `hub_checkpoint` converts between the two by rule.
 
 `DecoderLM` computes logits of a batch with left padding (positions from the attention mask, as
 transformers' `generate` computes them) and, given a KV cache, one step of incremental decoding;
-`forward` and `greedy_generate` are the two calls built on it.
+`forward` and `generate` (any chooser of the next token; `greedy_generate`) are the calls built on it.
 """
 
 import dataclasses
@@ -397,6 +397,32 @@ class DecoderLayer(nn.Module):
         return x + MLP(config, self.dtype, name="mlp")(norm("post_attention_layernorm")(x)), cache
 
 
+class DecoderLayers(nn.Module):
+    """The layer stack (PyTorch's `model.layers`), each layer a submodule named by its index as in
+    transformers' Flax stacks: the engine's per-layer hooks (`utils.kernels.hooks.each_layer`: gradient
+    checkpointing, fsdp's gradient split) find the family's layers as they find those."""
+
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, angles, query_slots, key_mask, cache=None, cache_index=None):
+        config = self.config
+        key_slots = jnp.arange(key_mask.shape[1])
+        causal = key_slots[None, :] <= query_slots[:, None]
+        new_cache = []
+        for index, window in enumerate(config.layer_windows):
+            allowed = causal
+            if window:  # the last `window` slots, its own included
+                allowed = allowed & (key_slots[None, :] > query_slots[:, None] - window)
+            allowed = allowed[None] & key_mask[:, None, :].astype(bool)
+            cos, sin = angles[config.layer_ropes[index]]
+            x, layer_cache = DecoderLayer(config, window, self.dtype, name=str(index))(
+                x, cos, sin, allowed, None if cache is None else cache[index], cache_index)
+            new_cache.append(layer_cache)
+        return x, (None if cache is None else tuple(new_cache))
+
+
 class Decoder(nn.Module):
     """Embeddings, layers and the final norm (PyTorch's `model.`)."""
 
@@ -407,7 +433,7 @@ class Decoder(nn.Module):
         config = self.config
         self.embed_tokens = nn.Embed(config.vocab_size, config.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
                                      embedding_init=nn.initializers.normal(config.initializer_range))
-        self.layers = [DecoderLayer(config, window, self.dtype) for window in config.layer_windows]
+        self.layers = DecoderLayers(config, self.dtype)
         self.norm = RMSNorm(config.rms_norm_eps, config.norm_plus_one, self.dtype)
 
     def __call__(self, input_ids, positions, key_mask, cache=None, cache_index=None):
@@ -415,22 +441,11 @@ class Decoder(nn.Module):
         x = self.embed_tokens(input_ids)
         if config.scale_embeddings:  # Gemma: the factor rounded to the compute dtype first, as in PyTorch
             x = x * jnp.asarray(math.sqrt(config.hidden_size), self.dtype)
-        length = input_ids.shape[1]
         start = 0 if cache is None else cache_index
-        query_slots = start + jnp.arange(length)
-        key_slots = jnp.arange(key_mask.shape[1])
-        causal = key_slots[None, :] <= query_slots[:, None]
+        query_slots = start + jnp.arange(input_ids.shape[1])
         angles = [rotary.cos_sin(rope, positions) for rope in config.ropes]
-        new_cache = []
-        for index, layer in enumerate(self.layers):
-            allowed = causal
-            if layer.window:  # the last `window` slots, its own included
-                allowed = allowed & (key_slots[None, :] > query_slots[:, None] - layer.window)
-            allowed = allowed[None] & key_mask[:, None, :].astype(bool)
-            cos, sin = angles[config.layer_ropes[index]]
-            x, layer_cache = layer(x, cos, sin, allowed, None if cache is None else cache[index], cache_index)
-            new_cache.append(layer_cache)
-        return self.norm(x), (None if cache is None else tuple(new_cache))
+        x, cache = self.layers(x, angles, query_slots, key_mask, cache, cache_index)
+        return self.norm(x), cache
 
 
 class DecoderLM(nn.Module):
@@ -504,36 +519,61 @@ def _recomputed_step(config, width, max_new_tokens):
     return step if 0 <= step < max_new_tokens - 1 else None
 
 
-def greedy_generate(model, params, input_ids, attention_mask, max_new_tokens):
-    """The `max_new_tokens` [batch, max_new_tokens] greedy tokens after each left-padded prompt of
-    input_ids [batch, width]: the prompt in one call into a KV cache, then one token a call
-    (traceable: jit it with max_new_tokens static)."""
+def greedy(logits, drawn):
+    """The likeliest token of each row's logits [batch, vocab] (a `generate` chooser)."""
+    return jnp.argmax(logits, axis=-1)
+
+
+def generate(model, params, input_ids, attention_mask, max_new_tokens, choose=greedy, end_id=None):
+    """The `max_new_tokens` [batch, max_new_tokens] tokens after each left-padded prompt of input_ids
+    [batch, width]: the prompt in one call into a KV cache, then one token a call (traceable: jit it with
+    max_new_tokens, `choose` and `end_id` static).
+
+    `choose(logits, drawn)` picks each row's next token from its float32 logits [batch, vocab]; `drawn`
+    is how many tokens were generated before it (0 for the first). With `end_id`, a row that has picked
+    it goes on with it, whatever `choose` says (transformers' generate pads a finished row with its pad
+    id, which the caller makes the end id)."""
     input_ids = jnp.asarray(input_ids, jnp.int32)
     attention_mask = jnp.asarray(attention_mask, jnp.int32)
     batch, width = input_ids.shape
     key_mask = jnp.concatenate([attention_mask, jnp.ones((batch, max_new_tokens), jnp.int32)], axis=1)
 
-    def prefill(ids):  # ids fill the first slots of a fresh cache; the token after them
+    def pick(logits, drawn, finished):
+        token = choose(logits, drawn).astype(jnp.int32)
+        if end_id is None:
+            return token, finished
+        token = jnp.where(finished, end_id, token)
+        return token, finished | (token == end_id)
+
+    def prefill(ids, finished):  # ids fill the first slots of a fresh cache; the token after them
         cache = init_cache(model.config, batch, width + max_new_tokens, model.dtype)
         positions = positions_of(key_mask[:, :ids.shape[1]])
         logits, cache = model.apply({"params": params}, ids, positions, key_mask, cache, 0)
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), positions[:, -1] + 1, cache
+        token, finished = pick(logits[:, -1], ids.shape[1] - width, finished)
+        return token, positions[:, -1] + 1, cache, finished
 
-    def step(carry, index):
-        token, position, cache = carry
+    def step(carry, drawn):  # the last token picked (the `drawn - 1`th) into its slot; the next one
+        token, position, cache, finished = carry
         logits, cache = model.apply({"params": params}, token[:, None], position[:, None], key_mask, cache,
-                                    width + index)
-        following = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-        return (following, position + 1, cache), token
+                                    width + drawn - 1)
+        following, finished = pick(logits[:, -1], drawn, finished)
+        return (following, position + 1, cache, finished), following
 
-    carry = prefill(input_ids)
+    carry = prefill(input_ids, jnp.zeros((batch,), bool))
+    first = carry[0]
     again = _recomputed_step(model.config, width, max_new_tokens)
     if again is None:
-        carry, tokens = jax.lax.scan(step, carry, jnp.arange(max_new_tokens - 1))
-    else:
-        carry, before = jax.lax.scan(step, carry, jnp.arange(again))
-        sequence = jnp.concatenate([input_ids, before.T, carry[0][:, None]], axis=1)
-        last = carry[0]
-        carry, after = jax.lax.scan(step, prefill(sequence), jnp.arange(again + 1, max_new_tokens - 1))
-        tokens = jnp.concatenate([before, last[None], after], axis=0)
-    return jnp.concatenate([tokens.T, carry[0][:, None]], axis=1)
+        carry, tokens = jax.lax.scan(step, carry, jnp.arange(1, max_new_tokens))
+    else:  # the tokens up to the `again`th from the cache, the next from the whole sequence, then the cache again
+        carry, before = jax.lax.scan(step, carry, jnp.arange(1, again + 1))
+        sequence = jnp.concatenate([input_ids, first[:, None], before.T], axis=1)
+        carry = prefill(sequence, carry[3])
+        recomputed = carry[0]
+        carry, after = jax.lax.scan(step, carry, jnp.arange(again + 2, max_new_tokens))
+        tokens = jnp.concatenate([before, recomputed[None], after], axis=0)
+    return jnp.concatenate([first[:, None], tokens.T], axis=1)
+
+
+def greedy_generate(model, params, input_ids, attention_mask, max_new_tokens):
+    """The `max_new_tokens` greedy tokens after each left-padded prompt (`generate` with `greedy`)."""
+    return generate(model, params, input_ids, attention_mask, max_new_tokens)

@@ -1,7 +1,7 @@
 """Hub checkpoints of PyTorch-named safetensors, read into and written from a Flax parameter tree
 that mirrors the PyTorch names (the decoder family's, `utils.models.decoders`).
 
-The names convert by rule: `model.layers.3.mlp.up_proj.weight` is ("model", "layers_3", "mlp",
+The names convert by rule: `model.layers.3.mlp.up_proj.weight` is ("model", "layers", "3", "mlp",
 "up_proj", "kernel"), transposed (a Linear's weight is [out, in], a Dense kernel [in, out]); an
 embedding's weight is its "embedding"; norms' weights and biases keep their names. Reading goes
 shard by shard and tensor by tensor on the host, each checked against the tree the model expects;
@@ -29,8 +29,7 @@ _NOT_PARAMETERS = re.compile(r".*\.rotary_emb\.inv_freq$")
 
 
 def _pytorch_name(path):
-    parts = [re.sub(r"^(\w+)_(\d+)$", r"\1.\2", part) for part in path[:-1]]
-    return ".".join(parts + ["bias" if path[-1] == "bias" else "weight"])
+    return ".".join(list(path[:-1]) + ["bias" if path[-1] == "bias" else "weight"])
 
 
 def pytorch_names(shapes):

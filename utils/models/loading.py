@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import dataclasses
+import json
 import logging
 import os
 from typing import NamedTuple
@@ -18,7 +19,7 @@ from transformers.models.auto import modeling_flax_auto
 from utils.base import hub_probe
 from utils.base.errors import UsageError
 from utils.layout import devices
-from utils.models import decoder_positions, lora, remat, weights
+from utils.models import decoder_positions, family_model, lora, remat, weights
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ TASK_MODEL_TYPES = {
     "image-classification": modeling_flax_auto.FLAX_MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
     "question-answering": modeling_flax_auto.FLAX_MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
 }
+# The settings a config class derives its layer_types from (Qwen2/3's windows, Gemma 2/3's local layers): an
+# override of one of them derives the layer types again, as the class does when built with it.
+LAYER_TYPE_SOURCES = ("num_hidden_layers", "use_sliding_window", "max_window_layers", "sliding_window_pattern")
 
 
 # The special token each sequence-to-sequence family starts decoding from, by its own convention
@@ -71,27 +75,47 @@ def _parse_overrides(text):
     return overrides
 
 
+def _attribute(config, key):
+    """The attribute of `config` that the setting `key` is kept in: `key`, or `_key` for a setting the class
+    takes by that name and keeps privately (Gemma 3's sliding_window_pattern)."""
+    name = key if hasattr(config, key) else "_" + key
+    if not hasattr(config, name):
+        raise UsageError(f"--config_overrides: {config.model_type} config has no attribute {key!r}")
+    return name
+
+
 def _apply_overrides(config, text):
     for key, value in _parse_overrides(text).items():
-        if not hasattr(config, key):
-            raise UsageError(f"--config_overrides: {config.model_type} config has no attribute {key!r}")
-        current = getattr(config, key)
+        name = _attribute(config, key)
+        current = getattr(config, name)
         try:
             if isinstance(current, bool):
                 value = value.lower() in ("1", "true", "yes")
             elif isinstance(current, (int, float)):
                 value = type(current)(value)
+            elif current is None:  # unset (Qwen's sliding_window): a number, true, false or null is one
+                value = _literal(value)
         except ValueError:
             raise UsageError(f"--config_overrides: {key}={value!r} is not a {type(current).__name__}")
-        setattr(config, key, value)
+        setattr(config, name, value)
     return config
+
+
+def _literal(text):
+    """`text` as the JSON number, boolean or null it spells (any case), else as it is."""
+    try:
+        value = json.loads(text.lower() if text.lower() in ("true", "false", "null") else text)
+    except json.JSONDecodeError:
+        return text
+    return value if value is None or isinstance(value, (bool, int, float)) else text
 
 
 def _changed_by_overrides(config, text):
     """[(key, current value, overridden value)] for the overrides that differ from `config`'s values."""
     overridden = _apply_overrides(copy.deepcopy(config), text)
-    return [(key, getattr(config, key), getattr(overridden, key)) for key in _parse_overrides(text)
-            if getattr(overridden, key) != getattr(config, key)]
+    names = {key: _attribute(config, key) for key in _parse_overrides(text)}
+    return [(key, getattr(config, name), getattr(overridden, name)) for key, name in names.items()
+            if getattr(overridden, name) != getattr(config, name)]
 
 
 def load_config(model_args, task, model_types=None):
@@ -99,7 +123,8 @@ def load_config(model_args, task, model_types=None):
 
     `model_types` narrows the families `task` allows to those a script supports (T5 span corruption:
     the T5 family only)."""
-    allowed = model_types or TASK_MODEL_TYPES[task]
+    allowed = model_types or (tuple(TASK_MODEL_TYPES[task]) + (family_model.FAMILY_TYPES if task == "causal-lm"
+                                                                else ()))
     kwargs = dict(cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code)
     name = model_args.config_name or model_args.model_name_or_path
     if name:
@@ -124,13 +149,29 @@ def load_config(model_args, task, model_types=None):
                              f"{model_args.model_name_or_path}: overrides apply only when training from scratch "
                              "(without --model_name_or_path); drop them")
     elif model_args.config_overrides:
-        config = _apply_overrides(config, model_args.config_overrides)
+        config = _derived_again(_apply_overrides(config, model_args.config_overrides), model_args.config_overrides)
     if config.model_type not in allowed:
         scope = "" if model_types else f" ({task})"
         raise UsageError(f"model type {config.model_type!r} cannot be trained by this script{scope}: "
                          f"use one of {', '.join(allowed)}")
     decoder_positions.check(config)
+    if family_model.routed(config):
+        family_model.check(config, model_args.model_name_or_path)
     return config
+
+
+def _derived_again(config, overrides):
+    """`config` with its layer_types derived again where an override changed what they follow
+    (`LAYER_TYPE_SOURCES`): set after the class built them, the overrides left 32 layer types on a 2-layer
+    Qwen3."""
+    given = _parse_overrides(overrides)
+    if getattr(config, "layer_types", None) is None or "layer_types" in given or not set(given) & set(
+            LAYER_TYPE_SOURCES):
+        return config
+    settings = {key: value for key, value in config.to_dict().items() if key != "layer_types"}
+    # what the class keeps privately, given back under the name it takes
+    settings.update({key: settings["_" + key] for key in LAYER_TYPE_SOURCES if "_" + key in settings})
+    return type(config).from_dict(settings)
 
 
 def _vocabulary_configs(config):
@@ -357,8 +398,11 @@ def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatc
 
     With `--lora_rank`, the adapters `utils.models.lora` plans for the model are checked first, then added to
     the parameters (float32) and attached to the model; the frozen base is stored in `--lora_base_dtype`.
-    `added_groups`: see `plan_adapters`.
+    `added_groups`: see `plan_adapters`. The architectures transformers 4.57 has no Flax class for run through
+    the project's own decoder family (`utils.models.family_model`), read from a local hub checkpoint folder.
     """
+    if family_model.routed(config):
+        return _load_family_model(auto_class, model_args, config, seed, layout, added_groups)
     kwargs = dict(seed=seed, dtype=devices.to_dtype(model_args.dtype), trust_remote_code=model_args.trust_remote_code)
     # With LoRA, checked on the model of `config` before any weight is read
     adapters = plan_adapters(_from_config(auto_class, config, kwargs), model_args, auto_class.__name__, added_groups)
@@ -385,6 +429,26 @@ def load_model(auto_class, model_args, config, seed, layout, new_head_if_mismatc
             key = np.asarray(model.key)  # the seed's: an argument, so the program serves every seed
             # Without adapters to join, made while the train step compiles (`utils.layout.layouts.Pending`)
             params = layout.init_params(init, key) if adapters else layout.init_params_in_background(init, key)
+    return with_adapters(model, params, adapters, model_args, seed, layout)
+
+
+def _load_family_model(auto_class, model_args, config, seed, layout, added_groups):
+    """`load_model` for the architectures the project's own decoder family runs (`utils.models.family_model`):
+    the weights of a local hub checkpoint folder (safetensors, PyTorch names, any float dtype) and its
+    generation_config.json, or fresh ones from `config` drawn from `seed`; stored, placed and adapted as
+    `load_model` does for the others."""
+    model = family_model.FamilyModel(config, devices.to_dtype(model_args.dtype))
+    adapters = plan_adapters(model, model_args, auto_class.__name__, added_groups)
+    cast = storage_cast(model_args, adapters)
+    if model_args.model_name_or_path and not layout.plan:
+        params = model.read_params(model_args.model_name_or_path)
+        model.generation_config = _saved_generation_config(model_args) or model.generation_config
+        params = layout.place_params(cast(params))
+    else:
+        init = lambda key: cast(model.init_weights(key))  # noqa: E731
+        with jax.default_device(devices.host_cpu()):
+            key = np.asarray(jax.random.PRNGKey(seed))  # an argument, so the program serves every seed
+        params = layout.init_params(init, key) if adapters else layout.init_params_in_background(init, key)
     return with_adapters(model, params, adapters, model_args, seed, layout)
 
 
@@ -616,9 +680,11 @@ def load_composed_model(model_class, config, model_args, parts, seed, layout):
 def enable_gradient_checkpointing(model, policy="nothing"):
     """--gradient_checkpointing: recompute each layer's activations in the backward pass, keeping what
     `policy` (--gradient_checkpointing_policy) says. The families transformers implements it for do it
-    their way where a layer keeps nothing; the others (GPT-2, Llama, OPT, BART, ...), and every family
-    under another policy, get each layer of their stacks checkpointed by `utils.models.remat`."""
-    transformers_lacks_it = type(model).enable_gradient_checkpointing is FlaxPreTrainedModel.enable_gradient_checkpointing
+    their way where a layer keeps nothing; the others (GPT-2, Llama, OPT, BART, ..., the project's own decoder
+    family), and every family under another policy, get each layer of their stacks checkpointed by
+    `utils.models.remat`."""
+    own = getattr(type(model), "enable_gradient_checkpointing", None)  # none on the family's models
+    transformers_lacks_it = own is None or own is FlaxPreTrainedModel.enable_gradient_checkpointing
     if policy != "nothing" or transformers_lacks_it:
         remat.remat_layers(model, policy)
     else:

@@ -41,8 +41,9 @@ ATTENTION_TARGETS = "|".join((
     r"(^|/)attention/(self|attention)/(query|key|value)$|(^|/)attention/output/dense$",  # BERT-likes, ViT, BigBird
     r"(^|/)attention/(query|key|value|dense)$",  # ALBERT
     r"(^|/)attention/(q_lin|k_lin|v_lin|out_lin)$",  # DistilBERT
-    # BART, mBART, Pegasus, Marian, Whisper, wav2vec2, CLIP, Llama, Mistral, Gemma, OPT, GPT-Neo
-    r"(^|/)(self_attn|encoder_attn|attention)/(q_proj|k_proj|v_proj|o_proj|out_proj)$",
+    # BART, mBART, Pegasus, Marian, Whisper, wav2vec2, CLIP, Llama, Mistral, Gemma, OPT, GPT-Neo; the project's
+    # decoder family (Qwen, Gemma 2 / 3, and Phi-3, whose queries, keys and values are one qkv_proj)
+    r"(^|/)(self_attn|encoder_attn|attention)/(q_proj|k_proj|v_proj|qkv_proj|o_proj|out_proj)$",
     r"(^|/)self_attention/(query_key_value|dense)$",  # BLOOM
 ))
 TARGET_RULES = dict(zip(LORA_TARGET_NAMES, (ATTENTION_TARGETS, ".*")))  # --lora_target attention, all-linear

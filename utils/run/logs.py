@@ -416,7 +416,7 @@ def _first_int(config, *names):
     return None
 
 
-_GATED_FFN_MODEL_TYPES = {"llama", "mistral", "gemma"}
+_GATED_FFN_MODEL_TYPES = {"llama", "mistral", "gemma", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"}
 
 
 def _layer_params(d, ffn_dim, attention_dim, kv_dim, gated, attention_blocks):

@@ -20,7 +20,8 @@ from utils.base.arguments import public_args, save_args
 from utils.base.errors import UsageError, at_exit
 from utils.checkpoints.store import CHECKPOINT_SUBDIR, disk_full_is_fatal
 from utils.layout import devices
-from utils.models import flax_msgpack, lora
+from utils.models import flax_msgpack, hub_checkpoint, lora
+from utils.models.family_model import FamilyModel
 from utils.run import model_card
 from utils.run.hub_push import HubPusher
 from utils.run.logs import MetricsLogger
@@ -28,8 +29,10 @@ from utils.run.perf import memory_report
 
 logger = logging.getLogger(__name__)
 
-# The Hugging Face export's weights: one file, or shards with their index.
-WEIGHT_FILES = ("flax_model.msgpack", "flax_model-*.msgpack", "flax_model.msgpack.index.json")
+# The Hugging Face export's weights: one file, or shards with their index; Flax's, or the decoder family's
+# PyTorch-named safetensors.
+WEIGHT_FILES = ("flax_model.msgpack", "flax_model-*.msgpack", "flax_model.msgpack.index.json", hub_checkpoint.WEIGHTS,
+                "model-*-of-*.safetensors", hub_checkpoint.INDEX)
 # Names (glob patterns) of what every run writes into its output directory; a task declares the rest
 # (`tasks.Task.outputs`: its prediction files).
 RUN_OUTPUTS = (
@@ -97,7 +100,8 @@ def clear_call_settings(tokenizer):
 
 def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process: bool = True):
     """Write what `from_pretrained(output_dir)` loads: config, weights (`params`, host arrays), and
-    the tokenizer (or processor) if given, its tokenizer.json without padding or truncation."""
+    the tokenizer (or processor) if given, its tokenizer.json without padding or truncation; for the project's
+    decoder family, what PyTorch transformers loads."""
     if not is_main_process:
         return
     # Written beside and then moved into place, so a failed write (a full disk) leaves the previous
@@ -108,7 +112,10 @@ def export_pretrained(model, params, tokenizer, output_dir: str, is_main_process
         if adapters:  # the merged model, which loads like any other, and the adapters alone in PEFT's layout
             write_peft_adapter(staging, params, adapters)
             params = lora.merged(params, adapters)
-        flax_msgpack.save_pretrained(model, staging, params)  # transformers' files, the weights streamed
+        if isinstance(model, FamilyModel):  # a hub checkpoint PyTorch transformers loads
+            model.save_pretrained(staging, params)
+        else:
+            flax_msgpack.save_pretrained(model, staging, params)  # transformers' files, the weights streamed
         if tokenizer is not None:
             clear_call_settings(tokenizer)
             tokenizer.save_pretrained(staging)

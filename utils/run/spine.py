@@ -14,6 +14,7 @@ from functools import partial
 import jax
 from flax.training.train_state import TrainState
 
+from utils.base.errors import UsageError
 from utils.checkpoints.resume import resume_or_start, run_fingerprint
 from utils.checkpoints.saving import SavePolicy, Saver
 from utils.kernels import chip_dropout, model_attention
@@ -21,6 +22,7 @@ from utils.layout import devices
 from utils.layout.gradients import token_weighted_grads
 from utils.layout.layouts import finished, shapes_of
 from utils.models import layer_scan, lora
+from utils.models.family_model import FamilyModel
 from utils.models.loading import enable_gradient_checkpointing
 from utils.run import perf
 from utils.run.compile_plan import checkpointing, end_with_plan, parameter_counts, plan_report
@@ -81,6 +83,9 @@ def prepare_model(model, layout, training_args):
         logger.info("layers: the %d layers run under jax.lax.scan, one traced and compiled (--scan_layers)",
                     model.config.num_hidden_layers)
     generator = layout.dropout_generator(training_args.dropout_rng, attention_kernels)
+    if generator == "chip" and isinstance(model, FamilyModel):
+        raise UsageError(f"--dropout_rng chip draws dropout masks in a kernel, but the {model.config.model_type} model "
+                         "of the project's decoder family has no dropout: use --dropout_rng auto")
     if generator == "chip":
         chip_dropout.use_chip_dropout(model, interpret=layout.platform != "tpu")
         logger.info("dropout: masks drawn inside Pallas kernels by the chip's generator (--dropout_rng chip)")
