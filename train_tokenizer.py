@@ -139,13 +139,11 @@ def _train_unigram(texts, vocab_size, min_frequency, lowercase):
 
 def _post_processor(kind, tok):
     if kind == "bpe":
-        return processors.RobertaProcessing(
-            sep=("</s>", tok.token_to_id("</s>")), cls=("<s>", tok.token_to_id("<s>")), add_prefix_space=False
-        )
+        # sep and cls by position: tokenizers 0.23 refuses cls= as a keyword
+        return processors.RobertaProcessing(("</s>", tok.token_to_id("</s>")), ("<s>", tok.token_to_id("<s>")),
+                                            add_prefix_space=False)
     if kind == "wordpiece":
-        return processors.BertProcessing(
-            sep=("[SEP]", tok.token_to_id("[SEP]")), cls=("[CLS]", tok.token_to_id("[CLS]"))
-        )
+        return processors.BertProcessing(("[SEP]", tok.token_to_id("[SEP]")), ("[CLS]", tok.token_to_id("[CLS]")))
     return processors.TemplateProcessing(
         single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", tok.token_to_id("</s>"))]
     )

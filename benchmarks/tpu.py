@@ -45,6 +45,15 @@ ROWS = {
     "llama_0.6b": ("clm", "llama", "hidden_size=1536,intermediate_size=4096,num_hidden_layers=16,num_attention_heads=12,"
                    "num_key_value_heads=12,max_position_embeddings=1024",
                    ["--block_size", "1024", "--total_train_batch_size", "8"]),
+    # The project's own decoder family (utils/models/decoders.py), shaped as Qwen3-0.6B and Gemma-3-1B (the
+    # corpus tokenizer's vocabulary, not theirs).
+    "qwen3_0.6b": ("clm", "qwen3", "hidden_size=1024,intermediate_size=3072,num_hidden_layers=28,num_attention_heads=16,"
+                   "num_key_value_heads=8,head_dim=128,max_position_embeddings=1024,tie_word_embeddings=true",
+                   ["--block_size", "1024", "--total_train_batch_size", "8", "--gradient_checkpointing"]),
+    "gemma3_1b": ("clm", "gemma3_text", "hidden_size=1152,intermediate_size=6912,num_hidden_layers=26,"
+                  "num_attention_heads=4,num_key_value_heads=1,head_dim=256,sliding_window=512,"
+                  "max_position_embeddings=1024",
+                  ["--block_size", "1024", "--total_train_batch_size", "8", "--gradient_checkpointing"]),
     "t5_small": ("summarization", "t5", "d_model=512,d_ff=2048,num_layers=6,num_decoder_layers=6,num_heads=8,d_kv=64",
                  ["--max_source_length", "256", "--max_target_length", "64", "--total_train_batch_size", "32"]),
     "bert_base": ("mlm", "roberta", "hidden_size=768,num_hidden_layers=12,num_attention_heads=12,intermediate_size=3072,"
@@ -90,6 +99,8 @@ def config_dir(work, name, model_type, overrides, tokenizer):
 
     config = AutoConfig.for_model(model_type)
     config.update_from_string(overrides)
+    if getattr(config, "layer_types", None):  # made for the default depth: derived again for this one
+        config = type(config)(**{key: value for key, value in config.to_dict().items() if key != "layer_types"})
     tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     config.vocab_size = len(tokenizer)
     if config.is_encoder_decoder and config.decoder_start_token_id is None:  # T5's: decoding starts at the pad
