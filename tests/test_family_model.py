@@ -3,7 +3,6 @@
 transformers' Flax models; run_clm_flax.py trains, evaluates, generates with and exports a tiny Qwen3, reads its
 export back, and trains LoRA adapters on it with PEFT-named files; what the family cannot do is refused by name."""
 
-import contextlib
 import json
 import os
 
@@ -14,6 +13,7 @@ import pytest
 import transformers
 from flax.traverse_util import flatten_dict, unflatten_dict
 from safetensors.numpy import load_file
+from test_layout import assert_layers_hand_on_split_gradients
 
 from tasks import causal_lm
 from tests.references.decoder_cases import numpy_weights
@@ -22,7 +22,6 @@ from tests.script_runner import ROOT, read_json, read_metrics, run_script
 from utils.base.arguments import ModelArguments, TrainingArguments
 from utils.base.errors import UsageError
 from utils.kernels import lm_head
-from utils.layout.gradients import token_weighted_grads
 from utils.layout.layouts import DataParallel, FullySharded, finished
 from utils.models import decoders, hub_checkpoint
 from utils.models.family_model import FamilyModel
@@ -105,19 +104,8 @@ def test_fsdp_splits_each_family_layers_gradients_and_they_stay_exact(monkeypatc
     ids = np.random.default_rng(0).integers(3, 48, size=(8, 12)).astype(np.int32)
     params = layout.place_params(case_params("qwen3_qk_norm", model))
     batch = layout.place_batch({"input_ids": ids})
-
-    def grads_and_barriers():
-        def grads(params, batch):  # a new function each time: JAX caches traces by function
-            return token_weighted_grads(loss_fn, params, batch, jax.random.PRNGKey(0), 1, layout)[0]
-
-        return jax.jit(grads)(params, batch), str(jax.make_jaxpr(grads)(params, batch)).count("optimization_barrier")
-
-    split, split_barriers = grads_and_barriers()
-    monkeypatch.setattr(layout, "split_layer_gradients", lambda: contextlib.nullcontext())
-    plain, plain_barriers = grads_and_barriers()
-    assert split_barriers - plain_barriers == 2
-    for a, b in zip(jax.tree_util.tree_leaves(split), jax.tree_util.tree_leaves(plain)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert_layers_hand_on_split_gradients(loss_fn, params, batch, layout, monkeypatch, layers=2, rtol=1e-5,
+                                          atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -441,7 +441,14 @@ def test_fsdp_splits_each_layers_gradients_as_it_finishes_and_they_stay_exact(mo
 
     layout = FullySharded(8)
     params, batch = layout.place_params(model.params), layout.place_batch(batches(1, rows=8, length=16)[0])
+    assert_layers_hand_on_split_gradients(loss_fn, params, batch, layout, monkeypatch, layers=2, rtol=1e-6,
+                                          atol=1e-7)
 
+
+def assert_layers_hand_on_split_gradients(loss_fn, params, batch, layout, monkeypatch, layers, rtol, atol):
+    """Under `layout` (fsdp), each of the model's `layers` hands on its gradients split: one barrier per layer
+    in the traced step beyond the plain backward pass's (checkpointing has barriers of its own), and the
+    gradients are the plain pass's within `rtol` / `atol`."""
     def grads_and_barriers():
         def grads(params, batch):  # a new function each time: JAX caches traces by function
             return token_weighted_grads(loss_fn, params, batch, jax.random.PRNGKey(0), 1, layout)[0]
@@ -450,7 +457,7 @@ def test_fsdp_splits_each_layers_gradients_as_it_finishes_and_they_stay_exact(mo
 
     split, split_barriers = grads_and_barriers()
     monkeypatch.setattr(layout, "split_layer_gradients", lambda: contextlib.nullcontext())
-    plain, plain_barriers = grads_and_barriers()  # checkpointing has barriers of its own
-    assert split_barriers - plain_barriers == 2
+    plain, plain_barriers = grads_and_barriers()
+    assert split_barriers - plain_barriers == layers
     for a, b in zip(jax.tree_util.tree_leaves(split), jax.tree_util.tree_leaves(plain)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
