@@ -31,7 +31,7 @@ from utils.data import file_formats, loaders
 # The joining of the encoder and the decoder is shared with speech recognition (`utils.models.loading`).
 from utils.models.loading import (arguments_of, check_joined_arguments, decoder_input_ids, fit_length, join_configs,
                                   max_positions, pretrained_part, special_tokens)
-from utils.run.preflight import needed_splits, phase_columns, phase_datasets
+from utils.run.preflight import column_check, needed_splits, phase_datasets
 from utils.run.run_directory import one_line
 from utils.run.threaded_feed import ThreadedData
 from utils.scoring.metrics import bleu, rouge
@@ -106,15 +106,8 @@ def resolve_columns(data_args, columns):
     return image, caption
 
 
-def check_columns(columns, model_args, data_args, training_args):
-    """A wrong column of the local files the phases read fails before any work (a hub dataset's once loaded)."""
-    known = phase_columns(columns, training_args, data_args.dataset_name)
-    if known:
-        resolve_columns(data_args, known)
-
-
 TASK = Task("image-captioning", "image-to-text", outputs=(PREDICTIONS_FILE,), file_formats=FILE_FORMATS,
-            check_arguments=check_model_arguments, check_data=check_columns)
+            check_arguments=check_model_arguments, check_data=column_check(resolve_columns))
 
 
 class CaptionedImages(NamedTuple):

@@ -19,7 +19,7 @@ from tasks.lm import token_sums
 from utils.base.errors import UsageError
 from utils.data import arrow_columns, file_formats
 from utils.models.loading import decoder_input_ids, fit_length, max_positions
-from utils.run.preflight import phase_columns
+from utils.run.preflight import column_check
 from utils.run.run_directory import one_line
 from utils.scoring.metrics import rouge
 
@@ -99,15 +99,8 @@ def resolve_columns(data_args, columns):
     return text, summary
 
 
-def check_columns(columns, model_args, data_args, training_args):
-    """A wrong column of the local files the phases read fails before any work (a hub dataset's once loaded)."""
-    known = phase_columns(columns, training_args, data_args.dataset_name)
-    if known:
-        resolve_columns(data_args, known)
-
-
 TASK = Task("summarization", "summarization", outputs=(PREDICTIONS_FILE,), widget="text", file_formats=FILE_FORMATS,
-            check_data=check_columns)
+            check_data=column_check(resolve_columns))
 
 
 def drop_empty(datasets, columns, data_args):

@@ -19,7 +19,7 @@ from tasks.demo import Answer, Predictor, escape_markdown, require_text, show_an
 from utils.base.errors import UsageError
 from utils.data import arrow_columns, file_formats
 from utils.models.loading import load_tokenizer
-from utils.run.preflight import phase_columns
+from utils.run.preflight import column_check
 from utils.scoring.losses import cross_entropy_sums
 
 
@@ -46,15 +46,8 @@ def resolve_columns(data_args, columns):
 
 
 
-def check_columns(columns, model_args, data_args, training_args):
-    """A wrong column of the local files the phases read fails before any work (a hub dataset's once loaded)."""
-    known = phase_columns(columns, training_args, data_args.dataset_name)
-    if known:
-        resolve_columns(data_args, known)
-
-
 TASK = Task("token-classification", "token-classification", outputs=("predictions.txt",), widget="text",
-            check_data=check_columns)
+            check_data=column_check(resolve_columns))
 
 
 def as_sequence(value, what, split, row):

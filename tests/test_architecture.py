@@ -216,8 +216,8 @@ def declared_checks():
     """The names of the functions the task modules declare as their checks (`Task(check_arguments=...,
     check_data=...)`, `lm.INPUTS`): the preflight's to call."""
     def name(value):
-        if isinstance(value, ast.Call):  # partial(check, ...)
-            return name(value.args[0])
+        if isinstance(value, ast.Call):  # partial(check, ...), or a maker of checks (column_check(resolve))
+            return name(value.args[0] if name(value.func) == "partial" else value.func)
         return getattr(value, "attr", getattr(value, "id", None))
 
     return {name(node.value) for path in (ROOT / "tasks").glob("*.py")

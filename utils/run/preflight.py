@@ -150,6 +150,18 @@ def needed_splits(training_args, splits=("train", "validation", "test")):
     return [split for split in splits if getattr(training_args, SPLIT_FLAGS[split][0])]
 
 
+def column_check(resolve):
+    """A task's `check_data` that runs its column resolution `resolve(data_args, {split: column names})` (which
+    fails on a wrong column) on the local files of the splits the phases read, when `phase_columns` knows them
+    all; a hub dataset's columns are resolved once it is loaded."""
+    def check_columns(columns, model_args, data_args, training_args):
+        known = phase_columns(columns, training_args, data_args.dataset_name)
+        if known:
+            resolve(data_args, known)
+
+    return check_columns
+
+
 def phase_columns(columns, training_args, dataset_name):
     """{split: column names} of the local files of every split a phase reads, when the preflight's pre-read
     found them all, so that a wrong column fails at once; None when a hub dataset is read (`dataset_name`)
